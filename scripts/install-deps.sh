@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything kvtier needs to build, test and benchmark, from Debian's archive.
+# Safe to run again: apt-get skips what is already there.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  clang libclang-rt-14-dev          # libFuzzer and sanitizer runtimes
+  libssl-dev                        # SHA-256 for chunk keys
+  libxxhash-dev                     # payload checksums
+  liburing-dev                      # io_uring I/O engine
+  nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcurl4-openssl-dev libcpp-httplib-dev prometheus-cpp-dev
+  fio gnuplot-nox curl python3 python3-pip
+)
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+export DEBIAN_FRONTEND=noninteractive
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "all build dependencies present"
+fi

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite: installs dependencies, then builds and runs every test in a Release build
+# and in an AddressSanitizer + UndefinedBehaviorSanitizer build, and compiles the CUDA data path
+# where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-deps.sh
+
+jobs=$(nproc)
+build() {  # build <dir> <cmake args...>
+  local dir=$1; shift
+  cmake -S . -B "build/$dir" -G Ninja "$@" >/dev/null
+  cmake --build "build/$dir" -j"$jobs"
+}
+run_tests() {  # run_tests <dir>
+  ctest --test-dir "build/$1" --output-on-failure -j"$jobs" --timeout 900
+}
+
+echo "== Release build and tests"
+build release -DCMAKE_BUILD_TYPE=Release
+run_tests release
+
+echo "== ASan+UBSan build and tests"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON
+run_tests asan
+
+echo "== all test stages passed"
