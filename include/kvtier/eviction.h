@@ -33,12 +33,12 @@ std::string_view EvictionPolicyName(EvictionPolicyKind kind);
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
-  // `slot` became resident. `parent` is the resident slot of the previous chunk of its prefix,
-  // or kNoSlot. REQUIRES: slot < capacity, not already resident.
+  // `slot` became resident. `parent` is the slot of the previous chunk of its prefix (resident,
+  // or reserved and about to be inserted), or kNoSlot. REQUIRES: slot < capacity, not resident.
   virtual void OnInsert(SlotId slot, SlotId parent) = 0;
   // `slot` was read or written again.
   virtual void OnAccess(SlotId slot) = 0;
-  // `slot` left the tier (evicted or removed).
+  // `slot` left the tier (evicted, removed, or a reservation given back before insertion).
   virtual void OnRemove(SlotId slot) = 0;
   // The next slot to evict among those for which `evictable(slot)` is true, or kNoSlot.
   // Does not remove it: the caller calls OnRemove once the slot really goes.

@@ -108,6 +108,7 @@ class [[nodiscard]] Result {
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
   Status status() const { return ok() ? Status::Ok() : std::get<Status>(v_); }
 

@@ -74,12 +74,13 @@ class PrefixAwarePolicy final : public EvictionPolicy {
       : leaves_(capacity), parent_(capacity, kNoSlot), children_(capacity, 0) {}
 
   void OnInsert(SlotId slot, SlotId parent) override {
+    // A parent may still be reserved (being filled) when its child commits: the child is linked
+    // already, and the parent joins the leaves only if no child came first.
     parent_[slot] = parent;
-    children_[slot] = 0;
     if (parent != kNoSlot) {
       if (children_[parent]++ == 0) leaves_.Remove(parent);
     }
-    leaves_.PushFront(slot);
+    if (children_[slot] == 0) leaves_.PushFront(slot);
   }
   void OnAccess(SlotId slot) override {
     if (leaves_.Contains(slot)) {

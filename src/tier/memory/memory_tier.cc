@@ -213,15 +213,14 @@ void MemoryTier::Commit(SlotId slot, bool dirty) {
   SlotId parent_slot = kNoSlot;
   if (s.has_parent) {
     auto it = index_.find(s.parent);
-    if (it != index_.end() && slots_[it->second].state == SlotState::kResident) {
-      parent_slot = it->second;
-    }
+    if (it != index_.end()) parent_slot = it->second;  // resident, or reserved by a parallel store
   }
   policy_->OnInsert(slot, parent_slot);
 }
 
 void MemoryTier::Abort(SlotId slot) {
   std::lock_guard lock(mu_);
+  policy_->OnRemove(slot);  // unlinks children that committed before this reservation failed
   ReleaseSlotLocked(slot);
 }
 

@@ -1,0 +1,121 @@
+// Engine: the tiered KV-chunk store an inference engine talks to.
+//
+//   auto engine = Engine::Open(options);            // validates everything once
+//   LookupResult hit = engine->Lookup(keys);         // leading chunks available, per tier
+//   auto op = engine->Load(keys, destinations);      // asynchronous; returns a handle
+//   OpResult r = op->Wait();                         // r.chunks leading chunks were loaded
+//
+// Tiers: L1 is the host-memory MemoryTier; L2, when configured, is a FileTier on a local or
+// shared filesystem. Write policies decide when L1's chunks reach L2:
+//   kWriteThrough: every store also goes to L2, asynchronously;
+//   kWriteBack:    a chunk goes to L2 only when L1 evicts it (and is not there already);
+//   kNone:         L2 is only read (chunks other hosts wrote), never written.
+//
+// Store and Load copy between caller memory and L1 on a fixed worker pool whose bounded queue
+// refuses (kRejected) rather than blocks. Loads deliver the longest available prefix; a chunk
+// after a miss is not loaded. A load from L2 goes through an L1 slot and is reported as a miss
+// if it misses the load deadline, so a stalled storage server never stalls inference: the
+// caller recomputes instead.
+//
+// Thread-safety: every method is thread-safe. Caller buffers must stay valid until the
+// operation's handle reports done.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/chunk_key.h"
+#include "kvtier/memory_tier.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+enum class WritePolicy : uint8_t { kWriteThrough, kWriteBack, kNone };
+Result<WritePolicy> ParseWritePolicy(std::string_view name);  // write_through|write_back|none
+std::string_view WritePolicyName(WritePolicy policy);
+
+struct EngineOptions {
+  KeyNamespace ns;           // REQUIRED: model id etc.; validated at Open
+  uint64_t chunk_bytes = 0;  // REQUIRED: bytes of one chunk (Layout::bytes_per_chunk)
+  MemoryTierOptions memory;  // its chunk_bytes is taken from above
+  WritePolicy write_policy = WritePolicy::kWriteBack;
+  int worker_threads = 2;           // copy threads for Store and Load
+  size_t max_queued_chunks = 1024;  // per-chunk tasks queued before Store/Load are rejected
+};
+
+struct LookupResult {
+  size_t total = 0;   // leading chunks available in some tier
+  size_t memory = 0;  // of those, leading chunks resident in L1
+};
+
+struct OpResult {
+  Status status;      // OK if every chunk was done
+  size_t chunks = 0;  // Load: leading chunks delivered; Store: chunks now stored
+};
+
+// A handle to an asynchronous Store or Load. Copyable; thread-safe.
+class OpHandle {
+ public:
+  struct State;
+  explicit OpHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool Done() const;
+  OpResult Wait() const;
+  // The result if done within `timeout`, else nullopt (the operation goes on).
+  std::optional<OpResult> WaitFor(std::chrono::nanoseconds timeout) const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+struct TierCounters {
+  uint64_t lookups = 0, hits = 0, misses = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  uint64_t evictions = 0, rejections = 0, errors = 0;
+};
+
+struct EngineStats {
+  TierCounters memory;
+  MemoryTierStats memory_detail;
+  uint64_t stores = 0, loads = 0, rejected_ops = 0;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> Open(const EngineOptions& options);
+  ~Engine();  // finishes queued operations and write-backs
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Leading chunks of `keys` that a Load would find now. Never blocks on I/O.
+  LookupResult Lookup(std::span<const ChunkKey> keys);
+
+  // Copies each src[i] (chunk_bytes long) into L1 under keys[i]. Keys already present are
+  // skipped (stores are idempotent). keys[i-1] is taken as keys[i]'s predecessor in the prefix.
+  // Returns kInvalidArgument for mismatched sizes and kRejected if the queue is full (nothing
+  // was started); otherwise a handle.
+  Result<OpHandle> Store(std::span<const ChunkKey> keys,
+                         std::span<const std::span<const uint8_t>> src);
+  // Copies the longest available prefix of `keys` into dst[i] (each chunk_bytes long).
+  Result<OpHandle> Load(std::span<const ChunkKey> keys, std::span<const std::span<uint8_t>> dst);
+
+  // Blocks until every queued operation has finished.
+  void Drain();
+  EngineStats Stats() const;
+  MemoryTier& memory_tier() { return *memory_; }
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  struct Impl;
+  explicit Engine(const EngineOptions& options);
+
+  EngineOptions options_;
+  std::unique_ptr<MemoryTier> memory_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier
