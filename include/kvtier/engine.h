@@ -56,6 +56,9 @@ struct LookupResult {
 struct OpResult {
   Status status;      // OK if every chunk was done
   size_t chunks = 0;  // Load: leading chunks delivered; Store: chunks now stored
+  // PrepareLoad only: the pinned L1 slot of each of the `chunks` leading chunks. The caller
+  // owns these pins and must give each back with Engine::Unpin.
+  std::vector<SlotId> slots;
 };
 
 // A handle to an asynchronous Store or Load. Copyable; thread-safe.
@@ -102,6 +105,23 @@ class Engine {
                          std::span<const std::span<const uint8_t>> src);
   // Copies the longest available prefix of `keys` into dst[i] (each chunk_bytes long).
   Result<OpHandle> Load(std::span<const ChunkKey> keys, std::span<const std::span<uint8_t>> dst);
+
+  // --- Zero-copy interface, for a server whose clients map the L1 arena themselves. ---
+  //
+  // Reserves one L1 slot per key for the caller to fill in place. slots[i] is kNoSlot when
+  // keys[i] is already stored (nothing to write). Stops at the first key that cannot get a slot:
+  // the returned vector is then shorter than keys (possibly empty) and the tier is full of
+  // pinned chunks. May block on a write-back of an evicted chunk.
+  std::vector<SlotId> ReserveSlots(std::span<const ChunkKey> keys);
+  // Publishes filled slots (kNoSlot entries are skipped) and applies the write policy to them.
+  void CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots);
+  // Gives reserved, unfilled slots back.
+  void AbortSlots(std::span<const SlotId> slots);
+  // Pins the longest available prefix of `keys` in L1, promoting chunks from lower tiers into L1
+  // first if needed. Asynchronous: the result's `slots` lists the pinned slots; each must be
+  // released with Unpin.
+  Result<OpHandle> PrepareLoad(std::span<const ChunkKey> keys);
+  void Unpin(std::span<const SlotId> slots);
 
   // Blocks until every queued operation has finished.
   void Drain();

@@ -241,6 +241,60 @@ Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
   return OpHandle(state);
 }
 
+std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
+  std::vector<SlotId> slots;
+  slots.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto r = memory_->Reserve(keys[i], i ? &keys[i - 1] : nullptr);
+    if (!r.ok()) break;
+    slots.push_back(r->already_present ? kNoSlot : r->slot);
+  }
+  return slots;
+}
+
+void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) {
+  for (size_t i = 0; i < slots.size() && i < keys.size(); ++i) {
+    if (slots[i] == kNoSlot) continue;
+    memory_->Commit(slots[i], /*dirty=*/false);
+    memory_->AddBytesIn(options_.chunk_bytes);
+  }
+}
+
+void Engine::AbortSlots(std::span<const SlotId> slots) {
+  for (SlotId s : slots) {
+    if (s != kNoSlot) memory_->Abort(s);
+  }
+}
+
+Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) {
+  auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kLoad, keys.size());
+  std::vector<SlotId> pinned;
+  for (const ChunkKey& key : keys) {
+    auto slot = memory_->Pin(key);
+    if (!slot.ok()) break;
+    pinned.push_back(*slot);
+  }
+  impl_->memory.lookups++;
+  impl_->memory.hits += pinned.size();
+  impl_->memory.misses += keys.size() - pinned.size();
+  impl_->loads++;
+  std::lock_guard lock(state->mu);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    state->outcome[i] = i < pinned.size() ? OpHandle::State::kDone : OpHandle::State::kFailed;
+  }
+  state->remaining = 0;
+  state->Finish();
+  state->result.slots = std::move(pinned);
+  return OpHandle(state);
+}
+
+void Engine::Unpin(std::span<const SlotId> slots) {
+  for (SlotId s : slots) {
+    memory_->Unpin(s);
+    memory_->AddBytesOut(options_.chunk_bytes);
+  }
+}
+
 void Engine::Drain() { impl_->pool.Drain(); }
 
 EngineStats Engine::Stats() const {
