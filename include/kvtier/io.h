@@ -1,0 +1,258 @@
+// The I/O interface: every file and directory access of the storage tiers goes through an Env.
+//
+// An Env opens Files and does the metadata operations (rename, unlink, mkdir, list, stat,
+// directory sync). A File does positional reads and writes through the Env's I/O engine: an
+// io_uring engine (the default where the kernel allows it) or a thread-pool engine. Both split a
+// large request into pieces of `max_request_bytes` and keep up to `queue_depth` of them in flight.
+//
+// O_DIRECT is asked for per open (`OpenOptions::direct`). Where the filesystem refuses it (at open,
+// or on the first aligned request), the File falls back to buffered I/O and says so: the Env logs
+// it once and counts it (`direct_fallbacks()`), and `File::direct()` turns false. Never silent.
+// O_DIRECT needs buffers, offsets and lengths aligned to the device's logical block size; this
+// project aligns everything to `kDirectIoAlignment` (4 KiB), which covers every common device.
+//
+// FaultInjectionEnv wraps any Env and injects faults on a seed: EIO, ENOSPC, short reads and
+// writes, bit flips on read, failing syncs and metadata operations, and a simulated crash that
+// drops data not yet synced. Crash and corruption tests use it.
+//
+// Thread-safety: Env and File methods are thread-safe. A File may be used by several threads at
+// once (positional I/O has no shared cursor). Env::Default() lives for the whole process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+inline constexpr size_t kDirectIoAlignment = 4096;
+
+inline constexpr uint64_t AlignUp(uint64_t n, uint64_t a = kDirectIoAlignment) {
+  return (n + a - 1) / a * a;
+}
+inline bool IsAligned(const void* p, size_t a = kDirectIoAlignment) {
+  return reinterpret_cast<uintptr_t>(p) % a == 0;
+}
+
+// A heap buffer aligned to kDirectIoAlignment, its size rounded up to a multiple of it, zero-filled
+// (so its pages are already faulted in). Movable, not copyable.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(size_t size);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer&& other) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::span<uint8_t> span() const { return {data_, size_}; }
+  std::span<uint8_t> first(size_t n) const { return {data_, n}; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+enum class IoEngineKind : uint8_t {
+  kAuto,        // io_uring where the kernel allows it, else the thread pool
+  kIoUring,     // io_uring, or an error if unavailable
+  kThreadPool,  // pread/pwrite on a fixed pool of threads
+};
+std::string_view IoEngineKindName(IoEngineKind kind);
+// Accepts "auto", "io_uring" (or "uring"), "threads" (or "thread_pool").
+Result<IoEngineKind> ParseIoEngineKind(std::string_view name);
+
+// One positional transfer. `result` is filled in by File::Submit: the number of bytes moved (which
+// may be less than `len`: end of file, or a short transfer), or -errno.
+struct IoOp {
+  enum class Kind : uint8_t { kRead, kWrite };
+  Kind kind = Kind::kRead;
+  uint64_t offset = 0;
+  uint8_t* buf = nullptr;  // read into / written from; not modified by writes
+  size_t len = 0;
+  int64_t result = 0;
+
+  static IoOp Read(uint64_t offset, std::span<uint8_t> dst) {
+    return IoOp{Kind::kRead, offset, dst.data(), dst.size(), 0};
+  }
+  static IoOp Write(uint64_t offset, std::span<const uint8_t> src) {
+    return IoOp{Kind::kWrite, offset, const_cast<uint8_t*>(src.data()), src.size(), 0};
+  }
+};
+
+struct OpenOptions {
+  bool write = false;      // open read-write (else read-only)
+  bool create = false;     // create if absent (mode 0644)
+  bool exclusive = false;  // with create: fail if the file exists
+  bool truncate = false;
+  bool direct = false;     // try O_DIRECT; buffered where refused (File::direct() says which)
+};
+
+class File {
+ public:
+  virtual ~File() = default;  // closes the file
+
+  virtual const std::string& path() const = 0;
+  // True while O_DIRECT is in effect for this file.
+  virtual bool direct() const = 0;
+
+  // Performs every op, with several requests in flight, and blocks until all have completed.
+  // Each op's `result` says what happened to it; a short transfer is not an error here (see
+  // ReadExact/WriteExact). Returns non-OK only if the requests could not be issued at all.
+  // REQUIRES: for a direct() file, buffers, offsets and lengths aligned to kDirectIoAlignment
+  // (a shorter result at end of file is fine). Buffers stay owned by the caller.
+  virtual Status Submit(std::span<IoOp> ops) = 0;
+  // fdatasync: the data written so far survives a power failure once this returns OK.
+  virtual Status Sync() = 0;
+  virtual Result<uint64_t> Size() = 0;
+};
+
+// Reads every op in full, resubmitting the rest of short transfers. Reaching the end of file
+// before an op is full returns kCorruption ("unexpected end of file"); an OS error returns
+// kIOError (kNoSpace, ...) via Status::FromErrno. All ops must be reads.
+Status ReadExact(File& file, std::span<IoOp> ops);
+// Writes every op in full, resubmitting the rest of short transfers. All ops must be writes.
+Status WriteExact(File& file, std::span<IoOp> ops);
+
+struct DirEntry {
+  enum class Type : uint8_t { kFile, kDirectory, kOther };
+  std::string name;
+  Type type = Type::kOther;
+};
+
+struct FileInfo {
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;  // since the Unix epoch
+  bool is_directory = false;
+  bool is_regular = false;
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+
+  // The process-wide POSIX env with the default engine (kAuto). Never destroyed.
+  static Env* Default();
+
+  // "io_uring" or "threads" (the engine that kAuto chose), or a wrapper's description.
+  virtual std::string io_engine_name() const = 0;
+  // Opens that fell back to buffered I/O because the filesystem refused O_DIRECT.
+  virtual uint64_t direct_fallbacks() const = 0;
+
+  // Fails with kNotFound when the file (or its directory) does not exist, kPermissionDenied,
+  // kIOError for anything else (EEXIST with `exclusive` included).
+  virtual Result<std::unique_ptr<File>> Open(const std::string& path,
+                                             const OpenOptions& options) = 0;
+  // rename(2): atomically replaces `to` if it exists.
+  virtual Status Rename(const std::string& from, const std::string& to) = 0;
+  // kNotFound if `path` does not exist.
+  virtual Status Unlink(const std::string& path) = 0;
+  // mkdir -p; OK if the directory already exists.
+  virtual Status CreateDirs(const std::string& path) = 0;
+  // rmdir: the directory must be empty.
+  virtual Status RemoveDir(const std::string& path) = 0;
+  // The entries of `dir`, without "." and "..", in no particular order.
+  virtual Result<std::vector<DirEntry>> List(const std::string& dir) = 0;
+  // stat(2) following symlinks; kNotFound if absent.
+  virtual Result<FileInfo> Stat(const std::string& path) = 0;
+  // fsync of a directory: entries created, renamed or removed in it survive a power failure.
+  virtual Status SyncDir(const std::string& dir) = 0;
+};
+
+struct PosixEnvOptions {
+  IoEngineKind engine = IoEngineKind::kAuto;
+  // Requests in flight per Submit call, and the size a large op is split into.
+  int queue_depth = 8;
+  size_t max_request_bytes = 4u << 20;
+  // Worker threads of the thread-pool engine (shared by every caller of this Env).
+  int pool_threads = 8;
+};
+
+// A POSIX env with its own engine. Fails if `engine` is kIoUring and io_uring is unavailable, or
+// on nonsensical options.
+Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options);
+
+// Probabilities (0..1) of each fault, drawn independently per operation from one seeded generator.
+struct FaultInjectionOptions {
+  uint64_t seed = 1;
+  double read_error = 0;      // a read op fails with EIO
+  double write_error = 0;     // a write op fails with EIO
+  double no_space = 0;        // a write op fails with ENOSPC
+  double short_read = 0;      // a read op moves fewer bytes than asked (not at end of file)
+  double short_write = 0;     // a write op moves fewer bytes than asked
+  double bit_flip = 0;        // one random bit of a completed read is flipped
+  double sync_error = 0;      // Sync or SyncDir fails with EIO
+  double metadata_error = 0;  // Open, Rename, Unlink, CreateDirs, List or Stat fails with EIO
+};
+
+// Wraps `base` (not owned; must outlive this) and injects faults. Also records which data and
+// directory entries are not yet synced, so that SimulateCrash() can drop them.
+class FaultInjectionEnv : public Env {
+ public:
+  struct Counters {
+    uint64_t read_errors = 0, write_errors = 0, no_space = 0, short_reads = 0, short_writes = 0,
+             bit_flips = 0, sync_errors = 0, metadata_errors = 0;
+    uint64_t total() const {
+      return read_errors + write_errors + no_space + short_reads + short_writes + bit_flips +
+             sync_errors + metadata_errors;
+    }
+  };
+
+  FaultInjectionEnv(Env* base, const FaultInjectionOptions& options);
+  ~FaultInjectionEnv() override;
+
+  void SetOptions(const FaultInjectionOptions& options);  // also reseeds
+  // Faults are injected only while enabled (the default); bookkeeping for crashes continues.
+  void SetEnabled(bool enabled);
+  Counters counters() const;
+
+  // Simulates a power failure: data written to a file since its last Sync is lost (overwritten
+  // with zeros), and files created or renamed into a directory since its last SyncDir disappear.
+  // REQUIRES: no File of this env is open (close them first, as a dead process would).
+  Status SimulateCrash();
+
+  std::string io_engine_name() const override;
+  uint64_t direct_fallbacks() const override { return base_->direct_fallbacks(); }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& options) override;
+  Status Rename(const std::string& from, const std::string& to) override;
+  Status Unlink(const std::string& path) override;
+  Status CreateDirs(const std::string& path) override;
+  Status RemoveDir(const std::string& path) override;
+  Result<std::vector<DirEntry>> List(const std::string& dir) override;
+  Result<FileInfo> Stat(const std::string& path) override;
+  Status SyncDir(const std::string& dir) override;
+
+ private:
+  friend class FaultFile;
+  struct Range {
+    uint64_t offset, len;
+  };
+  struct PathState {
+    std::vector<Range> unsynced;    // written since the last Sync
+    bool unsynced_entry = false;    // created or renamed here since the parent's last SyncDir
+  };
+  bool Draw(double p);          // REQUIRES: mu_ held
+  uint64_t Uniform(uint64_t n);  // in [0, n); REQUIRES: mu_ held
+
+  Env* const base_;
+  mutable std::mutex mu_;
+  FaultInjectionOptions options_;
+  std::mt19937_64 rng_;
+  bool enabled_ = true;
+  Counters counters_;
+  std::unordered_map<std::string, PathState> paths_;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,313 @@
+// The POSIX Env: open/stat/rename/... as plain system calls, data transfers through an IoEngine.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "io/io_engine.h"
+#include "kvtier/io.h"
+
+namespace kvtier {
+
+std::string_view IoEngineKindName(IoEngineKind kind) {
+  switch (kind) {
+    case IoEngineKind::kAuto: return "auto";
+    case IoEngineKind::kIoUring: return "io_uring";
+    case IoEngineKind::kThreadPool: return "threads";
+  }
+  return "?";
+}
+
+Result<IoEngineKind> ParseIoEngineKind(std::string_view name) {
+  if (name == "auto") return IoEngineKind::kAuto;
+  if (name == "io_uring" || name == "uring") return IoEngineKind::kIoUring;
+  if (name == "threads" || name == "thread_pool") return IoEngineKind::kThreadPool;
+  return Status::InvalidArgument(
+      fmt::format("unknown I/O engine '{}' (expected auto, io_uring or threads)", name));
+}
+
+namespace {
+
+class PosixEnv;
+
+class PosixFile final : public File {
+ public:
+  PosixFile(PosixEnv* env, std::string path, int fd, bool direct)
+      : env_(env), path_(std::move(path)), fd_(fd), direct_(direct) {}
+  ~PosixFile() override { ::close(fd_); }
+
+  const std::string& path() const override { return path_; }
+  bool direct() const override { return direct_.load(std::memory_order_relaxed); }
+  Status Submit(std::span<IoOp> ops) override;
+  Status Sync() override {
+    while (::fdatasync(fd_) != 0) {
+      if (errno != EINTR) return Status::FromErrno(errno, fmt::format("fdatasync {}", path_));
+    }
+    return Status::Ok();
+  }
+  Result<uint64_t> Size() override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return Status::FromErrno(errno, fmt::format("fstat {}", path_));
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+ private:
+  PosixEnv* const env_;
+  const std::string path_;
+  const int fd_;
+  std::atomic<bool> direct_;
+};
+
+class PosixEnv final : public Env {
+ public:
+  PosixEnv(std::unique_ptr<io::IoEngine> engine) : engine_(std::move(engine)) {}
+
+  std::string io_engine_name() const override { return engine_->name(); }
+  uint64_t direct_fallbacks() const override { return direct_fallbacks_.load(); }
+
+  io::IoEngine& engine() { return *engine_; }
+
+  void ReportFallback(const std::string& path, int err, std::string_view when) {
+    direct_fallbacks_.fetch_add(1);
+    // Once per env at warning level, then at debug: the count is in direct_fallbacks().
+    if (!warned_.exchange(true)) {
+      spdlog::warn("O_DIRECT refused {} for {} ({}): using buffered I/O (page cache) instead",
+                   when, path, std::strerror(err));
+    } else {
+      spdlog::debug("O_DIRECT refused {} for {}: buffered", when, path);
+    }
+  }
+
+  Result<std::unique_ptr<File>> Open(const std::string& path,
+                                     const OpenOptions& o) override {
+    int flags = (o.write ? O_RDWR : O_RDONLY) | O_CLOEXEC;
+    if (o.create) flags |= O_CREAT;
+    if (o.create && o.exclusive) flags |= O_EXCL;
+    if (o.truncate) flags |= O_TRUNC;
+    bool direct = o.direct;
+    int fd = -1;
+    for (;;) {
+      fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
+      if (fd >= 0) break;
+      if (errno == EINTR) continue;
+      if (direct && errno == EINVAL) {
+        ReportFallback(path, EINVAL, "at open");
+        direct = false;
+        continue;
+      }
+      return Status::FromErrno(errno, fmt::format("open {}", path));
+    }
+    return std::unique_ptr<File>(new PosixFile(this, path, fd, direct));
+  }
+
+  Status Rename(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      return Status::FromErrno(errno, fmt::format("rename {} to {}", from, to));
+    }
+    return Status::Ok();
+  }
+  Status Unlink(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0) return Status::FromErrno(errno, fmt::format("unlink {}", path));
+    return Status::Ok();
+  }
+  Status CreateDirs(const std::string& path) override {
+    std::error_code ec;
+    std::filesystem::create_directories(path, ec);
+    if (ec) {
+      // Another process may have created it between the check and the mkdir.
+      struct stat st;
+      if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return Status::Ok();
+      return Status::FromErrno(ec.value(), fmt::format("mkdir -p {}", path));
+    }
+    return Status::Ok();
+  }
+  Status RemoveDir(const std::string& path) override {
+    if (::rmdir(path.c_str()) != 0) return Status::FromErrno(errno, fmt::format("rmdir {}", path));
+    return Status::Ok();
+  }
+  Result<std::vector<DirEntry>> List(const std::string& dir) override {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return Status::FromErrno(errno, fmt::format("list {}", dir));
+    std::vector<DirEntry> out;
+    errno = 0;
+    while (dirent* e = ::readdir(d)) {
+      if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+      DirEntry entry;
+      entry.name = e->d_name;
+      unsigned char type = e->d_type;
+      if (type == DT_UNKNOWN) {  // some filesystems (and NFS setups) do not fill d_type
+        struct stat st;
+        std::string full = dir + "/" + entry.name;
+        if (::lstat(full.c_str(), &st) == 0) {
+          type = S_ISDIR(st.st_mode) ? DT_DIR : S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
+        }
+      }
+      entry.type = type == DT_DIR   ? DirEntry::Type::kDirectory
+                   : type == DT_REG ? DirEntry::Type::kFile
+                                    : DirEntry::Type::kOther;
+      out.push_back(std::move(entry));
+    }
+    int err = errno;
+    ::closedir(d);
+    if (err != 0) return Status::FromErrno(err, fmt::format("readdir {}", dir));
+    return out;
+  }
+  Result<FileInfo> Stat(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, fmt::format("stat {}", path));
+    FileInfo info;
+    info.size = static_cast<uint64_t>(st.st_size);
+    info.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    info.is_directory = S_ISDIR(st.st_mode);
+    info.is_regular = S_ISREG(st.st_mode);
+    return info;
+  }
+  Status SyncDir(const std::string& dir) override {
+    int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return Status::FromErrno(errno, fmt::format("open directory {}", dir));
+    int rc;
+    while ((rc = ::fsync(fd)) != 0 && errno == EINTR) {
+    }
+    int err = errno;
+    ::close(fd);
+    if (rc != 0) return Status::FromErrno(err, fmt::format("fsync directory {}", dir));
+    return Status::Ok();
+  }
+
+ private:
+  std::unique_ptr<io::IoEngine> engine_;
+  std::atomic<uint64_t> direct_fallbacks_{0};
+  std::atomic<bool> warned_{false};
+};
+
+bool OpsAligned(std::span<const IoOp> ops) {
+  for (const IoOp& op : ops) {
+    if (op.offset % kDirectIoAlignment != 0 || op.len % kDirectIoAlignment != 0 ||
+        !IsAligned(op.buf)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status PosixFile::Submit(std::span<IoOp> ops) {
+  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, ops));
+  if (!direct()) return Status::Ok();
+  // Some filesystems accept O_DIRECT at open and refuse it on the first transfer (EINVAL). With
+  // aligned requests that can only mean "no direct I/O here": switch this descriptor to buffered
+  // I/O, say so, and redo the failed ops.
+  bool refused = false;
+  for (const IoOp& op : ops) refused |= op.result == -EINVAL;
+  if (!refused || !OpsAligned(ops)) return Status::Ok();
+  int flags = ::fcntl(fd_, F_GETFL);
+  if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) != 0) return Status::Ok();
+  direct_.store(false);
+  env_->ReportFallback(path_, EINVAL, "on first transfer");
+  std::vector<IoOp> redo;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].result == -EINVAL) {
+      redo.push_back(ops[i]);
+      where.push_back(i);
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, redo));
+  for (size_t j = 0; j < redo.size(); ++j) ops[where[j]].result = redo[j].result;
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<io::IoEngine>> MakeEngine(const PosixEnvOptions& o) {
+  if (o.engine == IoEngineKind::kThreadPool) {
+    return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, o.max_request_bytes);
+  }
+  auto uring = io::NewIoUringEngine(o.queue_depth, o.max_request_bytes);
+  if (uring.ok() || o.engine == IoEngineKind::kIoUring) return uring;
+  spdlog::warn("{}; using the thread-pool I/O engine", uring.status().message());
+  return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, o.max_request_bytes);
+}
+
+// Loops until every op is complete; `reads` selects the end-of-file rule.
+Status TransferExact(File& file, std::span<IoOp> ops, bool reads) {
+  std::vector<IoOp> todo(ops.begin(), ops.end());
+  for (const IoOp& op : todo) {
+    if ((op.kind == IoOp::Kind::kRead) != reads) {
+      return Status::InvalidArgument("ReadExact/WriteExact given an op of the other kind");
+    }
+  }
+  for (int round = 0; !todo.empty(); ++round) {
+    KVTIER_RETURN_IF_ERROR(file.Submit(todo));
+    std::vector<IoOp> rest;
+    for (const IoOp& op : todo) {
+      if (op.result < 0) {
+        return Status::FromErrno(static_cast<int>(-op.result),
+                                 fmt::format("{} {} at offset {}", reads ? "read" : "write",
+                                             file.path(), op.offset));
+      }
+      size_t n = static_cast<size_t>(op.result);
+      if (n == op.len) continue;
+      // A read that returns nothing is at end of file. So is a short read on an O_DIRECT file
+      // that stops off the alignment grid: the kernel only does that at end of file, and a
+      // retry from there would be refused as unaligned.
+      if (n == 0 || (reads && file.direct() && n % kDirectIoAlignment != 0)) {
+        if (reads) {
+          return Status::Corruption(fmt::format("unexpected end of file in {} at offset {}",
+                                                file.path(), op.offset + n));
+        }
+        return Status::IOError(fmt::format("write to {} made no progress", file.path()));
+      }
+      if (round > 1000) return Status::IOError(fmt::format("{}: no progress", file.path()));
+      IoOp more = op;
+      more.offset += n;
+      more.buf += n;
+      more.len -= n;
+      rest.push_back(more);
+    }
+    todo.swap(rest);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ReadExact(File& file, std::span<IoOp> ops) { return TransferExact(file, ops, true); }
+Status WriteExact(File& file, std::span<IoOp> ops) { return TransferExact(file, ops, false); }
+
+Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options) {
+  if (options.queue_depth < 1 || options.queue_depth > 64) {
+    return Status::InvalidArgument(
+        fmt::format("queue_depth must be in [1, 64], got {}", options.queue_depth));
+  }
+  if (options.max_request_bytes < kDirectIoAlignment ||
+      options.max_request_bytes % kDirectIoAlignment != 0 ||
+      options.max_request_bytes > (1u << 30)) {
+    return Status::InvalidArgument(
+        "max_request_bytes must be a multiple of 4096 between 4 KiB and 1 GiB");
+  }
+  if (options.pool_threads < 1 || options.pool_threads > 1024) {
+    return Status::InvalidArgument("pool_threads must be in [1, 1024]");
+  }
+  KVTIER_ASSIGN_OR_RETURN(auto engine, MakeEngine(options));
+  return std::unique_ptr<Env>(new PosixEnv(std::move(engine)));
+}
+
+Env* Env::Default() {
+  static Env* env = [] {
+    auto made = NewPosixEnv(PosixEnvOptions{});
+    if (!made.ok()) {  // kAuto falls back to threads, so only nonsense options could fail
+      spdlog::critical("cannot create the default env: {}", made.status().ToString());
+      std::abort();
+    }
+    return std::move(made).value().release();
+  }();
+  return env;
+}
+
+}  // namespace kvtier
