@@ -1,0 +1,140 @@
+// FileTier (L2): chunks as files in a directory on a local or shared filesystem.
+//
+// One file per chunk at root/<namespace id>/<aa>/<bb>/<hex key>, with a checksummed header and a
+// 4 KiB-aligned payload; written to a temporary name and published by rename, so readers on any
+// host see a whole chunk or none. docs/file-format.md pins the format and what several processes
+// and hosts sharing one directory may assume of each other.
+//
+//   FileTierOptions o;  o.root = "/mnt/kv";  o.ns = ns;  o.chunk_bytes = layout.bytes_per_chunk(256);
+//   auto tier = FileTier::Open(o);                 // scans the directory, rebuilds the index
+//   tier.value()->Write(key, chunk);               // idempotent, crash-safe publish
+//   Status s = tier.value()->Read(key, buffer);    // OK, NotFound (a miss), or an error
+//
+// Reads verify the header and an XXH3 checksum of the payload; a corrupt file is a miss (counted,
+// logged, removed), a foreign one (another namespace or chunk size) is a miss left in place: a
+// wrong chunk is never served. The index is rebuilt from the directory at Open; keys not in the
+// index are re-checked on disk (subject to a short negative cache), so chunks written by other
+// processes or hosts are found. Capacity is enforced before each publish by evicting the least
+// recently used chunks. Temporary files older than `temp_grace` (left by crashed writers) are
+// removed at Open.
+//
+// I/O uses O_DIRECT where the filesystem allows it: caller buffers that are 4 KiB-aligned are read
+// into and written from in place; others go through a per-thread aligned bounce buffer (one extra
+// memcpy of the chunk, ~0.1 ms per MiB, and chunk_bytes of memory per calling thread). Where
+// O_DIRECT is refused, the tier uses buffered I/O, logs it once and reports o_direct = false in
+// Stats(): never silently.
+//
+// Thread-safety: every method is thread-safe. No lock is held across I/O; at most one write or
+// eviction per key is in flight in a process.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kvtier/chunk_key.h"
+#include "kvtier/io.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+struct FileTierOptions {
+  std::string root;          // cache directory (created if absent)
+  KeyNamespace ns;           // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
+  uint64_t chunk_bytes = 0;  // REQUIRED: payload bytes of every chunk in this namespace
+  uint64_t capacity_bytes = 0;  // 0 = unlimited; counts whole files (header and padding included)
+  int read_threads = 4, write_threads = 2;  // ReadAsync / WriteAsync pools
+  size_t max_queued_reads = 64, max_queued_writes = 64;  // bounded queues: full -> kRejected
+  IoEngineKind io_engine = IoEngineKind::kAuto;  // used when env is null
+  int io_queue_depth = 8;                       // requests in flight per chunk (env null)
+  size_t io_request_bytes = 4u << 20;           // size of each of those requests (env null)
+  bool use_o_direct = true;  // falls back to buffered I/O (logged once, in stats) where refused
+  std::chrono::milliseconds negative_cache_ttl{500};  // re-check the disk on a miss after this
+  std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
+  bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
+  bool sync_directory = false;  // also fsync the directory after publishing (power-loss safe)
+  Env* env = nullptr;  // nullptr = a POSIX env of our own; tests pass a fault-injecting one
+};
+
+struct FileTierStats {
+  uint64_t chunks = 0;          // chunks in the index
+  uint64_t bytes = 0;           // their file bytes
+  uint64_t capacity_bytes = 0;  // 0 = unlimited
+  uint64_t reads = 0, writes = 0;      // Read/Write calls (async ones included)
+  uint64_t hits = 0, misses = 0;       // reads that returned data / NotFound
+  uint64_t bytes_read = 0, bytes_written = 0;  // payload bytes
+  uint64_t evictions = 0;       // chunks removed to make room
+  uint64_t rejections = 0;      // async calls refused (queue full) and writes refused (no room)
+  uint64_t errors = 0;          // I/O errors returned to callers
+  uint64_t corrupt = 0;         // files that failed a check (removed)
+  uint64_t foreign = 0;         // files of another namespace or chunk size (left in place)
+  uint64_t disk_rechecks = 0;   // index misses looked up on disk
+  uint64_t found_on_disk = 0;   // of those, chunks another process or host had written
+  uint64_t stale_temps_removed = 0;  // at Open
+  uint64_t bounce_copies = 0;   // transfers that went through a bounce buffer (unaligned caller)
+  uint64_t queued_reads = 0, queued_writes = 0;  // now
+  bool o_direct = false;        // every file so far was opened with O_DIRECT in effect
+  std::string io_engine;        // "io_uring", "threads", ...
+};
+
+class FileTier {
+ public:
+  // Validates the options (chunk_bytes > 0, a valid namespace, sane thread and queue counts),
+  // creates the directory, marks it as a kvtier cache, scans the namespace folder to rebuild the
+  // index (by publish time), removes stale temporary files and evicts down to the capacity.
+  // Fails with kInvalidArgument, or kIOError/kPermissionDenied if the directory is unusable.
+  static Result<std::unique_ptr<FileTier>> Open(const FileTierOptions& options);
+  ~FileTier();  // waits for queued reads and writes
+  FileTier(const FileTier&) = delete;
+  FileTier& operator=(const FileTier&) = delete;
+
+  // Number of leading keys present: the index first, then an on-disk re-check of the first key
+  // missing from it (skipped while that key is in the negative cache). Blocks on at most a few
+  // stat calls.
+  size_t LookupPrefix(std::span<const ChunkKey> keys);
+  bool Contains(const ChunkKey& key);
+
+  // Reads the chunk into dst (REQUIRES: dst.size() >= chunk_bytes). If dst is 4 KiB-aligned and
+  // at least chunk_bytes rounded up to 4 KiB long, the payload is read in place and the bytes
+  // past chunk_bytes up to that rounding are overwritten (with the file's zero padding); nothing
+  // else past chunk_bytes is touched. Synchronous, on the calling thread. Returns OK; NotFound for a miss (absent,
+  // vanished, corrupt or foreign: never wrong data); or an I/O error.
+  Status Read(const ChunkKey& key, std::span<uint8_t> dst);
+  // Stores the chunk (REQUIRES: src.size() == chunk_bytes). Idempotent: OK at once if the key is
+  // already indexed; waits for a write of the same key already in flight in this process.
+  // Returns kNoSpace when the capacity cannot be met (everything else is being written) or the
+  // filesystem is full, kIOError for other failures; nothing is published on failure.
+  Status Write(const ChunkKey& key, std::span<const uint8_t> src);
+
+  // Asynchronous versions, run on the tier's own read / write pools. Return kRejected (and queue
+  // nothing, and never call `done`) when the queue is full; otherwise OK, and `done` runs later
+  // on a pool thread with what Read/Write returned. The caller keeps the buffer alive until then.
+  Status ReadAsync(const ChunkKey& key, std::span<uint8_t> dst, std::function<void(Status)> done);
+  Status WriteAsync(const ChunkKey& key, std::span<const uint8_t> src,
+                    std::function<void(Status)> done);
+
+  // Blocks until every queued and running asynchronous write (and read) has finished.
+  void Drain();
+
+  FileTierStats Stats() const;
+  const FileTierOptions& options() const { return options_; }
+  // Where the chunk of `key` lives (whether or not it exists).
+  std::string ChunkPath(const ChunkKey& key) const;
+  // The namespace folder: root/<ns id>.
+  const std::string& namespace_dir() const { return ns_dir_; }
+  // Bytes one chunk file takes on disk: header + payload rounded up to 4 KiB.
+  uint64_t file_bytes() const;
+
+  class Impl;
+
+ private:
+  explicit FileTier(const FileTierOptions& options);
+  FileTierOptions options_;
+  std::string ns_dir_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier

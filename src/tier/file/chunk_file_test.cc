@@ -1,0 +1,89 @@
+#include "tier/file/chunk_file.h"
+
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include "kvtier/io.h"
+#include "tier/file/test_chunks.h"
+
+namespace kvtier::file_tier_internal {
+namespace {
+
+ChunkHeader SampleHeader() {
+  ChunkHeader h;
+  h.namespace_root = testing::TestNamespace().Root();
+  h.key = testing::TestKey(1);
+  h.layout_fingerprint = 42;
+  h.payload_bytes = 123456;
+  h.payload_checksum = 0xfeedfacecafebeefull;
+  h.created_unix_ms = 1700000000000ull;
+  h.chunk_tokens = 256;
+  h.rank = 1;
+  h.world_size = 2;
+  h.model_id = "Qwen/Qwen3-8B";
+  return h;
+}
+
+TEST(ChunkFileTest, HeaderRoundTrips) {
+  AlignedBuffer buf(kHeaderBytes);
+  EncodeHeader(SampleHeader(), std::span<uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(buf.data()), 8), "KVTCHUNK");
+  DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+  ASSERT_EQ(d.verdict, HeaderVerdict::kOk) << d.reason;
+  const ChunkHeader& h = d.header;
+  ChunkHeader want = SampleHeader();
+  EXPECT_EQ(h.namespace_root, want.namespace_root);
+  EXPECT_EQ(h.key, want.key);
+  EXPECT_EQ(h.layout_fingerprint, 42u);
+  EXPECT_EQ(h.payload_bytes, 123456u);
+  EXPECT_EQ(h.payload_checksum, want.payload_checksum);
+  EXPECT_EQ(h.created_unix_ms, want.created_unix_ms);
+  EXPECT_EQ(h.chunk_tokens, 256u);
+  EXPECT_EQ(h.rank, 1u);
+  EXPECT_EQ(h.world_size, 2u);
+  EXPECT_EQ(h.model_id, "Qwen/Qwen3-8B");
+}
+
+TEST(ChunkFileTest, EveryHeaderBitFlipIsDetected) {
+  AlignedBuffer good(kHeaderBytes), bad(kHeaderBytes);
+  EncodeHeader(SampleHeader(), std::span<uint8_t, kHeaderBytes>(good.data(), kHeaderBytes));
+  for (size_t byte = 0; byte < kHeaderBytes; byte += 7) {
+    std::memcpy(bad.data(), good.data(), kHeaderBytes);
+    bad.data()[byte] ^= 0x10;
+    DecodedHeader d =
+        DecodeHeader(std::span<const uint8_t, kHeaderBytes>(bad.data(), kHeaderBytes));
+    EXPECT_EQ(d.verdict, HeaderVerdict::kCorrupt) << "flip at byte " << byte;
+  }
+}
+
+TEST(ChunkFileTest, OtherVersionIsForeign) {
+  AlignedBuffer buf(kHeaderBytes);
+  ChunkHeader h = SampleHeader();
+  EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+  buf.data()[8] = 2;  // version 2, with a valid header checksum
+  uint64_t sum = XXH3_64bits(buf.data(), kHeaderBytes - 8);
+  std::memcpy(buf.data() + kHeaderBytes - 8, &sum, 8);
+  DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+  EXPECT_EQ(d.verdict, HeaderVerdict::kForeign) << d.reason;
+}
+
+TEST(ChunkFileTest, Names) {
+  std::string hex = testing::TestKey(3).ToHex();
+  EXPECT_TRUE(IsChunkName(hex));
+  EXPECT_FALSE(IsChunkName(hex.substr(1)));
+  std::string upper = hex;
+  upper[0] = 'A';
+  EXPECT_FALSE(IsChunkName(upper));
+  std::string tmp = TempName(hex);
+  EXPECT_TRUE(IsTempName(tmp)) << tmp;
+  EXPECT_FALSE(IsChunkName(tmp));
+  EXPECT_NE(TempName(hex), TempName(hex));
+  EXPECT_TRUE(IsNamespaceName(testing::TestNamespace().Id()));
+  EXPECT_EQ(LeafDir("/r/ns", hex), "/r/ns/" + hex.substr(0, 2) + "/" + hex.substr(2, 2));
+  EXPECT_EQ(ChunkFileBytes(1), 8192u);
+  EXPECT_EQ(ChunkFileBytes(4096), 8192u);
+  EXPECT_EQ(ChunkFileBytes(32u << 20), (32u << 20) + 4096);
+}
+
+}  // namespace
+}  // namespace kvtier::file_tier_internal

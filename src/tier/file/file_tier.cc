@@ -1,0 +1,794 @@
+#include "kvtier/file_tier.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "io/worker_pool.h"
+#include "tier/file/chunk_file.h"
+
+namespace kvtier {
+
+using namespace file_tier_internal;  // NOLINT: the format helpers of this component
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Per-thread aligned scratch: the header block, a tail block for payloads that are not a multiple
+// of 4 KiB, and a bounce buffer for unaligned caller buffers (grown on demand, kept for reuse so
+// that page faults are paid once per thread, not once per chunk).
+struct ThreadScratch {
+  AlignedBuffer header{kHeaderBytes};
+  AlignedBuffer tail{kDirectIoAlignment};
+  AlignedBuffer bounce;
+  std::span<uint8_t> Bounce(size_t n) {
+    if (bounce.size() < n) bounce = AlignedBuffer(n);
+    return bounce.first(n);
+  }
+};
+thread_local ThreadScratch tls_scratch;
+
+uint64_t NowUnixMs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// Writes `text` to `path` atomically (temporary name, then rename) unless `path` exists.
+Status WriteSmallFileOnce(Env* env, const std::string& dir, std::string_view name,
+                          const std::string& text) {
+  const std::string path = fmt::format("{}/{}", dir, name);
+  if (env->Stat(path).ok()) return Status::Ok();
+  const std::string tmp_path = fmt::format("{}/{}{}{}", dir, name, kTempInfix, UniqueSuffix());
+  {
+    OpenOptions o;
+    o.write = o.create = o.exclusive = true;
+    KVTIER_ASSIGN_OR_RETURN(auto file, env->Open(tmp_path, o));
+    std::vector<uint8_t> bytes(text.begin(), text.end());
+    IoOp op = IoOp::Write(0, bytes);
+    Status s = WriteExact(*file, std::span<IoOp>(&op, 1));
+    if (s.ok()) s = file->Sync();
+    if (!s.ok()) {
+      file.reset();
+      (void)env->Unlink(tmp_path);
+      return s;
+    }
+  }
+  Status s = env->Rename(tmp_path, path);
+  if (!s.ok()) (void)env->Unlink(tmp_path);
+  return s;
+}
+
+}  // namespace
+
+class FileTier::Impl {
+ public:
+  Impl(const FileTierOptions& o, std::string ns_dir)
+      : options_(o),
+        ns_dir_(std::move(ns_dir)),
+        ns_root_(o.ns.Root()),
+        file_bytes_(ChunkFileBytes(o.chunk_bytes)) {}
+
+  ~Impl() {
+    // Pools first: their queued tasks use everything else.
+    read_pool_.reset();
+    write_pool_.reset();
+  }
+
+  Status Init();
+
+  size_t LookupPrefix(std::span<const ChunkKey> keys);
+  Status Read(const ChunkKey& key, std::span<uint8_t> dst);
+  Status Write(const ChunkKey& key, std::span<const uint8_t> src);
+  Status Submit(bool write, std::function<void()> task);
+  void Drain() {
+    write_pool_->WaitIdle();
+    read_pool_->WaitIdle();
+  }
+  FileTierStats Stats() const;
+  std::string ChunkPath(const ChunkKey& key) const {
+    std::string hex = key.ToHex();
+    return fmt::format("{}/{}", LeafDir(ns_dir_, hex), hex);
+  }
+  uint64_t file_bytes() const { return file_bytes_; }
+
+ private:
+  struct Entry {
+    uint64_t bytes;
+    std::list<ChunkKey>::iterator lru;  // position in lru_
+  };
+
+  // --- index; every *Locked method REQUIRES mu_ held ---
+  void InsertLocked(const ChunkKey& key, uint64_t bytes) {
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second.lru);
+      return;
+    }
+    lru_.push_front(key);
+    index_.emplace(key, Entry{bytes, lru_.begin()});
+    used_bytes_ += bytes;
+  }
+  bool EraseLocked(const ChunkKey& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) return false;
+    used_bytes_ -= it->second.bytes;
+    lru_.erase(it->second.lru);
+    index_.erase(it);
+    return true;
+  }
+  // Picks least recently used victims (removing them from the index and marking them as being
+  // mutated) until `incoming` more bytes fit under the capacity. False, with nothing changed, if
+  // they cannot fit even with the index empty (the rest of the room is reserved by writes).
+  bool MakeRoomLocked(uint64_t incoming, std::vector<ChunkKey>* victims) {
+    const uint64_t cap = options_.capacity_bytes;
+    if (cap == 0) return true;
+    if (reserved_bytes_ + incoming > cap) return false;
+    while (used_bytes_ + reserved_bytes_ + incoming > cap && !lru_.empty()) {
+      ChunkKey victim = lru_.back();
+      EraseLocked(victim);
+      mutating_.insert(victim);
+      victims->push_back(victim);
+    }
+    return true;
+  }
+  void NegativeInsertLocked(const ChunkKey& key) {
+    if (options_.negative_cache_ttl.count() <= 0) return;
+    if (negative_.size() >= 65536) negative_.clear();  // bounded; a cleared entry costs one stat
+    negative_[key] = Clock::now() + options_.negative_cache_ttl;
+  }
+  bool NegativeHitLocked(const ChunkKey& key) {
+    auto it = negative_.find(key);
+    if (it == negative_.end()) return false;
+    if (Clock::now() < it->second) return true;
+    negative_.erase(it);
+    return false;
+  }
+  void EndMutation(const ChunkKey& key) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      mutating_.erase(key);
+    }
+    mutation_cv_.notify_all();
+  }
+
+  // Unlinks victims picked by MakeRoomLocked. A victim already gone (another host evicted it) is
+  // fine: the point is that it is not on disk.
+  // A victim whose unlink fails is still on disk, so it goes back into the index (as the least
+  // recently used) and the first such error is returned: a write must not publish on top of it.
+  Status RemoveVictims(const std::vector<ChunkKey>& victims) {
+    Status first;
+    for (const ChunkKey& v : victims) {
+      Status s = env_->Unlink(ChunkPath(v));
+      bool kept = !s.ok() && !s.IsNotFound();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        mutating_.erase(v);
+        if (kept) {
+          InsertLocked(v, file_bytes_);
+          lru_.splice(lru_.end(), lru_, index_.find(v)->second.lru);
+        }
+      }
+      mutation_cv_.notify_all();
+      if (kept) {
+        errors_.fetch_add(1);
+        spdlog::warn("file tier: evicting {}: {}", ChunkPath(v), s.ToString());
+        if (first.ok()) first = s;
+      } else {
+        evictions_.fetch_add(1);
+      }
+    }
+    return first;
+  }
+  // Adds a chunk found on disk (written by another process or host) and evicts if that pushed the
+  // index over the capacity.
+  void AdoptFromDisk(const ChunkKey& key) {
+    found_on_disk_.fetch_add(1);
+    std::vector<ChunkKey> victims;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (mutating_.count(key)) return;  // our own write or eviction of it is in flight
+      InsertLocked(key, file_bytes_);
+      negative_.erase(key);
+      if (options_.capacity_bytes != 0 &&
+          used_bytes_ + reserved_bytes_ > options_.capacity_bytes) {
+        // Evict others first; the found chunk is the most recent.
+        while (used_bytes_ + reserved_bytes_ > options_.capacity_bytes && lru_.size() > 1) {
+          ChunkKey victim = lru_.back();
+          EraseLocked(victim);
+          mutating_.insert(victim);
+          victims.push_back(victim);
+        }
+      }
+    }
+    (void)RemoveVictims(victims);  // on failure the victims stay indexed: retried next time
+  }
+  // A file vanished or is unusable: forget it and remember the miss for a while.
+  void Forget(const ChunkKey& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (mutating_.count(key)) return;
+    EraseLocked(key);
+    NegativeInsertLocked(key);
+  }
+  Status Corrupt(const ChunkKey& key, const std::string& path, const std::string& why);
+  Status Foreign(const ChunkKey& key, const std::string& path, const std::string& why);
+  bool CheckDisk(const ChunkKey& key);
+  Status EnsureLeafDir(const std::string& dir, bool force);
+  Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
+  Status ScanNamespace();
+  void NoteDirect(const File& f) {
+    if (!f.direct() && options_.use_o_direct) all_direct_.store(false);
+  }
+
+  const FileTierOptions options_;
+  const std::string ns_dir_;
+  const ChunkKey ns_root_;
+  const uint64_t file_bytes_;
+  std::unique_ptr<Env> owned_env_;
+  Env* env_ = nullptr;
+
+  mutable std::mutex mu_;
+  std::condition_variable mutation_cv_;  // signalled whenever a mutation ends
+  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_;
+  std::list<ChunkKey> lru_;  // front = most recently used
+  uint64_t used_bytes_ = 0;      // file bytes of the index
+  uint64_t reserved_bytes_ = 0;  // file bytes of writes in flight
+  std::unordered_set<ChunkKey, ChunkKeyHash> mutating_;  // writes and evictions in flight
+  std::unordered_map<ChunkKey, Clock::time_point, ChunkKeyHash> negative_;
+
+  std::mutex dirs_mu_;
+  std::unordered_set<std::string> leaf_dirs_;  // created (or seen) by us
+
+  std::atomic<uint64_t> reads_{0}, writes_{0}, hits_{0}, misses_{0}, bytes_read_{0},
+      bytes_written_{0}, evictions_{0}, rejections_{0}, errors_{0}, corrupt_{0}, foreign_{0},
+      disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0};
+  std::atomic<bool> all_direct_{true};
+
+  std::unique_ptr<io::WorkerPool> read_pool_, write_pool_;
+};
+
+Status FileTier::Impl::Init() {
+  if (options_.env != nullptr) {
+    env_ = options_.env;
+  } else {
+    PosixEnvOptions eo;
+    eo.engine = options_.io_engine;
+    eo.queue_depth = options_.io_queue_depth;
+    eo.max_request_bytes = options_.io_request_bytes;
+    KVTIER_ASSIGN_OR_RETURN(owned_env_, NewPosixEnv(eo));
+    env_ = owned_env_.get();
+  }
+  const std::string& root = options_.root;
+  KVTIER_RETURN_IF_ERROR(env_->CreateDirs(root).WithContext("creating the cache directory"));
+  // Refuse to scatter files into a directory that holds something else.
+  KVTIER_ASSIGN_OR_RETURN(auto entries, env_->List(root));
+  const bool marked = std::any_of(entries.begin(), entries.end(),
+                                  [](const DirEntry& e) { return e.name == kMarkerName; });
+  for (const DirEntry& e : entries) {
+    bool ours = e.name.starts_with(kMarkerName) || e.name[0] == '.' || e.name == "lost+found" ||
+                (IsNamespaceName(e.name) && e.type == DirEntry::Type::kDirectory);
+    if (!marked && !ours) {
+      return Status::InvalidArgument(fmt::format(
+          "{} is not empty and is not a kvtier cache (no {}; found '{}'): refusing to use it", root,
+          kMarkerName, e.name));
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(
+      env_, root, kMarkerName,
+      nlohmann::json{{"format", "kvtier-file-tier"}, {"version", kFormatVersion}}.dump() + "\n"));
+  KVTIER_RETURN_IF_ERROR(env_->CreateDirs(ns_dir_));
+  const KeyNamespace& ns = options_.ns;
+  nlohmann::json nsj = {{"namespace_id", ns.Id()},
+                        {"model_id", ns.model_id},
+                        {"layout_fingerprint", fmt::format("{:016x}", ns.layout_fingerprint)},
+                        {"chunk_tokens", ns.chunk_tokens},
+                        {"rank", ns.rank},
+                        {"world_size", ns.world_size},
+                        {"chunk_bytes", options_.chunk_bytes},
+                        {"tenant_salted", !ns.tenant_salt.empty()}};
+  KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(env_, ns_dir_, kNamespaceFileName, nsj.dump(2) + "\n"));
+  KVTIER_RETURN_IF_ERROR(ScanNamespace());
+  read_pool_ = std::make_unique<io::WorkerPool>("kvtier-l2-read", options_.read_threads,
+                                                options_.max_queued_reads);
+  write_pool_ = std::make_unique<io::WorkerPool>("kvtier-l2-write", options_.write_threads,
+                                                 options_.max_queued_writes);
+  return Status::Ok();
+}
+
+Status FileTier::Impl::ScanNamespace() {
+  struct Found {
+    ChunkKey key;
+    int64_t mtime_ns;
+  };
+  std::vector<Found> found;
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  const int64_t grace_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(options_.temp_grace).count();
+  uint64_t wrong_size = 0;
+  KVTIER_ASSIGN_OR_RETURN(auto level1, env_->List(ns_dir_));
+  for (const DirEntry& a : level1) {
+    if (a.type != DirEntry::Type::kDirectory || !IsHexByteName(a.name)) continue;
+    const std::string adir = fmt::format("{}/{}", ns_dir_, a.name);
+    auto level2 = env_->List(adir);
+    if (!level2.ok()) {
+      if (level2.status().IsNotFound()) continue;  // purged under us
+      return level2.status();
+    }
+    for (const DirEntry& b : *level2) {
+      if (b.type != DirEntry::Type::kDirectory || !IsHexByteName(b.name)) continue;
+      const std::string bdir = fmt::format("{}/{}", adir, b.name);
+      auto files = env_->List(bdir);
+      if (!files.ok()) {
+        if (files.status().IsNotFound()) continue;
+        return files.status();
+      }
+      {
+        std::lock_guard<std::mutex> lock(dirs_mu_);
+        leaf_dirs_.insert(bdir);
+      }
+      for (const DirEntry& f : *files) {
+        const bool chunk = IsChunkName(f.name), temp = !chunk && IsTempName(f.name);
+        if (!chunk && !temp) continue;
+        const std::string path = fmt::format("{}/{}", bdir, f.name);
+        auto info = env_->Stat(path);
+        if (!info.ok()) continue;  // vanished since the listing: another host's eviction
+        if (temp) {
+          if (now_ns - info->mtime_ns > grace_ns) {
+            Status s = env_->Unlink(path);
+            if (s.ok()) {
+              stale_temps_removed_.fetch_add(1);
+            } else if (!s.IsNotFound()) {
+              spdlog::warn("file tier: removing stale temporary file {}: {}", path, s.ToString());
+            }
+          }
+          continue;
+        }
+        if (f.name.compare(0, 4, a.name + b.name) != 0) {
+          ++wrong_size;  // a chunk in the wrong folder: never ours to serve
+          continue;
+        }
+        if (info->size != file_bytes_) {
+          ++wrong_size;
+          continue;
+        }
+        found.push_back({ChunkKey::FromHex(f.name).value(), info->mtime_ns});
+      }
+    }
+  }
+  if (wrong_size > 0) {
+    foreign_.fetch_add(wrong_size);
+    spdlog::warn("file tier: {} files in {} do not have this tier's chunk size ({} bytes) or "
+                 "place; they are ignored (run kvtier fsck)",
+                 wrong_size, ns_dir_, file_bytes_);
+  }
+  // Oldest first, so that the newest ends up at the front of the LRU list.
+  std::sort(found.begin(), found.end(),
+            [](const Found& x, const Found& y) { return x.mtime_ns < y.mtime_ns; });
+  std::vector<ChunkKey> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Found& f : found) InsertLocked(f.key, file_bytes_);
+    MakeRoomLocked(0, &victims);
+  }
+  (void)RemoveVictims(victims);  // on failure the victims stay indexed: retried next time
+  if (stale_temps_removed_.load() > 0) {
+    spdlog::info("file tier: removed {} stale temporary files from {}", stale_temps_removed_.load(),
+                 ns_dir_);
+  }
+  spdlog::debug("file tier: {} chunks indexed in {}", found.size() - victims.size(), ns_dir_);
+  return Status::Ok();
+}
+
+bool FileTier::Impl::CheckDisk(const ChunkKey& key) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (index_.count(key)) return true;
+    if (NegativeHitLocked(key)) return false;
+  }
+  disk_rechecks_.fetch_add(1);
+  auto info = env_->Stat(ChunkPath(key));
+  if (info.ok() && info->is_regular && info->size == file_bytes_) {
+    AdoptFromDisk(key);
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  NegativeInsertLocked(key);
+  return false;
+}
+
+size_t FileTier::Impl::LookupPrefix(std::span<const ChunkKey> keys) {
+  size_t n = 0;
+  for (const ChunkKey& key : keys) {
+    bool present;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      present = index_.count(key) != 0;
+    }
+    if (!present && !CheckDisk(key)) break;
+    ++n;
+  }
+  return n;
+}
+
+Status FileTier::Impl::Corrupt(const ChunkKey& key, const std::string& path,
+                               const std::string& why) {
+  corrupt_.fetch_add(1);
+  misses_.fetch_add(1);
+  bool remove;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // If this process is rewriting or evicting the key right now, the file at `path` is or will be
+    // another one: leave it to that mutation.
+    remove = mutating_.insert(key).second;
+    if (remove) EraseLocked(key);
+  }
+  spdlog::warn("file tier: corrupt chunk file {} ({}){}", path, why, remove ? "; removed" : "");
+  if (remove) {
+    Status s = env_->Unlink(path);
+    if (!s.ok() && !s.IsNotFound()) {
+      spdlog::warn("file tier: removing corrupt {}: {}", path, s.ToString());
+    }
+    EndMutation(key);
+  }
+  return Status::NotFound(fmt::format("chunk {} is corrupt ({})", key.ToHex(), why));
+}
+
+Status FileTier::Impl::Foreign(const ChunkKey& key, const std::string& path,
+                               const std::string& why) {
+  foreign_.fetch_add(1);
+  misses_.fetch_add(1);
+  spdlog::warn("file tier: {} is not a chunk of this namespace ({}); not served", path, why);
+  Forget(key);
+  return Status::NotFound(fmt::format("chunk {} is foreign ({})", key.ToHex(), why));
+}
+
+Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
+  reads_.fetch_add(1);
+  const uint64_t n = options_.chunk_bytes;
+  if (dst.size() < n) {
+    return Status::InvalidArgument(
+        fmt::format("read buffer holds {} bytes, a chunk is {}", dst.size(), n));
+  }
+  bool indexed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    indexed = index_.count(key) != 0;
+    if (!indexed && NegativeHitLocked(key)) {
+      misses_.fetch_add(1);
+      return Status::NotFound("chunk not in the file tier");
+    }
+  }
+  if (!indexed) disk_rechecks_.fetch_add(1);
+  const std::string path = ChunkPath(key);
+  OpenOptions oo;
+  oo.direct = options_.use_o_direct;
+  auto opened = env_->Open(path, oo);
+  if (!opened.ok()) {
+    if (opened.status().IsNotFound()) {
+      misses_.fetch_add(1);
+      Forget(key);
+      return Status::NotFound("chunk not in the file tier");
+    }
+    errors_.fetch_add(1);
+    return opened.status();
+  }
+  File& file = **opened;
+  NoteDirect(file);
+
+  // Plan the transfer: header block, then the payload straight into dst where alignment allows.
+  ThreadScratch& scratch = tls_scratch;
+  const uint64_t padded = AlignUp(n);
+  std::vector<IoOp> ops;
+  ops.push_back(IoOp::Read(0, scratch.header.span()));
+  std::span<uint8_t> bounce;        // whole payload through the bounce buffer
+  size_t tail_len = 0;              // or only the last partial block through scratch.tail
+  if (!file.direct() || (IsAligned(dst.data()) && dst.size() >= padded)) {
+    ops.push_back(IoOp::Read(kHeaderBytes, dst.first(file.direct() ? padded : n)));
+  } else if (IsAligned(dst.data())) {
+    uint64_t main = n / kDirectIoAlignment * kDirectIoAlignment;
+    tail_len = n - main;
+    if (main > 0) ops.push_back(IoOp::Read(kHeaderBytes, dst.first(main)));
+    ops.push_back(IoOp::Read(kHeaderBytes + main, scratch.tail.span()));
+  } else {
+    bounce = scratch.Bounce(padded);
+    ops.push_back(IoOp::Read(kHeaderBytes, bounce));
+    bounce_copies_.fetch_add(1);
+  }
+  Status s = ReadExact(file, ops);
+  if (s.code() == StatusCode::kCorruption) {
+    // Shorter than a chunk of ours: truncated, or a chunk of another size (foreign)?
+    IoOp op = IoOp::Read(0, scratch.header.span());
+    bool header_ok = ReadExact(file, std::span<IoOp>(&op, 1)).ok();
+    opened.value().reset();
+    DecodedHeader d = DecodeHeader(
+        std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
+    if (header_ok && d.verdict == HeaderVerdict::kOk && d.header.payload_bytes != n) {
+      return Foreign(key, path,
+                     fmt::format("payload of {} bytes, not {}", d.header.payload_bytes, n));
+    }
+    return Corrupt(key, path, "truncated");
+  }
+  opened.value().reset();  // close before any unlink below
+  if (!s.ok()) {
+    if (s.IsNotFound()) {  // e.g. ESTALE mapped by a network filesystem: gone
+      misses_.fetch_add(1);
+      Forget(key);
+      return s;
+    }
+    errors_.fetch_add(1);
+    return s;
+  }
+  if (!bounce.empty()) std::memcpy(dst.data(), bounce.data(), n);
+  if (tail_len > 0) std::memcpy(dst.data() + (n - tail_len), scratch.tail.data(), tail_len);
+
+  DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(),
+                                                                        kHeaderBytes));
+  if (d.verdict == HeaderVerdict::kCorrupt) return Corrupt(key, path, d.reason);
+  if (d.verdict == HeaderVerdict::kForeign) return Foreign(key, path, d.reason);
+  const ChunkHeader& h = d.header;
+  if (h.namespace_root != ns_root_) return Foreign(key, path, "another namespace");
+  if (h.layout_fingerprint != options_.ns.layout_fingerprint) {
+    return Foreign(key, path, "another layout");
+  }
+  if (h.payload_bytes != n) {
+    return Foreign(key, path, fmt::format("payload of {} bytes, not {}", h.payload_bytes, n));
+  }
+  if (h.key != key) return Foreign(key, path, "header names another key");
+  if (PayloadChecksum(dst.first(n)) != h.payload_checksum) {
+    return Corrupt(key, path, "payload checksum mismatch");
+  }
+  if (indexed) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(key);
+    if (it != index_.end()) lru_.splice(lru_.begin(), lru_, it->second.lru);
+  } else {
+    AdoptFromDisk(key);
+  }
+  hits_.fetch_add(1);
+  bytes_read_.fetch_add(n);
+  return Status::Ok();
+}
+
+Status FileTier::Impl::EnsureLeafDir(const std::string& dir, bool force) {
+  if (!force) {
+    std::lock_guard<std::mutex> lock(dirs_mu_);
+    if (leaf_dirs_.count(dir)) return Status::Ok();
+  }
+  KVTIER_RETURN_IF_ERROR(env_->CreateDirs(dir));
+  std::lock_guard<std::mutex> lock(dirs_mu_);
+  leaf_dirs_.insert(dir);
+  return Status::Ok();
+}
+
+Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src) {
+  const uint64_t n = options_.chunk_bytes;
+  const std::string hex = key.ToHex();
+  const std::string dir = LeafDir(ns_dir_, hex);
+  const std::string final_path = fmt::format("{}/{}", dir, hex);
+  const std::string tmp_path = fmt::format("{}/{}", dir, TempName(hex));
+  KVTIER_RETURN_IF_ERROR(EnsureLeafDir(dir, false));
+  OpenOptions oo;
+  oo.write = oo.create = oo.exclusive = true;
+  oo.direct = options_.use_o_direct;
+  auto opened = env_->Open(tmp_path, oo);
+  if (opened.status().IsNotFound()) {  // the leaf folder was removed (purge) since we made it
+    KVTIER_RETURN_IF_ERROR(EnsureLeafDir(dir, true));
+    opened = env_->Open(tmp_path, oo);
+  }
+  if (!opened.ok()) return opened.status();
+  std::unique_ptr<File> file = std::move(opened).value();
+  NoteDirect(*file);
+
+  ThreadScratch& scratch = tls_scratch;
+  ChunkHeader h;
+  h.namespace_root = ns_root_;
+  h.key = key;
+  h.layout_fingerprint = options_.ns.layout_fingerprint;
+  h.payload_bytes = n;
+  h.payload_checksum = PayloadChecksum(src);
+  h.created_unix_ms = NowUnixMs();
+  h.chunk_tokens = options_.ns.chunk_tokens;
+  h.rank = options_.ns.rank;
+  h.world_size = options_.ns.world_size;
+  h.model_id = options_.ns.model_id;
+  EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
+
+  std::vector<IoOp> ops;
+  ops.push_back(IoOp::Write(0, scratch.header.span()));
+  const uint64_t main = n / kDirectIoAlignment * kDirectIoAlignment;
+  const uint64_t tail = n - main;
+  if (!file->direct() || IsAligned(src.data())) {
+    if (main > 0) ops.push_back(IoOp::Write(kHeaderBytes, src.first(main)));
+    if (tail > 0) {
+      std::memset(scratch.tail.data(), 0, kDirectIoAlignment);
+      std::memcpy(scratch.tail.data(), src.data() + main, tail);
+      ops.push_back(IoOp::Write(kHeaderBytes + main, scratch.tail.span()));
+    }
+  } else {
+    std::span<uint8_t> bounce = scratch.Bounce(AlignUp(n));
+    std::memcpy(bounce.data(), src.data(), n);
+    std::memset(bounce.data() + n, 0, bounce.size() - n);
+    ops.push_back(IoOp::Write(kHeaderBytes, bounce));
+    bounce_copies_.fetch_add(1);
+  }
+  Status s = WriteExact(*file, ops);
+  if (s.ok() && options_.sync_data) s = file->Sync();
+  file.reset();
+  if (s.ok()) s = env_->Rename(tmp_path, final_path);
+  if (!s.ok()) {
+    Status u = env_->Unlink(tmp_path);
+    if (!u.ok() && !u.IsNotFound()) {
+      spdlog::warn("file tier: removing {} after a failed write: {}", tmp_path, u.ToString());
+    }
+    return s;
+  }
+  if (options_.sync_directory) {
+    // The chunk is published either way; a failed directory sync only weakens durability.
+    Status d = env_->SyncDir(dir);
+    if (!d.ok()) spdlog::warn("file tier: {}", d.ToString());
+  }
+  return Status::Ok();
+}
+
+Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) {
+  writes_.fetch_add(1);
+  if (src.size() != options_.chunk_bytes) {
+    return Status::InvalidArgument(
+        fmt::format("chunk of {} bytes, this tier stores {}", src.size(), options_.chunk_bytes));
+  }
+  std::vector<ChunkKey> victims;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (index_.count(key)) return Status::Ok();  // idempotent: the key names its content
+      if (!mutating_.count(key)) break;
+      mutation_cv_.wait(lock);  // a write or eviction of this key is in flight
+    }
+    if (!MakeRoomLocked(file_bytes_, &victims)) {
+      rejections_.fetch_add(1);
+      return Status::NoSpace(fmt::format(
+          "file tier capacity {} bytes is taken by writes in flight", options_.capacity_bytes));
+    }
+    mutating_.insert(key);
+    reserved_bytes_ += file_bytes_;
+  }
+  // Victims go before we publish: published bytes never exceed the capacity, crash or not.
+  Status s = RemoveVictims(victims);
+  if (s.ok()) s = WriteAndPublish(key, src);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_bytes_ -= file_bytes_;
+    mutating_.erase(key);
+    if (s.ok()) {
+      InsertLocked(key, file_bytes_);
+      negative_.erase(key);
+    }
+  }
+  mutation_cv_.notify_all();
+  if (!s.ok()) {
+    errors_.fetch_add(1);
+    return s;
+  }
+  bytes_written_.fetch_add(options_.chunk_bytes);
+  return Status::Ok();
+}
+
+Status FileTier::Impl::Submit(bool write, std::function<void()> task) {
+  io::WorkerPool& pool = write ? *write_pool_ : *read_pool_;
+  if (!pool.TrySubmit(std::move(task))) {
+    rejections_.fetch_add(1);
+    return Status::Rejected(fmt::format("file tier {} queue is full", write ? "write" : "read"));
+  }
+  return Status::Ok();
+}
+
+FileTierStats FileTier::Impl::Stats() const {
+  FileTierStats st;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    st.chunks = index_.size();
+    st.bytes = used_bytes_;
+  }
+  st.capacity_bytes = options_.capacity_bytes;
+  st.reads = reads_.load();
+  st.writes = writes_.load();
+  st.hits = hits_.load();
+  st.misses = misses_.load();
+  st.bytes_read = bytes_read_.load();
+  st.bytes_written = bytes_written_.load();
+  st.evictions = evictions_.load();
+  st.rejections = rejections_.load();
+  st.errors = errors_.load();
+  st.corrupt = corrupt_.load();
+  st.foreign = foreign_.load();
+  st.disk_rechecks = disk_rechecks_.load();
+  st.found_on_disk = found_on_disk_.load();
+  st.stale_temps_removed = stale_temps_removed_.load();
+  st.bounce_copies = bounce_copies_.load();
+  st.queued_reads = read_pool_ ? read_pool_->queued() : 0;
+  st.queued_writes = write_pool_ ? write_pool_->queued() : 0;
+  st.o_direct = options_.use_o_direct && all_direct_.load();
+  st.io_engine = env_ ? env_->io_engine_name() : "";
+  return st;
+}
+
+// --- FileTier ---
+
+FileTier::FileTier(const FileTierOptions& options) : options_(options) {}
+FileTier::~FileTier() = default;
+
+Result<std::unique_ptr<FileTier>> FileTier::Open(const FileTierOptions& options) {
+  if (options.root.empty()) return Status::InvalidArgument("file tier root is empty");
+  KVTIER_RETURN_IF_ERROR(options.ns.Validate());
+  if (options.chunk_bytes == 0 || options.chunk_bytes > (uint64_t{16} << 30)) {
+    return Status::InvalidArgument(
+        fmt::format("chunk_bytes must be in [1, 16 GiB], got {}", options.chunk_bytes));
+  }
+  if (options.read_threads < 1 || options.read_threads > 256 || options.write_threads < 1 ||
+      options.write_threads > 256) {
+    return Status::InvalidArgument("read_threads and write_threads must be in [1, 256]");
+  }
+  if (options.max_queued_reads == 0 || options.max_queued_writes == 0) {
+    return Status::InvalidArgument("max_queued_reads and max_queued_writes must be positive");
+  }
+  const uint64_t file_bytes = ChunkFileBytes(options.chunk_bytes);
+  if (options.capacity_bytes != 0 && options.capacity_bytes < file_bytes) {
+    return Status::InvalidArgument(fmt::format(
+        "capacity {} bytes is below one chunk file ({} bytes)", options.capacity_bytes,
+        file_bytes));
+  }
+  std::unique_ptr<FileTier> tier(new FileTier(options));
+  tier->ns_dir_ = fmt::format("{}/{}", options.root, options.ns.Id());
+  tier->impl_ = std::make_unique<Impl>(options, tier->ns_dir_);
+  KVTIER_RETURN_IF_ERROR(tier->impl_->Init().WithContext(
+      fmt::format("opening file tier at {}", options.root)));
+  return tier;
+}
+
+size_t FileTier::LookupPrefix(std::span<const ChunkKey> keys) { return impl_->LookupPrefix(keys); }
+
+bool FileTier::Contains(const ChunkKey& key) {
+  return impl_->LookupPrefix(std::span<const ChunkKey>(&key, 1)) == 1;
+}
+
+Status FileTier::Read(const ChunkKey& key, std::span<uint8_t> dst) { return impl_->Read(key, dst); }
+
+Status FileTier::Write(const ChunkKey& key, std::span<const uint8_t> src) {
+  return impl_->Write(key, src);
+}
+
+Status FileTier::ReadAsync(const ChunkKey& key, std::span<uint8_t> dst,
+                           std::function<void(Status)> done) {
+  Impl* impl = impl_.get();
+  return impl->Submit(false, [impl, key, dst, done = std::move(done)] {
+    Status s = impl->Read(key, dst);
+    if (done) done(std::move(s));
+  });
+}
+
+Status FileTier::WriteAsync(const ChunkKey& key, std::span<const uint8_t> src,
+                            std::function<void(Status)> done) {
+  Impl* impl = impl_.get();
+  return impl->Submit(true, [impl, key, src, done = std::move(done)] {
+    Status s = impl->Write(key, src);
+    if (done) done(std::move(s));
+  });
+}
+
+void FileTier::Drain() { impl_->Drain(); }
+FileTierStats FileTier::Stats() const { return impl_->Stats(); }
+std::string FileTier::ChunkPath(const ChunkKey& key) const { return impl_->ChunkPath(key); }
+uint64_t FileTier::file_bytes() const { return impl_->file_bytes(); }
+
+}  // namespace kvtier

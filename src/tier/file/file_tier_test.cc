@@ -1,0 +1,418 @@
+#include "kvtier/file_tier.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "testing/temp_dir.h"
+#include "tier/file/test_chunks.h"
+
+namespace kvtier {
+namespace {
+
+using testing::FillChunk;
+using testing::TestKey;
+using testing::TestNamespace;
+using testing::VerifyChunk;
+namespace fs = std::filesystem;
+
+FileTierOptions Options(const std::string& root, uint64_t chunk_bytes) {
+  FileTierOptions o;
+  o.root = root;
+  o.ns = TestNamespace();
+  o.chunk_bytes = chunk_bytes;
+  return o;
+}
+
+std::unique_ptr<FileTier> OpenTier(const FileTierOptions& o) {
+  auto tier = FileTier::Open(o);
+  EXPECT_TRUE(tier.ok()) << tier.status().ToString();
+  return tier.ok() ? std::move(tier).value() : nullptr;
+}
+
+// Flips one byte of a file in place, without the tier knowing.
+void FlipByte(const std::string& path, uint64_t offset) {
+  int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  uint8_t b;
+  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  b ^= 0x01;
+  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  ::close(fd);
+}
+
+// Chunk files (not temporaries) under the namespace folder, and their total size.
+std::pair<size_t, uint64_t> ChunkFilesOnDisk(const std::string& ns_dir, size_t* temps = nullptr) {
+  size_t n = 0, t = 0;
+  uint64_t bytes = 0;
+  for (auto& e : fs::recursive_directory_iterator(ns_dir)) {
+    if (!e.is_regular_file()) continue;
+    std::string name = e.path().filename().string();
+    if (name.size() == 64) {
+      ++n;
+      bytes += e.file_size();
+    } else if (name.find(".tmp.") != std::string::npos) {
+      ++t;
+    }
+  }
+  if (temps) *temps = t;
+  return {n, bytes};
+}
+
+class FileTierEngineTest : public ::testing::TestWithParam<IoEngineKind> {};
+
+TEST_P(FileTierEngineTest, WriteThenReadEveryBufferShape) {
+  testing::TempDir dir;
+  // A size that is not a multiple of 4 KiB exercises the padded tail.
+  for (uint64_t chunk : {uint64_t{256} << 10, uint64_t{100003}}) {
+    SCOPED_TRACE(chunk);
+    FileTierOptions o = Options(dir.Sub(std::to_string(chunk)), chunk);
+    o.io_engine = GetParam();
+    o.io_request_bytes = 64 << 10;  // several requests in flight per chunk
+    auto tier = OpenTier(o);
+    ASSERT_NE(tier, nullptr);
+    FileTierStats st = tier->Stats();
+    EXPECT_TRUE(st.o_direct);
+    EXPECT_EQ(st.io_engine, GetParam() == IoEngineKind::kIoUring ? "io_uring" : "threads");
+
+    AlignedBuffer src(chunk + 8192), dst(chunk + 8192);
+    std::vector<uint8_t> plain(chunk + 1);
+    // Aligned source; aligned, exactly-sized destination.
+    FillChunk(TestKey(1), src.first(chunk));
+    ASSERT_TRUE(tier->Write(TestKey(1), src.first(chunk)).ok());
+    ASSERT_TRUE(tier->Read(TestKey(1), dst.first(chunk)).ok());
+    EXPECT_TRUE(VerifyChunk(TestKey(1), dst.first(chunk)));
+    // Aligned destination with room for the padding.
+    std::memset(dst.data(), 0xee, dst.size());
+    ASSERT_TRUE(tier->Read(TestKey(1), dst.span()).ok());
+    EXPECT_TRUE(VerifyChunk(TestKey(1), dst.first(chunk)));
+    EXPECT_EQ(dst.data()[AlignUp(chunk)], 0xee) << "wrote past the padded chunk";
+    // Unaligned source and destination: bounce buffers, same bytes.
+    FillChunk(TestKey(2), std::span<uint8_t>(plain.data() + 1, chunk));
+    ASSERT_TRUE(tier->Write(TestKey(2), std::span<const uint8_t>(plain.data() + 1, chunk)).ok());
+    std::vector<uint8_t> out(chunk + 1);
+    ASSERT_TRUE(tier->Read(TestKey(2), std::span<uint8_t>(out.data() + 1, chunk)).ok());
+    EXPECT_TRUE(VerifyChunk(TestKey(2), std::span<const uint8_t>(out.data() + 1, chunk)));
+    EXPECT_EQ(tier->Stats().bounce_copies, 2u);
+
+    // The file is where docs/file-format.md says, with the size it says.
+    std::string path = tier->ChunkPath(TestKey(1));
+    std::string hex = TestKey(1).ToHex();
+    EXPECT_EQ(path, o.root + "/" + o.ns.Id() + "/" + hex.substr(0, 2) + "/" + hex.substr(2, 2) +
+                        "/" + hex);
+    EXPECT_EQ(fs::file_size(path), 4096 + AlignUp(chunk));
+    EXPECT_EQ(tier->file_bytes(), 4096 + AlignUp(chunk));
+    EXPECT_TRUE(fs::exists(o.root + "/kvtier-cache.json"));
+    EXPECT_TRUE(fs::exists(o.root + "/" + o.ns.Id() + "/namespace.json"));
+
+    EXPECT_TRUE(tier->Read(TestKey(3), dst.span()).IsNotFound());
+    st = tier->Stats();
+    EXPECT_EQ(st.chunks, 2u);
+    EXPECT_EQ(st.bytes, 2 * tier->file_bytes());
+    EXPECT_EQ(st.hits, 3u);
+    EXPECT_EQ(st.misses, 1u);
+    EXPECT_EQ(st.bytes_written, 2 * chunk);
+    EXPECT_EQ(st.bytes_read, 3 * chunk);
+    EXPECT_EQ(st.errors, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, FileTierEngineTest,
+                         ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kThreadPool),
+                         [](const auto& info) {
+                           return std::string(info.param == IoEngineKind::kIoUring ? "IoUring"
+                                                                                    : "Threads");
+                         });
+
+TEST(FileTierTest, RejectsBadOptionsAndForeignDirectories) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.Sub("c"), 0);
+  EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o.chunk_bytes = 4096;
+  o.capacity_bytes = 4096;  // below one file (8 KiB)
+  EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o.capacity_bytes = 0;
+  o.ns.model_id = "";
+  EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o = Options(dir.Sub("c"), 4096);
+  o.read_threads = 0;
+  EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  // A non-empty directory that is not a cache is refused, so a typo cannot litter /home.
+  fs::create_directories(dir.Sub("home"));
+  std::ofstream(dir.Sub("home/notes.txt")) << "mine";
+  o = Options(dir.Sub("home"), 4096);
+  auto refused = FileTier::Open(o);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("not a kvtier cache"), std::string::npos);
+  // A file where the directory should be.
+  std::ofstream(dir.Sub("file")) << "x";
+  o = Options(dir.Sub("file"), 4096);
+  EXPECT_FALSE(FileTier::Open(o).ok());
+}
+
+TEST(FileTierTest, WritesAreIdempotentAndSizesChecked) {
+  testing::TempDir dir;
+  auto tier = OpenTier(Options(dir.path(), 8192));
+  AlignedBuffer buf(8192);
+  FillChunk(TestKey(1), buf.span());
+  ASSERT_TRUE(tier->Write(TestKey(1), buf.span()).ok());
+  ASSERT_TRUE(tier->Write(TestKey(1), buf.span()).ok());
+  EXPECT_EQ(tier->Stats().bytes_written, 8192u);  // the second was a no-op
+  EXPECT_EQ(tier->Write(TestKey(2), buf.first(100)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(tier->Read(TestKey(1), buf.first(100)).code(), StatusCode::kInvalidArgument);
+  size_t temps = 0;
+  EXPECT_EQ(ChunkFilesOnDisk(tier->namespace_dir(), &temps).first, 1u);
+  EXPECT_EQ(temps, 0u);
+}
+
+TEST(FileTierTest, IndexIsRebuiltAtOpenAndPrefixesCounted) {
+  testing::TempDir dir;
+  AlignedBuffer buf(16384);
+  std::vector<ChunkKey> keys;
+  for (int i = 0; i < 6; ++i) keys.push_back(TestKey(i));
+  {
+    auto tier = OpenTier(Options(dir.path(), 16384));
+    for (int i = 0; i < 4; ++i) {
+      FillChunk(keys[i], buf.span());
+      ASSERT_TRUE(tier->Write(keys[i], buf.span()).ok());
+    }
+    EXPECT_EQ(tier->LookupPrefix(keys), 4u);
+  }
+  auto tier = OpenTier(Options(dir.path(), 16384));
+  FileTierStats st = tier->Stats();
+  EXPECT_EQ(st.chunks, 4u);
+  EXPECT_EQ(tier->LookupPrefix(keys), 4u);
+  EXPECT_EQ(tier->LookupPrefix(std::span<const ChunkKey>(keys).subspan(4)), 0u);
+  EXPECT_TRUE(tier->Contains(keys[3]));
+  EXPECT_FALSE(tier->Contains(keys[5]));
+  ASSERT_TRUE(tier->Read(keys[2], buf.span()).ok());
+  EXPECT_TRUE(VerifyChunk(keys[2], buf.span()));
+}
+
+TEST(FileTierTest, CapacityEvictsLeastRecentlyUsed) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.capacity_bytes = 3 * (4096 + 8192);  // three files
+  auto tier = OpenTier(o);
+  AlignedBuffer buf(8192);
+  for (int i = 0; i < 3; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  ASSERT_TRUE(tier->Read(TestKey(0), buf.span()).ok());  // 0 is now the most recent
+  for (int i = 3; i < 5; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  EXPECT_TRUE(tier->Contains(TestKey(0)));
+  EXPECT_FALSE(tier->Contains(TestKey(1)));
+  EXPECT_FALSE(tier->Contains(TestKey(2)));
+  EXPECT_TRUE(tier->Contains(TestKey(4)));
+  FileTierStats st = tier->Stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.chunks, 3u);
+  auto [files, bytes] = ChunkFilesOnDisk(tier->namespace_dir());
+  EXPECT_EQ(files, 3u);
+  EXPECT_LE(bytes, o.capacity_bytes);
+  tier.reset();
+  // Reopened with a smaller capacity: trimmed at Open, oldest publish first.
+  o.capacity_bytes = 2 * (4096 + 8192);
+  tier = OpenTier(o);
+  EXPECT_EQ(tier->Stats().chunks, 2u);
+  EXPECT_LE(ChunkFilesOnDisk(tier->namespace_dir()).second, o.capacity_bytes);
+  EXPECT_TRUE(tier->Contains(TestKey(4)));
+}
+
+TEST(FileTierTest, ChunksOfAnotherInstanceAreFoundAfterTheNegativeCacheExpires) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.negative_cache_ttl = std::chrono::milliseconds(300);
+  auto a = OpenTier(o);
+  auto b = OpenTier(o);
+  AlignedBuffer buf(8192);
+  EXPECT_FALSE(a->Contains(TestKey(7)));  // a miss, now negatively cached
+  FillChunk(TestKey(7), buf.span());
+  ASSERT_TRUE(b->Write(TestKey(7), buf.span()).ok());
+  EXPECT_FALSE(a->Contains(TestKey(7))) << "the negative cache should hide it for a while";
+  std::this_thread::sleep_for(std::chrono::milliseconds(350));
+  EXPECT_TRUE(a->Contains(TestKey(7)));
+  EXPECT_EQ(a->Stats().found_on_disk, 1u);
+  std::memset(buf.data(), 0, buf.size());
+  ASSERT_TRUE(a->Read(TestKey(7), buf.span()).ok());
+  EXPECT_TRUE(VerifyChunk(TestKey(7), buf.span()));
+  // B evicts (here: removes) the file behind A's back: A's read is a miss, not an error.
+  ASSERT_TRUE(fs::remove(b->ChunkPath(TestKey(7))));
+  EXPECT_TRUE(a->Read(TestKey(7), buf.span()).IsNotFound());
+  EXPECT_EQ(a->Stats().errors, 0u);
+}
+
+TEST(FileTierTest, CorruptFilesAreMissesAndRemoved) {
+  testing::TempDir dir;
+  auto tier = OpenTier(Options(dir.path(), 65536));
+  AlignedBuffer buf(65536);
+  // One payload byte, one header byte, a truncation.
+  for (int i = 0; i < 3; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  FlipByte(tier->ChunkPath(TestKey(0)), 4096 + 30000);
+  FlipByte(tier->ChunkPath(TestKey(1)), 50);
+  fs::resize_file(tier->ChunkPath(TestKey(2)), 4096 + 32768);
+  for (int i = 0; i < 3; ++i) {
+    std::memset(buf.data(), 0, buf.size());
+    Status s = tier->Read(TestKey(i), buf.span());
+    EXPECT_TRUE(s.IsNotFound()) << i << ": " << s.ToString();
+    EXPECT_FALSE(fs::exists(tier->ChunkPath(TestKey(i)))) << i;
+    EXPECT_FALSE(tier->Contains(TestKey(i)));
+  }
+  FileTierStats st = tier->Stats();
+  EXPECT_EQ(st.corrupt, 3u);
+  EXPECT_EQ(st.hits, 0u);
+  EXPECT_EQ(st.chunks, 0u);
+  // Rewriting works.
+  FillChunk(TestKey(0), buf.span());
+  ASSERT_TRUE(tier->Write(TestKey(0), buf.span()).ok());
+  ASSERT_TRUE(tier->Read(TestKey(0), buf.span()).ok());
+  EXPECT_TRUE(VerifyChunk(TestKey(0), buf.span()));
+}
+
+TEST(FileTierTest, ForeignFilesAreNeverServedNorRemoved) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.negative_cache_ttl = std::chrono::milliseconds(0);
+  FileTierOptions other = o;
+  other.ns.model_id = "someone/else";
+  auto mine = OpenTier(o);
+  auto theirs = OpenTier(other);
+  AlignedBuffer buf(8192);
+  FillChunk(TestKey(1), buf.span());
+  ASSERT_TRUE(theirs->Write(TestKey(1), buf.span()).ok());
+  EXPECT_NE(mine->namespace_dir(), theirs->namespace_dir());
+  EXPECT_FALSE(mine->Contains(TestKey(1)));  // another folder entirely
+  // Even a file of another namespace copied under our name is refused by its header.
+  fs::create_directories(fs::path(mine->ChunkPath(TestKey(1))).parent_path());
+  fs::copy_file(theirs->ChunkPath(TestKey(1)), mine->ChunkPath(TestKey(1)));
+  EXPECT_TRUE(mine->Read(TestKey(1), buf.span()).IsNotFound());
+  EXPECT_EQ(mine->Stats().foreign, 1u);
+  EXPECT_TRUE(fs::exists(mine->ChunkPath(TestKey(1))));
+  // Same namespace, another chunk size: ignored at Open, refused on read.
+  FileTierOptions bigger = o;
+  bigger.chunk_bytes = 16384;
+  auto big = OpenTier(bigger);
+  ASSERT_NE(big, nullptr);
+  EXPECT_EQ(big->Stats().chunks, 0u);
+  EXPECT_EQ(big->Stats().foreign, 1u);
+  AlignedBuffer bigbuf(16384);
+  EXPECT_TRUE(big->Read(TestKey(1), bigbuf.span()).IsNotFound());
+  EXPECT_EQ(big->Stats().corrupt, 0u);
+  EXPECT_TRUE(fs::exists(mine->ChunkPath(TestKey(1))));
+}
+
+TEST(FileTierTest, StaleTemporaryFilesAreRemovedAtOpen) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  std::string leaf;
+  {
+    auto tier = OpenTier(o);
+    leaf = fs::path(tier->ChunkPath(TestKey(1))).parent_path();
+  }
+  fs::create_directories(leaf);
+  std::string hex = TestKey(1).ToHex();
+  std::ofstream(leaf + "/" + hex + ".tmp.otherhost.1.0000000000000001") << "partial";
+  std::ofstream(leaf + "/" + hex + ".tmp.otherhost.2.0000000000000002") << "partial";
+  // Make one old.
+  std::string old = leaf + "/" + hex + ".tmp.otherhost.1.0000000000000001";
+  fs::last_write_time(old, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  auto tier = OpenTier(o);
+  EXPECT_EQ(tier->Stats().stale_temps_removed, 1u);
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_TRUE(fs::exists(leaf + "/" + hex + ".tmp.otherhost.2.0000000000000002"));
+  EXPECT_FALSE(tier->Contains(TestKey(1)));
+}
+
+TEST(FileTierTest, AsyncCallsRunOnPoolsAndFullQueuesReject) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.write_threads = 1;
+  o.max_queued_writes = 1;
+  auto tier = OpenTier(o);
+  AlignedBuffer a(8192), b(8192), c(8192);
+  FillChunk(TestKey(1), a.span());
+  FillChunk(TestKey(2), b.span());
+  FillChunk(TestKey(3), c.span());
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::promise<Status> first;
+  // The first write's callback holds the only write thread; the second waits in the queue.
+  ASSERT_TRUE(tier->WriteAsync(TestKey(1), a.span(), [&first, gate](Status s) {
+                    first.set_value(s);
+                    gate.wait();
+                  }).ok());
+  ASSERT_TRUE(first.get_future().get().ok());
+  std::promise<Status> second;
+  ASSERT_TRUE(
+      tier->WriteAsync(TestKey(2), b.span(), [&second](Status s) { second.set_value(s); }).ok());
+  bool called = false;
+  Status third = tier->WriteAsync(TestKey(3), c.span(), [&called](Status) { called = true; });
+  EXPECT_TRUE(third.IsRejected()) << third.ToString();
+  release.set_value();
+  EXPECT_TRUE(second.get_future().get().ok());
+  tier->Drain();
+  EXPECT_FALSE(called);
+  EXPECT_EQ(tier->Stats().rejections, 1u);
+  std::promise<Status> read_done;
+  AlignedBuffer out(8192);
+  ASSERT_TRUE(
+      tier->ReadAsync(TestKey(2), out.span(), [&read_done](Status s) { read_done.set_value(s); })
+          .ok());
+  EXPECT_TRUE(read_done.get_future().get().ok());
+  EXPECT_TRUE(VerifyChunk(TestKey(2), out.span()));
+}
+
+TEST(FileTierTest, ConcurrentReadersWritersAndEvictionStayConsistent) {
+  testing::TempDir dir;
+  FileTierOptions o = Options(dir.path(), 32768);
+  o.capacity_bytes = 8 * (4096 + 32768);
+  auto tier = OpenTier(o);
+  std::atomic<int> wrong{0}, errors{0};
+  auto work = [&](int seed) {
+    std::mt19937 rng(seed);
+    AlignedBuffer buf(32768);
+    for (int i = 0; i < 150; ++i) {
+      ChunkKey key = TestKey(rng() % 24);
+      if (rng() % 2) {
+        FillChunk(key, buf.span());
+        Status s = tier->Write(key, buf.span());
+        if (!s.ok() && s.code() != StatusCode::kNoSpace) errors.fetch_add(1);
+      } else {
+        Status s = tier->Read(key, buf.span());
+        if (s.ok() && !VerifyChunk(key, buf.span())) wrong.fetch_add(1);
+        if (!s.ok() && !s.IsNotFound()) errors.fetch_add(1);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back(work, t);
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(errors.load(), 0);
+  FileTierStats st = tier->Stats();
+  size_t temps = 0;
+  auto [files, bytes] = ChunkFilesOnDisk(tier->namespace_dir(), &temps);
+  EXPECT_EQ(files, st.chunks);
+  EXPECT_EQ(bytes, st.bytes);
+  EXPECT_LE(bytes, o.capacity_bytes);
+  EXPECT_EQ(temps, 0u);
+  EXPECT_GT(st.evictions, 0u);
+}
+
+}  // namespace
+}  // namespace kvtier
