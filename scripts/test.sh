@@ -26,4 +26,12 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON
 run_tests asan
 
+if command -v nvcc >/dev/null; then
+  # Compile and link check only: CI has no GPU (the GPU tests skip themselves there); the GPU
+  # runs are scripts/gpu-check.sh on a GPU machine.
+  echo "== CUDA build (compile and link check)"
+  cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_CUDA=ON >/dev/null
+  cmake --build build/cuda -j"$jobs" --target kvtier_gpu kvtier gpu_cuda_test
+fi
+
 echo "== all test stages passed"
