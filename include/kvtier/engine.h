@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kvtier/chunk_key.h"
+#include "kvtier/file_tier.h"
 #include "kvtier/memory_tier.h"
 #include "kvtier/status.h"
 
@@ -43,14 +44,20 @@ struct EngineOptions {
   KeyNamespace ns;           // REQUIRED: model id etc.; validated at Open
   uint64_t chunk_bytes = 0;  // REQUIRED: bytes of one chunk (Layout::bytes_per_chunk)
   MemoryTierOptions memory;  // its chunk_bytes is taken from above
+  // L2, if set. Its ns and chunk_bytes are taken from above.
+  std::optional<FileTierOptions> file;
   WritePolicy write_policy = WritePolicy::kWriteBack;
+  bool promote_on_load = true;  // chunks loaded from L2 stay in L1 afterwards
+  // A load still waiting on L2 this long after it started reports the missing chunks as misses
+  // (the caller recomputes them). Zero = no deadline.
+  std::chrono::milliseconds load_deadline{2000};
   int worker_threads = 2;           // copy threads for Store and Load
   size_t max_queued_chunks = 1024;  // per-chunk tasks queued before Store/Load are rejected
 };
 
 struct LookupResult {
-  size_t total = 0;   // leading chunks available in some tier
-  size_t memory = 0;  // of those, leading chunks resident in L1
+  size_t total = 0;   // leading chunks available, each in one tier or another
+  size_t memory = 0;  // leading chunks resident in L1 (a prefix of the total)
 };
 
 struct OpResult {
@@ -84,6 +91,11 @@ struct TierCounters {
 struct EngineStats {
   TierCounters memory;
   MemoryTierStats memory_detail;
+  bool has_file = false;
+  TierCounters file;
+  FileTierStats file_detail;
+  uint64_t promotions = 0;       // chunks copied from L2 into L1 by loads
+  uint64_t deadline_misses = 0;  // chunks reported missing because L2 missed the load deadline
   uint64_t stores = 0, loads = 0, rejected_ops = 0;
 };
 
@@ -123,18 +135,31 @@ class Engine {
   Result<OpHandle> PrepareLoad(std::span<const ChunkKey> keys);
   void Unpin(std::span<const SlotId> slots);
 
-  // Blocks until every queued operation has finished.
+  // Blocks until every queued operation, and every write to L2 already started, has finished.
   void Drain();
+  // Writes every L1 chunk not yet in L2 to L2 (write-back at shutdown), then drains. Blocking.
+  // Returns the first error, if any; a no-op without L2 or with write policy kNone.
+  Status FlushDirty();
   EngineStats Stats() const;
   MemoryTier& memory_tier() { return *memory_; }
+  FileTier* file_tier() { return file_.get(); }  // null without L2
   const EngineOptions& options() const { return options_; }
 
  private:
   struct Impl;
   explicit Engine(const EngineOptions& options);
 
+  bool StoresDirty() const;
+  Result<OpHandle> StartLoad(std::span<const ChunkKey> keys, std::span<const std::span<uint8_t>> dst);
+  void WriteThrough(const ChunkKey& key);
+  // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
+  void StartFileReads(std::shared_ptr<struct OpHandle::State> state, std::span<const ChunkKey> keys,
+                      const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
+
+  // Destroyed in reverse: the worker pool first, then L2 (whose callbacks touch L1), then L1.
   EngineOptions options_;
   std::unique_ptr<MemoryTier> memory_;
+  std::unique_ptr<FileTier> file_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -102,6 +102,8 @@ class MemoryTier {
   void Abort(SlotId slot);
   // Marks a resident chunk as safely stored in a lower tier (no write-back needed).
   void MarkClean(const ChunkKey& key);
+  // Keys of the resident chunks that are dirty (in no lower tier yet).
+  std::vector<ChunkKey> DirtyKeys() const;
   // Removes a resident, unpinned chunk. kNotFound if absent, kRejected if pinned.
   Status Remove(const ChunkKey& key);
 

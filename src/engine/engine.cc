@@ -29,20 +29,43 @@ std::string_view WritePolicyName(WritePolicy policy) {
 }
 
 // Completion state of one Store or Load: one outcome per chunk, the result computed once the
-// last chunk reports.
+// last chunk reports or the deadline passes, whichever comes first. After that, late
+// completions change nothing the caller can see.
 struct OpHandle::State {
+  using Clock = std::chrono::steady_clock;
   enum class Kind { kStore, kLoad };
   enum Outcome : uint8_t { kPending, kDone, kFailed };
 
-  State(Kind k, size_t n) : kind(k), outcome(n, kPending), remaining(n) {}
+  State(Kind k, size_t n) : kind(k), outcome(n, kPending), slots(n, kNoSlot), remaining(n) {}
 
-  void ChunkDone(size_t i, const Status& s) {
+  // Records chunk i's outcome. `deliver` (may be empty) runs first, under the lock, only if the
+  // operation is still open: it is where data reaches the caller, so nothing is written into
+  // caller memory once the caller has been told the operation is over. Returns false if the
+  // operation had already finished (the chunk came too late).
+  bool ChunkDone(size_t i, const Status& s, const std::function<void()>& deliver = {}) {
     std::lock_guard lock(mu);
+    if (done) return false;
+    if (s.ok() && deliver) deliver();
     outcome[i] = s.ok() ? kDone : kFailed;
     if (!s.ok() && error.ok()) error = s;
     if (--remaining == 0) Finish();
+    return true;
   }
-  // Called with mu held, once every chunk has reported.
+  // With mu held: gives up on pending chunks once the deadline has passed.
+  void ExpireIfLate() {
+    if (done || Clock::now() < deadline) return;
+    size_t late = 0;
+    for (auto& o : outcome) {
+      if (o == kPending) {
+        o = kFailed;
+        ++late;
+      }
+    }
+    if (deadline_misses) deadline_misses->fetch_add(late, std::memory_order_relaxed);
+    remaining = 0;
+    Finish();
+  }
+  // With mu held, once every chunk has reported or expired.
   void Finish() {
     size_t n = 0;
     if (kind == Kind::kLoad) {
@@ -59,6 +82,7 @@ struct OpHandle::State {
       result.status = Status::NotFound(
           fmt::format("{} of {} leading chunks available", n, outcome.size()));
     }
+    if (on_finish) on_finish(*this);
     done = true;
     cv.notify_all();
   }
@@ -67,26 +91,44 @@ struct OpHandle::State {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Outcome> outcome;
+  std::vector<SlotId> slots;  // PrepareLoad: the pinned slot of each delivered chunk
   size_t remaining;
   Status error;
   bool done = false;
   OpResult result;
+  Clock::time_point deadline = Clock::time_point::max();
+  std::atomic<uint64_t>* deadline_misses = nullptr;
+  std::function<void(State&)> on_finish;
 };
 
 bool OpHandle::Done() const {
   std::lock_guard lock(state_->mu);
+  state_->ExpireIfLate();
   return state_->done;
 }
 
 OpResult OpHandle::Wait() const {
   std::unique_lock lock(state_->mu);
-  state_->cv.wait(lock, [this] { return state_->done; });
+  while (!state_->done) {
+    if (state_->deadline == State::Clock::time_point::max()) {
+      state_->cv.wait(lock);
+    } else {
+      state_->cv.wait_until(lock, state_->deadline);
+      state_->ExpireIfLate();
+    }
+  }
   return state_->result;
 }
 
 std::optional<OpResult> OpHandle::WaitFor(std::chrono::nanoseconds timeout) const {
+  auto until = State::Clock::now() + timeout;
   std::unique_lock lock(state_->mu);
-  if (!state_->cv.wait_for(lock, timeout, [this] { return state_->done; })) return std::nullopt;
+  while (!state_->done) {
+    auto wake = std::min(until, state_->deadline);
+    state_->cv.wait_until(lock, wake);
+    state_->ExpireIfLate();
+    if (!state_->done && State::Clock::now() >= until) return std::nullopt;
+  }
   return state_->result;
 }
 
@@ -94,17 +136,25 @@ struct Engine::Impl {
   explicit Impl(const EngineOptions& o)
       : pool(o.worker_threads, o.max_queued_chunks, "engine copy queue") {}
 
-  TaskPool pool;
   struct Counters {
-    std::atomic<uint64_t> lookups{0}, hits{0}, misses{0}, errors{0};
-  } memory;
+    std::atomic<uint64_t> lookups{0}, hits{0}, misses{0}, errors{0}, rejections{0};
+    void CountLookup(size_t asked, size_t found) {
+      lookups++;
+      hits += found;
+      misses += asked - found;
+    }
+  };
+  TaskPool pool;
+  Counters memory, file;
   std::atomic<uint64_t> stores{0}, loads{0}, rejected_ops{0};
+  std::atomic<uint64_t> promotions{0}, deadline_misses{0};
 };
 
 Engine::Engine(const EngineOptions& options) : options_(options) {}
 
 Engine::~Engine() {
   if (impl_) impl_->pool.Drain();
+  if (file_) file_->Drain();
 }
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
@@ -117,23 +167,85 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.max_queued_chunks == 0) {
     return Status::InvalidArgument("engine: max_queued_chunks must be positive");
   }
+  if (options.load_deadline.count() < 0) {
+    return Status::InvalidArgument("engine: load_deadline must not be negative");
+  }
   std::unique_ptr<Engine> engine(new Engine(options));
   MemoryTierOptions mem = options.memory;
   mem.chunk_bytes = options.chunk_bytes;
   auto memory = MemoryTier::Open(mem);
   if (!memory.ok()) return memory.status().WithContext("engine");
   engine->memory_ = std::move(memory).value();
+  if (options.file) {
+    FileTierOptions fo = *options.file;
+    fo.ns = options.ns;
+    fo.chunk_bytes = options.chunk_bytes;
+    auto file = FileTier::Open(fo);
+    if (!file.ok()) return file.status().WithContext("engine: file tier");
+    engine->file_ = std::move(file).value();
+  }
   engine->impl_ = std::make_unique<Impl>(options);
+  if (engine->file_ && options.write_policy != WritePolicy::kNone) {
+    // Write-back: a dirty chunk leaving L1 goes to L2 first. Runs on the thread that needed
+    // the slot, without L1's lock.
+    Engine* e = engine.get();
+    engine->memory_->SetEvictionSink([e](const ChunkKey& key, std::span<const uint8_t> data) {
+      Status s = e->file_->Write(key, data);
+      if (s.ok()) return;
+      if (s.code() == StatusCode::kNoSpace || s.IsRejected()) {
+        e->impl_->file.rejections++;
+      } else {
+        e->impl_->file.errors++;
+      }
+    });
+  }
   return engine;
 }
 
+bool Engine::StoresDirty() const {
+  return file_ && options_.write_policy != WritePolicy::kNone;
+}
+
+// Write-through: the chunk goes to L2 in the background, from its L1 slot, pinned meanwhile.
+// It stays dirty until L2 has it, so if this write is refused or fails, eviction retries it.
+void Engine::WriteThrough(const ChunkKey& key) {
+  auto slot = memory_->Pin(key);
+  if (!slot.ok()) return;  // already evicted (and so written back)
+  SlotId pinned = *slot;
+  Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, key, pinned](Status st) {
+    if (st.ok()) {
+      memory_->MarkClean(key);
+    } else if (st.code() == StatusCode::kNoSpace) {
+      impl_->file.rejections++;
+    } else {
+      impl_->file.errors++;
+    }
+    memory_->Unpin(pinned);
+  });
+  if (!s.ok()) {
+    impl_->file.rejections++;
+    memory_->Unpin(pinned);
+  }
+}
+
 LookupResult Engine::Lookup(std::span<const ChunkKey> keys) {
+  // A prefix may alternate between tiers (write-back moves some chunks of it down), so walk it
+  // in runs: the longest run in L1, then in L2, and so on until neither tier has the next chunk.
   LookupResult r;
-  r.memory = memory_->LookupPrefix(keys);
-  r.total = r.memory;
-  impl_->memory.lookups++;
-  impl_->memory.hits += r.memory;
-  impl_->memory.misses += keys.size() - r.memory;
+  size_t in_memory = 0, in_file = 0;
+  while (r.total < keys.size()) {
+    size_t m = memory_->LookupPrefix(keys.subspan(r.total));
+    if (r.total == 0) r.memory = m;
+    r.total += m;
+    in_memory += m;
+    if (r.total == keys.size() || !file_) break;
+    size_t f = file_->LookupPrefix(keys.subspan(r.total));
+    r.total += f;
+    in_file += f;
+    if (f == 0) break;
+  }
+  impl_->memory.CountLookup(keys.size(), in_memory);
+  if (file_ && in_memory < keys.size()) impl_->file.CountLookup(keys.size() - in_memory, in_file);
   return r;
 }
 
@@ -155,13 +267,11 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
     state->Finish();
     return OpHandle(state);
   }
-  // Only chunks destined for a lower tier on eviction are dirty.
-  const bool dirty = options_.write_policy == WritePolicy::kWriteBack && false;
   std::vector<std::function<void()>> tasks;
   tasks.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
-                     has_parent = i > 0, data = src[i], dirty] {
+                     has_parent = i > 0, data = src[i]] {
       auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
       if (!r.ok()) {
         state->ChunkDone(i, r.status());
@@ -169,8 +279,11 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
       }
       if (!r->already_present) {
         std::memcpy(memory_->SlotData(r->slot).data(), data.data(), data.size());
-        memory_->Commit(r->slot, dirty);
+        memory_->Commit(r->slot, StoresDirty());
         memory_->AddBytesIn(data.size());
+        if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) {
+          WriteThrough(key);
+        }
       }
       state->ChunkDone(i, Status::Ok());
     });
@@ -182,6 +295,81 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
   }
   impl_->stores++;
   return OpHandle(state);
+}
+
+// Each L2 chunk is read into a freshly reserved L1 slot, never straight into caller memory: if
+// the read outlives the load's deadline, the caller has already been told "miss" and may reuse
+// its buffer, and the late bytes land harmlessly in L1 (promoted, or dropped).
+void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state,
+                            std::span<const ChunkKey> keys, const std::vector<size_t>& chunks,
+                            std::span<const std::span<uint8_t>> dst) {
+  const bool pin_for_caller = dst.empty();  // PrepareLoad: leave the chunk pinned in L1
+  std::vector<std::function<void()>> tasks;
+  for (size_t i : chunks) {
+    std::span<uint8_t> out = pin_for_caller ? std::span<uint8_t>() : dst[i];
+    tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
+                     has_parent = i > 0, out, pin_for_caller] {
+      auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
+      if (!r.ok()) {
+        state->ChunkDone(i, r.status());
+        return;
+      }
+      if (r->already_present) {
+        // Another store or promotion of this key got there first: serve it from L1 if it is
+        // there now, else call it a miss rather than wait.
+        auto slot = memory_->Pin(key);
+        if (!slot.ok()) {
+          state->ChunkDone(i, Status::NotFound("chunk is being promoted by another load"));
+          return;
+        }
+        bool taken = state->ChunkDone(i, Status::Ok(), [&] {
+          if (pin_for_caller) {
+            state->slots[i] = *slot;
+          } else {
+            std::memcpy(out.data(), memory_->SlotData(*slot).data(), out.size());
+          }
+        });
+        if (!taken || !pin_for_caller) memory_->Unpin(*slot);
+        return;
+      }
+      SlotId slot = r->slot;
+      Status s = file_->ReadAsync(key, memory_->SlotData(slot), [this, state, i, key, slot, out,
+                                                                 pin_for_caller](Status st) {
+        if (!st.ok()) {
+          memory_->Abort(slot);
+          if (!st.IsNotFound()) impl_->file.errors++;
+          state->ChunkDone(i, st);
+          return;
+        }
+        impl_->promotions++;
+        if (pin_for_caller) {
+          memory_->Commit(slot, /*dirty=*/false);
+          auto pinned = memory_->Pin(key);
+          bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
+          if (!taken && pinned.ok()) memory_->Unpin(*pinned);
+          return;
+        }
+        // Copy out while the slot is still reserved: once committed it could be evicted.
+        state->ChunkDone(i, Status::Ok(), [&] {
+          std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
+        });
+        if (options_.promote_on_load) {
+          memory_->Commit(slot, /*dirty=*/false);
+        } else {
+          memory_->Abort(slot);
+        }
+      });
+      if (!s.ok()) {
+        memory_->Abort(slot);
+        impl_->file.rejections++;
+        state->ChunkDone(i, s);
+      }
+    });
+  }
+  Status submitted = impl_->pool.TrySubmit(std::move(tasks));
+  if (!submitted.ok()) {
+    for (size_t i : chunks) state->ChunkDone(i, submitted);
+  }
 }
 
 Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
@@ -196,47 +384,90 @@ Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
                                                  i, dst[i].size(), options_.chunk_bytes));
     }
   }
-  // Pin the leading resident chunks now, on the caller's thread: once pinned they cannot be
-  // evicted before the copy, so the prefix reported is the prefix delivered.
-  std::vector<SlotId> pinned;
-  pinned.reserve(keys.size());
-  for (const ChunkKey& key : keys) {
-    auto slot = memory_->Pin(key);
-    if (!slot.ok()) break;
-    pinned.push_back(*slot);
+  return StartLoad(keys, dst);
+}
+
+Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) { return StartLoad(keys, {}); }
+
+// Shared by Load (copy into dst) and PrepareLoad (dst empty: leave chunks pinned in L1).
+Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
+                                   std::span<const std::span<uint8_t>> dst) {
+  const bool pin_for_caller = dst.empty();
+  // Walk the prefix now, on the caller's thread: pin each chunk found in L1 (once pinned it
+  // cannot be evicted before the copy) and note each found in L2, stopping at the first chunk
+  // neither has. The prefix reported is then the prefix delivered, deadline permitting.
+  std::vector<SlotId> pinned(keys.size(), kNoSlot);
+  std::vector<size_t> from_memory, from_file;
+  size_t available = 0;
+  for (; available < keys.size(); ++available) {
+    auto slot = memory_->Pin(keys[available]);
+    if (slot.ok()) {
+      pinned[available] = *slot;
+      from_memory.push_back(available);
+    } else if (file_ && file_->LookupPrefix(keys.subspan(available, 1)) == 1) {
+      from_file.push_back(available);
+    } else {
+      break;
+    }
   }
-  impl_->memory.lookups++;
-  impl_->memory.hits += pinned.size();
-  impl_->memory.misses += keys.size() - pinned.size();
+  impl_->memory.CountLookup(keys.size(), from_memory.size());
+  if (file_ && from_memory.size() < keys.size()) {
+    impl_->file.CountLookup(keys.size() - from_memory.size(), from_file.size());
+  }
 
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kLoad, keys.size());
-  std::vector<std::function<void()>> tasks;
-  tasks.reserve(pinned.size());
-  for (size_t i = 0; i < pinned.size(); ++i) {
-    tasks.push_back([this, state, i, slot = pinned[i], out = dst[i]] {
-      std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
-      memory_->Unpin(slot);
-      memory_->AddBytesOut(out.size());
-      state->ChunkDone(i, Status::Ok());
-    });
+  state->deadline_misses = &impl_->deadline_misses;
+  if (!from_file.empty() && options_.load_deadline.count() > 0) {
+    state->deadline = OpHandle::State::Clock::now() + options_.load_deadline;
+  }
+  if (pin_for_caller) {
+    // The caller keeps the pins of the delivered prefix; chunks delivered past a gap are
+    // useless to it and are unpinned here.
+    MemoryTier* memory = memory_.get();
+    state->on_finish = [memory](OpHandle::State& st) {
+      st.result.slots.assign(st.slots.begin(), st.slots.begin() + st.result.chunks);
+      for (size_t i = st.result.chunks; i < st.slots.size(); ++i) {
+        if (st.outcome[i] == OpHandle::State::kDone && st.slots[i] != kNoSlot) {
+          memory->Unpin(st.slots[i]);
+        }
+      }
+    };
   }
   {
-    // Chunks after the available prefix are misses; reported before the copies can finish.
     std::lock_guard lock(state->mu);
-    for (size_t i = pinned.size(); i < keys.size(); ++i) {
+    for (size_t i = available; i < keys.size(); ++i) {
       state->outcome[i] = OpHandle::State::kFailed;
       --state->remaining;
     }
-    if (state->remaining == 0 && !state->done) state->Finish();
+    if (pin_for_caller) {
+      for (size_t i : from_memory) {
+        state->slots[i] = pinned[i];
+        state->outcome[i] = OpHandle::State::kDone;
+        --state->remaining;
+      }
+    }
+    if (state->remaining == 0) state->Finish();
   }
-  if (!tasks.empty()) {
+  if (!pin_for_caller && !from_memory.empty()) {
+    std::vector<std::function<void()>> tasks;
+    tasks.reserve(from_memory.size());
+    for (size_t i : from_memory) {
+      tasks.push_back([this, state, i, slot = pinned[i], out = dst[i]] {
+        state->ChunkDone(i, Status::Ok(), [&] {
+          std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
+        });
+        memory_->Unpin(slot);
+        memory_->AddBytesOut(out.size());
+      });
+    }
     Status submitted = impl_->pool.TrySubmit(std::move(tasks));
     if (!submitted.ok()) {
-      for (SlotId s : pinned) memory_->Unpin(s);
+      for (size_t i : from_memory) memory_->Unpin(pinned[i]);
       impl_->rejected_ops++;
       return submitted;
     }
   }
+  if (!from_file.empty()) StartFileReads(state, keys, from_file, dst);
   impl_->loads++;
   return OpHandle(state);
 }
@@ -255,8 +486,11 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
 void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) {
   for (size_t i = 0; i < slots.size() && i < keys.size(); ++i) {
     if (slots[i] == kNoSlot) continue;
-    memory_->Commit(slots[i], /*dirty=*/false);
+    memory_->Commit(slots[i], StoresDirty());
     memory_->AddBytesIn(options_.chunk_bytes);
+    if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) {
+      WriteThrough(keys[i]);
+    }
   }
 }
 
@@ -266,28 +500,6 @@ void Engine::AbortSlots(std::span<const SlotId> slots) {
   }
 }
 
-Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) {
-  auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kLoad, keys.size());
-  std::vector<SlotId> pinned;
-  for (const ChunkKey& key : keys) {
-    auto slot = memory_->Pin(key);
-    if (!slot.ok()) break;
-    pinned.push_back(*slot);
-  }
-  impl_->memory.lookups++;
-  impl_->memory.hits += pinned.size();
-  impl_->memory.misses += keys.size() - pinned.size();
-  impl_->loads++;
-  std::lock_guard lock(state->mu);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    state->outcome[i] = i < pinned.size() ? OpHandle::State::kDone : OpHandle::State::kFailed;
-  }
-  state->remaining = 0;
-  state->Finish();
-  state->result.slots = std::move(pinned);
-  return OpHandle(state);
-}
-
 void Engine::Unpin(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
     memory_->Unpin(s);
@@ -295,7 +507,29 @@ void Engine::Unpin(std::span<const SlotId> slots) {
   }
 }
 
-void Engine::Drain() { impl_->pool.Drain(); }
+void Engine::Drain() {
+  impl_->pool.Drain();
+  if (file_) file_->Drain();
+}
+
+Status Engine::FlushDirty() {
+  Status first;
+  if (StoresDirty()) {
+    for (const ChunkKey& key : memory_->DirtyKeys()) {
+      auto slot = memory_->Pin(key);
+      if (!slot.ok()) continue;  // evicted meanwhile, and so written back
+      Status s = file_->Write(key, memory_->SlotData(*slot));
+      if (s.ok()) {
+        memory_->MarkClean(key);
+      } else if (first.ok()) {
+        first = s;
+      }
+      memory_->Unpin(*slot);
+    }
+  }
+  Drain();
+  return first;
+}
 
 EngineStats Engine::Stats() const {
   EngineStats st;
@@ -308,9 +542,23 @@ EngineStats Engine::Stats() const {
   st.memory.bytes_out = st.memory_detail.bytes_out;
   st.memory.evictions = st.memory_detail.evictions;
   st.memory.rejections = st.memory_detail.rejections + impl_->pool.rejections();
+  if (file_) {
+    st.has_file = true;
+    st.file_detail = file_->Stats();
+    st.file.lookups = impl_->file.lookups;
+    st.file.hits = impl_->file.hits;
+    st.file.misses = impl_->file.misses;
+    st.file.bytes_in = st.file_detail.bytes_written;
+    st.file.bytes_out = st.file_detail.bytes_read;
+    st.file.evictions = st.file_detail.evictions;
+    st.file.rejections = impl_->file.rejections + st.file_detail.rejections;
+    st.file.errors = impl_->file.errors + st.file_detail.errors;
+  }
   st.stores = impl_->stores;
   st.loads = impl_->loads;
   st.rejected_ops = impl_->rejected_ops;
+  st.promotions = impl_->promotions;
+  st.deadline_misses = impl_->deadline_misses;
   return st;
 }
 

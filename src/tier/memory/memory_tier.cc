@@ -239,6 +239,15 @@ void MemoryTier::MarkClean(const ChunkKey& key) {
   if (it != index_.end()) slots_[it->second].dirty = false;
 }
 
+std::vector<ChunkKey> MemoryTier::DirtyKeys() const {
+  std::lock_guard lock(mu_);
+  std::vector<ChunkKey> keys;
+  for (const Slot& s : slots_) {
+    if (s.state == SlotState::kResident && s.dirty) keys.push_back(s.key);
+  }
+  return keys;
+}
+
 Status MemoryTier::Remove(const ChunkKey& key) {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);

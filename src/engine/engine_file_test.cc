@@ -1,0 +1,262 @@
+// The engine with a file tier (L2) on a real filesystem: write policies, promotion, restart
+// recovery, and load deadlines against stalled storage.
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "kvtier/engine.h"
+#include "kvtier/io.h"
+#include "testing/temp_dir.h"
+
+namespace kvtier {
+namespace {
+
+constexpr uint64_t kChunk = 64 * 1024;
+
+std::vector<ChunkKey> Keys(size_t n, uint32_t seed = 0) {
+  KeyNamespace ns;
+  ns.model_id = "file-test-model";
+  ns.chunk_tokens = 16;
+  std::vector<uint32_t> tokens(n * 16);
+  std::iota(tokens.begin(), tokens.end(), seed * 100000);
+  return *ComputeChunkKeys(ns, tokens);
+}
+
+struct Chunks {
+  Chunks(size_t n, uint8_t seed) : data(n, std::vector<uint8_t>(kChunk)) {
+    std::mt19937 rng(seed);
+    for (auto& d : data) for (auto& b : d) b = static_cast<uint8_t>(rng());
+  }
+  std::vector<std::span<const uint8_t>> In() const { return {data.begin(), data.end()}; }
+  std::vector<std::span<uint8_t>> Out() { return {data.begin(), data.end()}; }
+  std::vector<std::vector<uint8_t>> data;
+};
+
+EngineOptions Options(const std::string& dir, uint32_t l1_slots, WritePolicy policy) {
+  EngineOptions o;
+  o.ns.model_id = "file-test-model";
+  o.ns.chunk_tokens = 16;
+  o.chunk_bytes = kChunk;
+  o.memory.capacity_bytes = l1_slots * kChunk;
+  o.write_policy = policy;
+  FileTierOptions f;
+  f.root = dir;
+  o.file = f;
+  return o;
+}
+
+std::unique_ptr<Engine> OpenEngine(const EngineOptions& o) {
+  auto e = Engine::Open(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(e).value() : nullptr;
+}
+
+TEST(EngineFileTest, WriteBackMovesEvictedChunksToFiles) {
+  testing::TempDir dir;
+  auto engine = OpenEngine(Options(dir.path(), 2, WritePolicy::kWriteBack));
+  ASSERT_TRUE(engine);
+  auto keys = Keys(4);
+  Chunks in(4, 1);
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  engine->Drain();
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.memory_detail.write_backs, 2u);  // only the two evicted chunks went down
+  EXPECT_EQ(st.file_detail.chunks, 2u);
+  // The prefix now alternates between L1 and L2; it is still whole.
+  EXPECT_EQ(engine->Lookup(keys).total, 4u);
+  Chunks out(4, 9);
+  OpResult r = engine->Load(keys, out.Out())->Wait();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(out.data, in.data);
+  EXPECT_GE(engine->Stats().promotions, 2u);
+}
+
+TEST(EngineFileTest, WriteThroughWritesEveryStoreAndSurvivesRestart) {
+  testing::TempDir dir;
+  auto keys = Keys(3);
+  Chunks in(3, 2);
+  {
+    auto engine = OpenEngine(Options(dir.path(), 8, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(engine);
+    ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+    engine->Drain();
+    EXPECT_EQ(engine->Stats().file_detail.chunks, 3u);
+    EXPECT_TRUE(engine->memory_tier().DirtyKeys().empty());
+  }
+  // A new engine (a restarted process) finds the chunks on disk.
+  auto engine = OpenEngine(Options(dir.path(), 8, WritePolicy::kWriteThrough));
+  ASSERT_TRUE(engine);
+  LookupResult hit = engine->Lookup(keys);
+  EXPECT_EQ(hit.total, 3u);
+  EXPECT_EQ(hit.memory, 0u);
+  Chunks out(3, 7);
+  ASSERT_TRUE(engine->Load(keys, out.Out())->Wait().status.ok());
+  EXPECT_EQ(out.data, in.data);
+  engine->Drain();  // promotion commits the L1 slot just after the copy is delivered
+  EXPECT_EQ(engine->Lookup(keys).memory, 3u);
+}
+
+TEST(EngineFileTest, PolicyNoneNeverWrites) {
+  testing::TempDir dir;
+  auto engine = OpenEngine(Options(dir.path(), 1, WritePolicy::kNone));
+  ASSERT_TRUE(engine);
+  Chunks in(3, 3);
+  ASSERT_TRUE(engine->Store(Keys(3), in.In())->Wait().status.ok());
+  ASSERT_TRUE(engine->FlushDirty().ok());
+  EXPECT_EQ(engine->Stats().file_detail.chunks, 0u);
+  EXPECT_EQ(engine->Stats().memory_detail.write_backs, 0u);
+}
+
+TEST(EngineFileTest, FlushDirtyWritesBackEverythingAtShutdown) {
+  testing::TempDir dir;
+  auto engine = OpenEngine(Options(dir.path(), 8, WritePolicy::kWriteBack));
+  ASSERT_TRUE(engine);
+  Chunks in(3, 4);
+  ASSERT_TRUE(engine->Store(Keys(3), in.In())->Wait().status.ok());
+  EXPECT_EQ(engine->memory_tier().DirtyKeys().size(), 3u);
+  EXPECT_EQ(engine->Stats().file_detail.chunks, 0u);  // write-back: nothing yet
+  ASSERT_TRUE(engine->FlushDirty().ok());
+  EXPECT_EQ(engine->Stats().file_detail.chunks, 3u);
+  EXPECT_TRUE(engine->memory_tier().DirtyKeys().empty());
+}
+
+TEST(EngineFileTest, PrepareLoadPromotesAndPins) {
+  testing::TempDir dir;
+  auto keys = Keys(2);
+  Chunks in(2, 5);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  auto engine = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+  OpResult r = engine->PrepareLoad(keys)->Wait();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_EQ(r.slots.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    auto d = engine->memory_tier().SlotData(r.slots[i]);
+    EXPECT_TRUE(std::equal(d.begin(), d.end(), in.data[i].begin()));
+  }
+  EXPECT_EQ(engine->Stats().memory_detail.pinned, 2u);
+  engine->Unpin(r.slots);
+  EXPECT_EQ(engine->Stats().memory_detail.pinned, 0u);
+}
+
+// An Env whose reads block while `stalled` is set: a storage server that stopped answering.
+class StallingEnv : public Env {
+ public:
+  explicit StallingEnv(Env* base) : base_(base) {}
+  void Stall(bool on) {
+    std::lock_guard lock(mu_);
+    stalled_ = on;
+    cv_.notify_all();
+  }
+  void WaitWhileStalled() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [this] { return !stalled_; });
+  }
+  std::string io_engine_name() const override { return "stalling " + base_->io_engine_name(); }
+  uint64_t direct_fallbacks() const override { return base_->direct_fallbacks(); }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override;
+  Status Rename(const std::string& a, const std::string& b) override { return base_->Rename(a, b); }
+  Status Unlink(const std::string& p) override { return base_->Unlink(p); }
+  Status CreateDirs(const std::string& p) override { return base_->CreateDirs(p); }
+  Status RemoveDir(const std::string& p) override { return base_->RemoveDir(p); }
+  Result<std::vector<DirEntry>> List(const std::string& d) override { return base_->List(d); }
+  Result<FileInfo> Stat(const std::string& p) override { return base_->Stat(p); }
+  Status SyncDir(const std::string& d) override { return base_->SyncDir(d); }
+
+ private:
+  Env* base_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stalled_ = false;
+};
+
+class StallingFile : public File {
+ public:
+  StallingFile(std::unique_ptr<File> f, StallingEnv* env) : f_(std::move(f)), env_(env) {}
+  const std::string& path() const override { return f_->path(); }
+  bool direct() const override { return f_->direct(); }
+  Status Submit(std::span<IoOp> ops) override {
+    if (!ops.empty() && ops[0].kind == IoOp::Kind::kRead) env_->WaitWhileStalled();
+    return f_->Submit(ops);
+  }
+  Status Sync() override { return f_->Sync(); }
+  Result<uint64_t> Size() override { return f_->Size(); }
+
+ private:
+  std::unique_ptr<File> f_;
+  StallingEnv* env_;
+};
+
+Result<std::unique_ptr<File>> StallingEnv::Open(const std::string& path, const OpenOptions& o) {
+  KVTIER_ASSIGN_OR_RETURN(auto f, base_->Open(path, o));
+  return std::unique_ptr<File>(new StallingFile(std::move(f), this));
+}
+
+TEST(EngineFileTest, StalledStorageBecomesAMissAtTheDeadline) {
+  testing::TempDir dir;
+  auto keys = Keys(2);
+  Chunks in(2, 6);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  StallingEnv env(Env::Default());
+  EngineOptions o = Options(dir.path(), 4, WritePolicy::kWriteThrough);
+  o.file->env = &env;
+  o.load_deadline = std::chrono::milliseconds(150);
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env.Stall(true);
+  Chunks out(2, 0);
+  auto before = out.data;
+  auto t0 = std::chrono::steady_clock::now();
+  OpResult r = engine->Load(keys, out.Out())->Wait();
+  double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.status.code(), StatusCode::kNotFound);
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_LT(waited, 5.0);  // returned at the deadline, not when storage came back
+  EXPECT_GE(engine->Stats().deadline_misses, 2u);
+  env.Stall(false);  // storage comes back: the late reads land in L1, never in `out`
+  engine->Drain();
+  EXPECT_EQ(out.data, before);
+  // The late chunks were promoted, so the next load is an L1 hit.
+  EXPECT_EQ(engine->Lookup(keys).memory, 2u);
+}
+
+TEST(EngineFileTest, CorruptFileIsAMissNeverWrongData) {
+  testing::TempDir dir;
+  auto keys = Keys(1);
+  Chunks in(1, 8);
+  std::string path;
+  {
+    auto writer = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+    writer->Drain();
+    path = writer->file_tier()->ChunkPath(keys[0]);
+  }
+  {
+    FILE* f = std::fopen(path.c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::fseek(f, 4096 + 1000, SEEK_SET);
+    int c = std::fgetc(f);
+    std::fseek(f, 4096 + 1000, SEEK_SET);
+    std::fputc(c ^ 0x10, f);
+    std::fclose(f);
+  }
+  auto engine = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+  Chunks out(1, 0);
+  OpResult r = engine->Load(keys, out.Out())->Wait();
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_NE(out.data, in.data);
+  EXPECT_GE(engine->Stats().file_detail.corrupt, 1u);
+}
+
+}  // namespace
+}  // namespace kvtier
