@@ -1,0 +1,80 @@
+#include "loadgen/guards.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+namespace kvtier::loadgen {
+
+namespace fs = std::filesystem;
+
+Result<CacheDirContents> InspectCacheDir(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) {
+    return Status::InvalidArgument(fmt::format(
+        "cache directory {} does not exist (create it empty, or leave out --cache-dir)", dir));
+  }
+  if (!fs::is_directory(dir, ec)) {
+    return Status::InvalidArgument(fmt::format("cache directory {} is not a directory", dir));
+  }
+  CacheDirContents contents;
+  fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec);
+  if (ec) return Status::IOError(fmt::format("listing {}: {}", dir, ec.message()));
+  for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (ec) return Status::IOError(fmt::format("listing {}: {}", dir, ec.message()));
+    std::error_code e2;
+    if (!it->is_regular_file(e2)) continue;
+    ++contents.files;
+    contents.bytes += it->file_size(e2);
+    if (contents.example.empty()) contents.example = it->path().string();
+  }
+  return contents;
+}
+
+Status CheckCacheDirIsCold(const std::string& dir, bool allow_warm,
+                           std::vector<std::string>* warnings) {
+  KVTIER_ASSIGN_OR_RETURN(CacheDirContents contents, InspectCacheDir(dir));
+  if (contents.files == 0) return Status::Ok();
+  const std::string what = fmt::format(
+      "cache directory {} already holds {} files ({:.1f} MB, e.g. {}): chunks from an earlier run "
+      "inflate hit rates",
+      dir, contents.files, static_cast<double>(contents.bytes) / 1e6, contents.example);
+  if (!allow_warm) {
+    return Status::InvalidArgument(
+        what + "; empty it first, or pass --allow-warm-cache to measure a warm cache on purpose");
+  }
+  if (warnings) warnings->push_back(what + " (allowed by --allow-warm-cache)");
+  return Status::Ok();
+}
+
+Status CheckContextWindow(const WorkloadConfig& c, int64_t max_model_len, double token_scale) {
+  if (max_model_len <= 0) return Status::Ok();
+  const double scale = std::max(1.0, token_scale);
+  const auto peak = static_cast<int64_t>(static_cast<double>(EstimatePeakPromptTokens(c)) * scale);
+  const int64_t needed = peak + c.answer_len;
+  if (needed <= max_model_len) return Status::Ok();
+  return Status::InvalidArgument(fmt::format(
+      "the last round's prompt would be about {} tokens (shared system {} + user {} + {} earlier "
+      "answers of {} + {} questions and chat markup{}), plus {} to generate = {}, over the "
+      "server's context window of {} tokens: late rounds would fail. Lower --num-rounds, "
+      "--answer-len, --user-history-prompt or --shared-system-prompt, or serve a longer context",
+      peak, c.system_prompt_len, c.user_history_len, c.num_rounds - 1, c.answer_len, c.num_rounds,
+      scale > 1.0 ? fmt::format(", scaled by {:.2f} as the server counts more tokens per word", scale)
+                  : "",
+      c.answer_len, needed, max_model_len));
+}
+
+std::string SaturationWarning(const Summary& s, double min_ratio) {
+  const bool slow = s.config_qps > 0 && s.actual_qps < min_ratio * s.config_qps;
+  const bool held = s.sent > 0 && s.held_back * 10 > s.sent;
+  if (!slow && !held) return "";
+  return fmt::format(
+      "the server is saturated: actual QPS {:.3f} against config QPS {:.3f}, {} of {} sends held "
+      "back because the user's previous answer had not arrived. TTFT now measures the server's "
+      "queue, not its cache: lower --qps to about 65 % of the service rate (--find-capacity "
+      "measures it)",
+      s.actual_qps, s.config_qps, s.held_back, s.sent);
+}
+
+}  // namespace kvtier::loadgen

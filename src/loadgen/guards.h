@@ -1,0 +1,42 @@
+// Guards against the classic mistakes of cache benchmarks (DESIGN.md, "Measuring honestly"):
+// starting from a warm cache directory, prompts that overflow the context window in the last
+// rounds, and load above the server's service rate.
+//
+// Thread-safety: free functions without shared state.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtier/status.h"
+#include "loadgen/stats.h"
+#include "loadgen/workload.h"
+
+namespace kvtier::loadgen {
+
+struct CacheDirContents {
+  int64_t files = 0;   // regular files anywhere below the directory
+  uint64_t bytes = 0;
+  std::string example;  // one of them, for the message
+};
+
+// Fails with InvalidArgument when `dir` does not exist or is not a directory.
+Result<CacheDirContents> InspectCacheDir(const std::string& dir);
+
+// OK when `dir` holds no files. Otherwise fails with InvalidArgument (stale chunks from an
+// earlier run inflate hit rates), unless `allow_warm`, in which case it appends a warning.
+Status CheckCacheDirIsCold(const std::string& dir, bool allow_warm,
+                           std::vector<std::string>* warnings);
+
+// OK when the last round's prompt (estimated, times `token_scale` when the server was seen to
+// count more tokens than estimated) plus `answer_len` fits in `max_model_len`. Fails with
+// InvalidArgument naming the numbers and what to change. max_model_len 0 = unknown = OK.
+Status CheckContextWindow(const WorkloadConfig& config, int64_t max_model_len, double token_scale);
+
+// A warning when the run could not keep its configured rate: actual QPS under
+// `min_ratio` x config QPS, or more than a tenth of the sends held back behind unanswered
+// requests. Empty when the server kept up.
+std::string SaturationWarning(const Summary& summary, double min_ratio = 0.9);
+
+}  // namespace kvtier::loadgen

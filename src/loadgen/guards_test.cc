@@ -1,0 +1,67 @@
+#include "loadgen/guards.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "testing/temp_dir.h"
+
+namespace kvtier::loadgen {
+namespace {
+
+TEST(CacheDirGuard, RefusesAWarmDirectoryUnlessAllowed) {
+  testing::TempDir dir("cache");
+  std::vector<std::string> warnings;
+  EXPECT_TRUE(CheckCacheDirIsCold(dir.path(), false, &warnings).ok());
+  EXPECT_EQ(CheckCacheDirIsCold(dir.Sub("missing"), false, &warnings).code(),
+            StatusCode::kInvalidArgument);
+
+  std::filesystem::create_directories(dir.Sub("ns/ab/cd"));
+  std::ofstream(dir.Sub("ns/ab/cd/0123abcd")) << std::string(4096, 'k');
+  Status refused = CheckCacheDirIsCold(dir.path(), false, &warnings);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("1 files"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("--allow-warm-cache"), std::string::npos);
+  EXPECT_TRUE(warnings.empty());
+
+  EXPECT_TRUE(CheckCacheDirIsCold(dir.path(), true, &warnings).ok());
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("allowed"), std::string::npos);
+}
+
+TEST(ContextWindowGuard, ChecksTheLastRoundNotTheAverage) {
+  WorkloadConfig c;
+  c.num_rounds = 10;
+  c.system_prompt_len = 1000;
+  c.user_history_len = 2000;
+  c.answer_len = 100;
+  const int64_t peak = EstimatePeakPromptTokens(c);
+  EXPECT_GT(peak, 3000 + 9 * 100);
+  EXPECT_TRUE(CheckContextWindow(c, 0, 1.0).ok());  // unknown window: nothing to check
+  EXPECT_TRUE(CheckContextWindow(c, peak + c.answer_len, 1.0).ok());
+  // The first round fits, the last does not.
+  const int64_t window = peak + c.answer_len - 1;
+  EXPECT_LT(EstimatePromptTokens(c, 1), window);
+  Status s = CheckContextWindow(c, window, 1.0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("context window"), std::string::npos);
+  // A tokenizer that counts more tokens than estimated tips it over too.
+  EXPECT_FALSE(CheckContextWindow(c, peak + c.answer_len, 1.2).ok());
+}
+
+TEST(SaturationWarning, FiresWhenTheServerCannotKeepUp) {
+  Summary s;
+  s.config_qps = 2;
+  s.actual_qps = 2.4;
+  s.sent = 100;
+  EXPECT_EQ(SaturationWarning(s), "");
+  s.actual_qps = 1.5;
+  EXPECT_NE(SaturationWarning(s).find("saturated"), std::string::npos);
+  s.actual_qps = 2.4;
+  s.held_back = 20;
+  EXPECT_NE(SaturationWarning(s).find("held"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvtier::loadgen

@@ -1,0 +1,96 @@
+// `kvtier bench qa`: the multi-round chat load generator for OpenAI-compatible servers.
+//
+// RunQaBench checks the server (GET /models), applies the guards (cold cache directory, context
+// window), sends a few warm-up requests (excluded from the results, and used to check how the
+// server counts prompt tokens), then either
+//  * runs the workload (workload.h) for `duration_s`, printing a summary every
+//    `log_interval_s` and at the end, or
+//  * with `find_capacity`, overloads the server on purpose: closed-loop stages with 1x, 2x,
+//    4x ... `num_users` concurrent conversations until the finished-request rate stops growing by
+//    10 %, and reports that rate (the service rate) and the qps that keeps the server at 65 % of it.
+// Everything runs on the calling thread, over one libcurl multi handle.
+//
+// Thread-safety: one call per thread; the options' callbacks are called on the calling thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvtier/status.h"
+#include "loadgen/stats.h"
+#include "loadgen/workload.h"
+
+namespace kvtier::loadgen {
+
+struct QaBenchOptions {
+  WorkloadConfig workload;
+  std::string base_url = "http://localhost:8000/v1";
+  std::string model;             // empty: the first model the server lists
+  std::string api_key;           // bearer token, if the server wants one
+  double duration_s = 60;        // --time; 0 = until `stop`
+  double log_interval_s = 30;
+  int warmup_requests = 10;
+  double request_timeout_s = 600;
+  double connect_timeout_s = 10;
+  bool ignore_eos = false;       // vLLM's extension: always generate answer_len tokens
+  std::string cache_dir;         // guard: refuse when it holds files
+  bool allow_warm_cache = false;
+  int64_t max_model_len = 0;     // 0: as the server reports in /models
+  bool find_capacity = false;
+  double capacity_stage_s = 20;  // seconds per closed-loop stage
+  int capacity_max_streams = 1024;
+  double capacity_target = 0.65; // fraction of the service rate to recommend
+  // Abort when this many requests failed and none succeeded.
+  int fail_fast_after = 20;
+  const std::atomic<bool>* stop = nullptr;
+  std::function<void(const std::string&)> print;  // results (summaries, tables)
+  std::function<void(const std::string&)> log;    // progress, warnings, errors
+  bool progress_in_place = false;  // progress line rewritten with \r (a terminal)
+  double progress_interval_s = 1;
+};
+
+struct CapacityStage {
+  int streams = 0;
+  double seconds = 0;         // measured window (after the stage's first tenth)
+  int64_t finished = 0;
+  double finished_rps = 0;
+  double median_ttft = 0;
+  int64_t failed = 0;
+};
+
+struct QaBenchResult {
+  std::string model;
+  int64_t max_model_len = 0;           // 0 when unknown
+  int64_t peak_prompt_estimate = 0;    // tokens, after calibration
+  double token_scale = 1;              // server tokens / estimated tokens in the warm-up
+  std::vector<RequestRecord> records;  // finished requests of the measured run
+  Summary summary;                     // the whole measured run
+  std::vector<std::string> warnings;
+  bool saturated = false;
+  // --find-capacity only:
+  std::vector<CapacityStage> stages;
+  double service_rate_rps = 0;
+  double recommended_qps = 0;
+};
+
+Status ValidateQaBenchOptions(const QaBenchOptions& options);
+
+// Fails with InvalidArgument (bad options, a guard refused), Unavailable (server unreachable or
+// every request failing), Aborted (stopped before anything finished).
+Result<QaBenchResult> RunQaBench(const QaBenchOptions& options);
+
+// The JSON document for --json-summary: options, final summary, warnings, capacity stages.
+std::string QaBenchResultToJson(const QaBenchOptions& options, const QaBenchResult& result);
+
+struct ServerInfo {
+  std::vector<std::string> models;
+  int64_t max_model_len = 0;  // of the first model, or of `model` if listed; 0 when unreported
+};
+// GET <base_url>/models. Unavailable when unreachable or answering with an error.
+Result<ServerInfo> QueryServer(const std::string& base_url, const std::string& api_key,
+                               const std::string& model, double timeout_s);
+
+}  // namespace kvtier::loadgen

@@ -1,0 +1,331 @@
+// The load generator end to end, against the streaming test server.
+#include "loadgen/qa_bench.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <gtest/gtest.h>
+
+#include "loadgen/stats.h"
+#include "loadgen/testing/fake_openai_server.h"
+#include "testing/temp_dir.h"
+
+namespace kvtier::loadgen {
+namespace {
+
+using testing::FakeOpenAiServer;
+using testing::FakeServerOptions;
+
+std::unique_ptr<FakeOpenAiServer> StartServer(FakeServerOptions o = {}) {
+  auto server = FakeOpenAiServer::Start(o);
+  EXPECT_TRUE(server.ok()) << server.status().ToString();
+  return std::move(server).value();
+}
+
+QaBenchOptions SmallRun(const FakeOpenAiServer& server) {
+  QaBenchOptions o;
+  o.base_url = server.base_url();
+  o.workload.num_users = 4;
+  o.workload.num_rounds = 3;
+  o.workload.qps = 8;
+  o.workload.system_prompt_len = 20;
+  o.workload.user_history_len = 30;
+  o.workload.answer_len = 5;
+  o.duration_s = 2;
+  o.log_interval_s = 100;
+  o.warmup_requests = 2;
+  o.request_timeout_s = 20;
+  return o;
+}
+
+TEST(QaBench, ReproducesTheConversationsAndMeasuresThem) {
+  auto server = StartServer();
+  auto o = SmallRun(*server);
+  std::string printed;
+  o.print = [&](const std::string& s) { printed += s; };
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_EQ(result->model, "fake-model");
+  EXPECT_EQ(result->max_model_len, 32768);
+  ASSERT_GE(result->records.size(), 8u);
+  EXPECT_EQ(result->summary.failed, 0);
+  EXPECT_NE(printed.find("Performance summary"), std::string::npos);
+
+  // What the server saw: every request streamed with usage, temperature 0, max_tokens = answer
+  // length; each user's requests re-send the whole conversation, growing by two messages a round.
+  std::map<std::string, std::vector<testing::ReceivedRequest>> by_user;
+  for (const auto& r : server->received()) {
+    EXPECT_TRUE(r.include_usage);
+    EXPECT_EQ(r.temperature, 0);
+    EXPECT_EQ(r.max_tokens, 5);
+    if (!r.user_id.empty()) by_user[r.user_id].push_back(r);
+  }
+  ASSERT_FALSE(by_user.empty());
+  for (const auto& [user, requests] : by_user) {
+    for (size_t k = 0; k < requests.size(); ++k) {
+      const auto& r = requests[k];
+      EXPECT_EQ(r.messages, static_cast<int>(2 * k + 1)) << "user " << user;
+      EXPECT_EQ(r.first_message.rfind("This is the shared system prompt", 0), 0u);
+      EXPECT_NE(r.first_message.find("User " + user + " "), std::string::npos);
+      EXPECT_NE(r.last_message.find("Here's question #"), std::string::npos);
+      for (size_t m = 1; m < r.roles.size(); m += 2) EXPECT_EQ(r.roles[m], "assistant");
+      if (k > 0) {
+        // + the answer (5 words) and the question (14 words), 4 tokens of markup each.
+        EXPECT_EQ(r.prompt_tokens, requests[k - 1].prompt_tokens + (5 + 4) + (14 + 4));
+      }
+    }
+  }
+  // What was recorded matches what the server counted.
+  for (const auto& rec : result->records) {
+    EXPECT_EQ(rec.generation_tokens, 5);
+    EXPECT_GT(rec.prompt_tokens, 50);
+    EXPECT_GE(rec.ttft, 0);
+    EXPECT_GT(rec.finish_time, rec.launch_time);
+    EXPECT_GE(rec.question_id, 1);
+    EXPECT_LE(rec.question_id, 3);
+  }
+}
+
+TEST(QaBench, TtftIsTheTimeToTheFirstContentAndGenerationTheRest) {
+  FakeServerOptions so;
+  so.first_token_delay_s = 0.15;
+  so.inter_token_delay_s = 0.02;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 1.5;
+  o.warmup_requests = 1;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_FALSE(result->records.empty());
+  for (const auto& r : result->records) {
+    EXPECT_GE(r.ttft, 0.15);
+    EXPECT_LT(r.ttft, 0.35);
+    EXPECT_GE(r.generation_time, 4 * 0.02);  // 4 gaps between 5 tokens
+    EXPECT_LT(r.generation_time, 0.4);
+  }
+  EXPECT_GE(result->summary.median_ttft, 0.15);
+}
+
+TEST(QaBench, Sustains200ConcurrentStreams) {
+  FakeServerOptions so;
+  so.inter_token_delay_s = 0.05;  // an answer streams for about 1 s
+  so.threads = 400;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_users = 240;
+  o.workload.num_rounds = 3;
+  o.workload.qps = 240;  // each user sends every second, so nearly all are streaming at once
+  o.workload.answer_len = 20;
+  o.duration_s = 3;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GE(result->summary.peak_in_flight, 200);
+  EXPECT_GE(server->max_active(), 200);
+  EXPECT_EQ(result->summary.failed, 0);
+  EXPECT_GE(result->summary.finished, 200);
+}
+
+TEST(QaBench, AddsLittleToTtftAgainstAnInstantServer) {
+  auto server = StartServer();  // answers at once
+  auto o = SmallRun(*server);
+  o.workload.num_users = 20;
+  o.workload.qps = 100;
+  o.workload.num_rounds = 5;
+  o.duration_s = 2;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_GE(result->records.size(), 100u);
+  // The whole loopback round trip, server included, as the client sees it. The requirement is
+  // under 1 ms at p50 in a Release build (see docs/benchmarks.md); sanitizers slow it down.
+#if defined(__SANITIZE_ADDRESS__)
+  EXPECT_LT(result->summary.median_ttft, 0.02);
+#else
+  EXPECT_LT(result->summary.median_ttft, 0.002);
+#endif
+}
+
+TEST(QaBench, FindsTheServiceRate) {
+  FakeServerOptions so;
+  so.max_concurrent = 2;           // two requests at a time, the rest queue
+  so.first_token_delay_s = 0.02;
+  so.inter_token_delay_s = 0.005;  // 0.04 s per request: 2 / 0.04 = 50 requests/s
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_users = 2;
+  o.find_capacity = true;
+  o.capacity_stage_s = 1.5;
+  o.capacity_max_streams = 16;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_GE(result->stages.size(), 2u);  // it went past the point where more streams only queue
+  EXPECT_EQ(result->stages[0].streams, 2);
+  EXPECT_EQ(result->stages[1].streams, 4);
+  EXPECT_GT(result->service_rate_rps, 30);
+  EXPECT_LT(result->service_rate_rps, 55);
+  EXPECT_NEAR(result->recommended_qps, 0.65 * result->service_rate_rps, 1e-9);
+  EXPECT_LE(server->max_active(), 2);
+  // The overloaded stages queue: their TTFT grows.
+  EXPECT_GT(result->stages.back().median_ttft, result->stages.front().median_ttft);
+}
+
+TEST(QaBench, WarnsWhenTheServerIsSaturated) {
+  FakeServerOptions so;
+  so.max_concurrent = 1;
+  so.first_token_delay_s = 0.1;  // 10 requests/s at most
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_users = 10;
+  o.workload.qps = 40;
+  o.duration_s = 2;
+  o.warmup_requests = 1;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_TRUE(result->saturated);
+  bool found = false;
+  for (const auto& w : result->warnings) found |= w.find("saturated") != std::string::npos;
+  EXPECT_TRUE(found);
+  EXPECT_GT(result->summary.held_back, 0);
+}
+
+TEST(QaBench, RefusesAWarmCacheDirectoryBeforeSendingAnything) {
+  auto server = StartServer();
+  kvtier::testing::TempDir cache("cache");
+  std::ofstream(cache.Sub("chunk-from-last-run")) << "kv";
+  auto o = SmallRun(*server);
+  o.cache_dir = cache.path();
+  auto result = RunQaBench(o);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("--allow-warm-cache"), std::string::npos);
+  EXPECT_EQ(server->chat_requests(), 0);
+
+  o.allow_warm_cache = true;
+  o.duration_s = 0.5;
+  auto allowed = RunQaBench(o);
+  ASSERT_TRUE(allowed.ok()) << allowed.status().ToString();
+  ASSERT_FALSE(allowed->warnings.empty());
+}
+
+TEST(QaBench, RefusesPromptsThatOutgrowTheContextWindow) {
+  FakeServerOptions so;
+  so.max_model_len = 400;  // reported by /v1/models
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_rounds = 10;
+  o.workload.answer_len = 50;  // the first round fits; round 10 (~ 50 + 9 x 50 + ...) does not
+  ASSERT_LT(EstimatePromptTokens(o.workload, 1), 400);
+  auto result = RunQaBench(o);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("context window of 400"), std::string::npos)
+      << result.status().message();
+  EXPECT_EQ(server->chat_requests(), 0);
+
+  // --max-model-len overrides what the server says.
+  auto big = StartServer();
+  auto o2 = SmallRun(*big);
+  o2.workload = o.workload;
+  o2.max_model_len = 400;
+  EXPECT_EQ(RunQaBench(o2).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(QaBench, CountsErrorsAndEarlyClosesWithoutStopping) {
+  FakeServerOptions so;
+  so.error_every = 5;
+  so.close_every = 7;
+  so.close_after_tokens = 2;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.qps = 20;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GT(result->summary.failures["http_status"], 0);
+  EXPECT_GT(result->summary.failures["early_close"], 0);
+  EXPECT_GT(result->summary.finished, 10);
+
+  FakeServerOptions clean_cut = so;
+  clean_cut.error_every = 0;
+  clean_cut.close_abruptly = false;  // ends the stream politely, but without [DONE]
+  auto server2 = StartServer(clean_cut);
+  auto o2 = SmallRun(*server2);
+  o2.workload.qps = 20;
+  auto result2 = RunQaBench(o2);
+  ASSERT_TRUE(result2.ok()) << result2.status().ToString();
+  EXPECT_GT(result2->summary.failures["early_close"], 0);
+}
+
+TEST(QaBench, FailsClearlyWhenTheServerDoesNotWork) {
+  int dead_port;
+  {
+    auto gone = StartServer();
+    dead_port = gone->port();
+  }
+  QaBenchOptions o;
+  o.base_url = "http://127.0.0.1:" + std::to_string(dead_port) + "/v1";
+  o.connect_timeout_s = 2;
+  auto unreachable = RunQaBench(o);
+  EXPECT_EQ(unreachable.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(unreachable.status().message().find("cannot reach"), std::string::npos)
+      << unreachable.status().message();
+
+  FakeServerOptions broken;
+  broken.fail_all = true;
+  auto server = StartServer(broken);
+  auto o2 = SmallRun(*server);
+  auto failing = RunQaBench(o2);
+  EXPECT_EQ(failing.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(failing.status().message().find("injected failure"), std::string::npos)
+      << failing.status().message();
+
+  auto ok_server = StartServer();
+  auto o3 = SmallRun(*ok_server);
+  o3.model = "no-such-model";
+  auto wrong_model = RunQaBench(o3);
+  EXPECT_EQ(wrong_model.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong_model.status().message().find("fake-model"), std::string::npos);
+
+  auto o4 = SmallRun(*ok_server);
+  o4.workload.qps = 0;
+  EXPECT_EQ(RunQaBench(o4).status().code(), StatusCode::kInvalidArgument);
+  o4 = SmallRun(*ok_server);
+  o4.base_url = "localhost:8000";
+  EXPECT_EQ(RunQaBench(o4).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(QaBench, PrintsASummaryEveryLogInterval) {
+  auto server = StartServer();
+  auto o = SmallRun(*server);
+  o.duration_s = 1.8;
+  o.log_interval_s = 0.5;
+  int intervals = 0;
+  o.print = [&](const std::string& s) {
+    if (s.find("Summary of the last") != std::string::npos) ++intervals;
+  };
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GE(intervals, 3);
+  EXPECT_LE(intervals, 4);
+}
+
+TEST(QaBench, StopsWhenAsked) {
+  FakeServerOptions so;
+  so.inter_token_delay_s = 0.01;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 0;  // until stopped
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    stop = true;
+  });
+  auto result = RunQaBench(o);
+  stopper.join();
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GT(result->summary.finished, 0);
+  EXPECT_LT(result->summary.seconds, 5);
+}
+
+}  // namespace
+}  // namespace kvtier::loadgen

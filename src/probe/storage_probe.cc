@@ -1,0 +1,591 @@
+#include "probe/storage_probe.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <latch>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "probe/units.h"
+
+namespace kvtier::probe {
+namespace {
+
+constexpr uint64_t kAlign = 4096;   // buffer, offset and length alignment for O_DIRECT
+constexpr uint64_t kSector = 4096;  // every sector carries a stamp
+constexpr uint64_t kStampMagic = 0x6b76746965725052ull;  // "kvtierPR"
+
+// Written at the start of every 4 KiB sector; lets a reader prove the bytes it got were written
+// by this run, to this file, at this offset (not stale data, not zeros of a hole).
+struct Stamp {
+  uint64_t magic;
+  uint64_t nonce;
+  uint64_t file;
+  uint64_t offset;
+};
+static_assert(sizeof(Stamp) == 32);
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<char, FreeDeleter>;
+
+Result<AlignedBuffer> AllocateAligned(uint64_t bytes) {
+  void* p = nullptr;
+  if (int rc = posix_memalign(&p, kAlign, bytes); rc != 0) {
+    return Status::FromErrno(rc, fmt::format("allocating a {} I/O buffer", FormatBytes(bytes)));
+  }
+  std::memset(p, 0, bytes);  // pre-fault: first touch of fresh memory is slow, keep it out of timing
+  return AlignedBuffer(static_cast<char*>(p));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// The probe's private directory and everything in it; removed on destruction unless kept.
+class RunDirectory {
+ public:
+  static Result<std::unique_ptr<RunDirectory>> Create(const std::string& parent, bool keep) {
+    std::string pattern = (std::filesystem::path(parent) / ".kvtier-probe-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) {
+      return Status::FromErrno(errno, fmt::format("creating a directory in {}", parent));
+    }
+    return std::unique_ptr<RunDirectory>(new RunDirectory(pattern, keep));
+  }
+  ~RunDirectory() {
+    if (keep_) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  RunDirectory(std::string path, bool keep) : path_(std::move(path)), keep_(keep) {}
+  std::string path_;
+  bool keep_;
+};
+
+struct ProbeFile {
+  std::string path;
+  uint64_t id;  // stamped into its sectors
+};
+
+bool Stopped(const std::atomic<bool>* stop) {
+  return stop != nullptr && stop->load(std::memory_order_relaxed);
+}
+
+Status Interrupted() { return Status::Aborted("interrupted; the probe's files were removed"); }
+
+void StampBlock(char* buf, uint64_t len, uint64_t nonce, uint64_t file, uint64_t offset) {
+  for (uint64_t s = 0; s < len; s += kSector) {
+    Stamp stamp{kStampMagic, nonce, file, offset + s};
+    std::memcpy(buf + s, &stamp, sizeof(stamp));
+  }
+}
+
+Status CheckBlock(const char* buf, uint64_t len, uint64_t nonce, const ProbeFile& file,
+                  uint64_t offset) {
+  for (uint64_t s = 0; s < len; s += kSector) {
+    Stamp stamp;
+    std::memcpy(&stamp, buf + s, sizeof(stamp));
+    if (stamp.magic != kStampMagic || stamp.nonce != nonce || stamp.file != file.id ||
+        stamp.offset != offset + s) {
+      return Status::Corruption(fmt::format(
+          "{} at offset {} holds bytes this run did not write there: the storage returned stale "
+          "or foreign data",
+          file.path, offset + s));
+    }
+  }
+  return Status::Ok();
+}
+
+Status WriteOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_size, char* buf,
+                    uint64_t nonce, bool direct, const std::atomic<bool>* stop) {
+  int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0);
+  Fd fd(::open(file.path.c_str(), flags, 0644));
+  if (fd.get() < 0) return Status::FromErrno(errno, fmt::format("creating {}", file.path));
+  for (uint64_t off = 0; off < file_size; off += block_size) {
+    if (Stopped(stop)) return Interrupted();
+    const uint64_t len = std::min(block_size, file_size - off);
+    StampBlock(buf, len, nonce, file.id, off);
+    uint64_t done = 0;
+    while (done < len) {
+      ssize_t n = ::pwrite(fd.get(), buf + done, len - done, static_cast<off_t>(off + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status::FromErrno(errno, fmt::format("writing {} at offset {}", file.path, off + done));
+      }
+      done += static_cast<uint64_t>(n);
+    }
+  }
+  if (::fdatasync(fd.get()) != 0) {
+    return Status::FromErrno(errno, fmt::format("fdatasync of {}", file.path));
+  }
+  return Status::Ok();
+}
+
+Status ReadOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_size, char* buf,
+                   uint64_t nonce, bool direct, const std::atomic<bool>* stop) {
+  Fd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0)));
+  if (fd.get() < 0) return Status::FromErrno(errno, fmt::format("opening {}", file.path));
+  for (uint64_t off = 0; off < file_size; off += block_size) {
+    if (Stopped(stop)) return Interrupted();
+    const uint64_t len = std::min(block_size, file_size - off);
+    uint64_t done = 0;
+    while (done < len) {
+      ssize_t n = ::pread(fd.get(), buf + done, len - done, static_cast<off_t>(off + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status::FromErrno(errno, fmt::format("reading {} at offset {}", file.path, off + done));
+      }
+      if (n == 0) {
+        return Status::IOError(fmt::format("{} ended at {} bytes, expected {}", file.path,
+                                           off + done, file_size));
+      }
+      done += static_cast<uint64_t>(n);
+    }
+    KVTIER_RETURN_IF_ERROR(CheckBlock(buf, len, nonce, file, off));
+  }
+  return Status::Ok();
+}
+
+// Runs `work(thread_index, buffer)` on `threads` threads that start together once each has its
+// buffer; returns the wall time from the common start to the last thread's end, or the first
+// error any thread returned.
+template <typename Work>
+Result<double> RunTimed(int threads, uint64_t buffer_size, Work work) {
+  std::vector<Status> results(threads);
+  std::vector<AlignedBuffer> buffers;
+  for (int t = 0; t < threads; ++t) {
+    KVTIER_ASSIGN_OR_RETURN(AlignedBuffer buf, AllocateAligned(buffer_size));
+    buffers.push_back(std::move(buf));
+  }
+  std::latch start(threads + 1);
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      start.arrive_and_wait();
+      results[t] = work(t, buffers[t].get());
+    });
+  }
+  start.arrive_and_wait();
+  const auto t0 = Clock::now();
+  for (auto& th : pool) th.join();
+  const double seconds = SecondsSince(t0);
+  for (const auto& st : results) {
+    if (!st.ok()) return st;
+  }
+  return seconds;
+}
+
+// Reads every file in `files` with `streams` threads, each on its own files: thread r reads
+// files r, r + streams, r + 2 x streams, ...
+Result<PhaseResult> ReadFiles(const std::vector<ProbeFile>& files, int streams, uint64_t file_size,
+                              uint64_t block_size, uint64_t nonce, bool direct,
+                              const std::atomic<bool>* stop) {
+  streams = std::max(1, std::min<int>(streams, static_cast<int>(files.size())));
+  auto seconds = RunTimed(streams, block_size, [&](int r, char* buf) -> Status {
+    for (size_t i = static_cast<size_t>(r); i < files.size(); i += static_cast<size_t>(streams)) {
+      KVTIER_RETURN_IF_ERROR(ReadOneFile(files[i], file_size, block_size, buf, nonce, direct, stop));
+    }
+    return Status::Ok();
+  });
+  if (!seconds.ok()) return seconds.status();
+  return PhaseResult{streams, file_size * files.size(), *seconds};
+}
+
+Result<PhaseResult> WriteFiles(const std::vector<ProbeFile>& files, int writers, uint64_t file_size,
+                               uint64_t block_size, uint64_t nonce, bool direct,
+                               const std::atomic<bool>* stop) {
+  writers = std::max(1, std::min<int>(writers, static_cast<int>(files.size())));
+  auto seconds = RunTimed(writers, block_size, [&](int w, char* buf) -> Status {
+    // Random filler, different per writer, so the payload does not compress.
+    std::mt19937_64 rng(nonce ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(w + 1)));
+    for (uint64_t i = 0; i + sizeof(uint64_t) <= block_size; i += sizeof(uint64_t)) {
+      uint64_t v = rng();
+      std::memcpy(buf + i, &v, sizeof(v));
+    }
+    for (size_t i = static_cast<size_t>(w); i < files.size(); i += static_cast<size_t>(writers)) {
+      KVTIER_RETURN_IF_ERROR(WriteOneFile(files[i], file_size, block_size, buf, nonce, direct, stop));
+    }
+    return Status::Ok();
+  });
+  if (!seconds.ok()) return seconds.status();
+  return PhaseResult{writers, file_size * files.size(), *seconds};
+}
+
+void DropFromPageCache(const std::vector<ProbeFile>& files) {
+  for (const auto& f : files) {
+    Fd fd(::open(f.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() >= 0) {
+      ::fdatasync(fd.get());
+      ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+    }
+  }
+}
+
+// Fraction of the files' pages present in the page cache.
+double ResidentFraction(const std::vector<ProbeFile>& files, uint64_t file_size) {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const uint64_t pages_per_file = (file_size + page - 1) / page;
+  std::vector<unsigned char> vec(pages_per_file);
+  uint64_t resident = 0, total = 0;
+  for (const auto& f : files) {
+    Fd fd(::open(f.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) continue;
+    void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (map == MAP_FAILED) continue;
+    if (::mincore(map, file_size, vec.data()) == 0) {
+      for (unsigned char v : vec) resident += (v & 1);
+      total += pages_per_file;
+    }
+    ::munmap(map, file_size);
+  }
+  return total == 0 ? 0.0 : static_cast<double>(resident) / static_cast<double>(total);
+}
+
+// First half of the O_DIRECT check, on a file already written: open flag and alignment.
+ODirectCheck CheckODirectOpen(const std::string& path) {
+  ODirectCheck check;
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
+  if (fd.get() < 0) return check;
+  check.open_accepted = true;
+  int flags = ::fcntl(fd.get(), F_GETFL);
+  check.flag_kept = flags >= 0 && (flags & O_DIRECT) != 0;
+  void* p = nullptr;
+  if (posix_memalign(&p, kAlign, 3 * kAlign) == 0) {
+    AlignedBuffer buf(static_cast<char*>(p));
+    errno = 0;
+    ssize_t misaligned_buffer = ::pread(fd.get(), buf.get() + 1, kAlign, 0);
+    const bool buffer_refused = misaligned_buffer < 0 && errno == EINVAL;
+    errno = 0;
+    ssize_t misaligned_offset = ::pread(fd.get(), buf.get(), kAlign, 1);
+    const bool offset_refused = misaligned_offset < 0 && errno == EINVAL;
+    check.alignment_enforced = buffer_refused || offset_refused;
+  }
+  return check;
+}
+
+const char* FilesystemName(const std::string& path) {
+  struct statfs sf;
+  if (::statfs(path.c_str(), &sf) != 0) return "unknown";
+  switch (static_cast<unsigned long>(sf.f_type)) {
+    case 0xEF53: return "ext4";
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0x01021994: return "tmpfs";
+    case 0x6969: return "nfs";
+    case 0xFE534D42: return "smb2";
+    case 0xFF534D42: return "cifs";
+    case 0x794c7630: return "overlayfs";
+    case 0x65735546: return "fuse";
+    case 0x2FC12FC1: return "zfs";
+    case 0x00C36400: return "ceph";
+    case 0x0BD00BD0: return "lustre";
+    case 0x47504653: return "gpfs";
+    case 0x5346414F: return "afs";
+    case 0x858458F6: return "ramfs";
+    case 0x4d44: return "vfat";
+    case 0xF2F52010: return "f2fs";
+    default: return "unknown";
+  }
+}
+
+Status ValidateOptions(const StorageProbeOptions& o) {
+  std::error_code ec;
+  if (o.directory.empty()) return Status::InvalidArgument("no directory given");
+  if (!std::filesystem::exists(o.directory, ec)) {
+    return Status::InvalidArgument(fmt::format("directory {} does not exist", o.directory));
+  }
+  if (!std::filesystem::is_directory(o.directory, ec)) {
+    return Status::InvalidArgument(fmt::format("{} is not a directory", o.directory));
+  }
+  if (::access(o.directory.c_str(), W_OK | X_OK) != 0) {
+    return Status::InvalidArgument(fmt::format("directory {} is not writable", o.directory));
+  }
+  if (o.block_size < kAlign || o.block_size % kAlign != 0 || o.block_size > (1ull << 30)) {
+    return Status::InvalidArgument(fmt::format(
+        "block size {} must be a multiple of 4 KiB between 4 KiB and 1 GiB", o.block_size));
+  }
+  if (o.file_size < kAlign || o.file_size % kAlign != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "file size {} must be a positive multiple of 4 KiB (O_DIRECT needs aligned lengths)",
+        o.file_size));
+  }
+  if (o.reader_counts.empty()) return Status::InvalidArgument("no reader counts given");
+  for (int r : o.reader_counts) {
+    if (r < 1 || r > 1024) {
+      return Status::InvalidArgument(fmt::format("reader count {} is out of range [1, 1024]", r));
+    }
+  }
+  if (o.files_per_reader < 1 || o.files_per_reader > 4096) {
+    return Status::InvalidArgument("files per reader must be in [1, 4096]");
+  }
+  if (o.control_files < 1 || o.control_files > 4096) {
+    return Status::InvalidArgument("control files must be in [1, 4096]");
+  }
+  if (o.writers < 1 || o.writers > 1024) {
+    return Status::InvalidArgument("writers must be in [1, 1024]");
+  }
+  return Status::Ok();
+}
+
+void AddPlausibilityWarnings(StorageProbeReport& r) {
+  const double memory = r.buffered_warm.GBps();
+  const double control = r.control.GBps();
+  if (!r.o_direct.honoured) {
+    r.warnings.push_back(fmt::format(
+        "O_DIRECT was not honoured ({}): the read figures include the page cache and are not "
+        "storage figures",
+        r.o_direct.detail));
+  }
+  if (memory > 0 && control > 0.5 * memory) {
+    r.warnings.push_back(fmt::format(
+        "the control read ({:.2f} GB/s) is implausibly fast, over half the page-cache speed "
+        "({:.2f} GB/s): reads are being served from memory (page cache or a caching layer below "
+        "it), not from storage",
+        control, memory));
+  }
+  for (const auto& phase : r.reads) {
+    if (memory > 0 && phase.GBps() > 0.5 * memory) {
+      r.warnings.push_back(fmt::format(
+          "{} readers read at {:.2f} GB/s, over half the page-cache speed ({:.2f} GB/s): not a "
+          "storage figure",
+          phase.streams, phase.GBps(), memory));
+    }
+  }
+  if (control > 0 && r.control_reread.GBps() > 1.3 * control) {
+    r.warnings.push_back(fmt::format(
+        "re-reading the control files with O_DIRECT ran at {:.2f} GB/s against {:.2f} GB/s the "
+        "first time: a cache below the page cache (hypervisor, storage server, array) serves "
+        "repeated reads, so reader counts after the first may be inflated; quote the control",
+        r.control_reread.GBps(), control));
+  }
+  auto too_short = [&](const char* name, const PhaseResult& p) {
+    if (p.bytes > 0 && p.seconds < 0.05) {
+      r.warnings.push_back(fmt::format(
+          "the {} phase took only {:.1f} ms, too short to time reliably: use a larger --file-size "
+          "or more --files-per-reader / --control-files",
+          name, p.seconds * 1e3));
+    }
+  };
+  too_short("write", r.write);
+  too_short("control", r.control);
+  for (const auto& phase : r.reads) too_short(fmt::format("{}-reader", phase.streams).c_str(), phase);
+}
+
+}  // namespace
+
+Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
+  KVTIER_RETURN_IF_ERROR(ValidateOptions(o));
+  auto progress = [&](const std::string& line) {
+    if (o.progress) o.progress(line);
+  };
+  const uint64_t block_size = std::min(o.block_size, o.file_size);
+  const int max_readers = *std::max_element(o.reader_counts.begin(), o.reader_counts.end());
+  const int pool_count = max_readers * o.files_per_reader;
+  const uint64_t total_bytes = o.file_size * static_cast<uint64_t>(pool_count + o.control_files);
+
+  struct statvfs vfs;
+  if (::statvfs(o.directory.c_str(), &vfs) == 0) {
+    const uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (total_bytes + total_bytes / 20 > avail) {
+      return Status::NoSpace(fmt::format(
+          "the probe needs {} in {} but only {} is free: use a smaller --file-size, fewer "
+          "--readers or fewer --control-files",
+          FormatBytes(total_bytes), o.directory, FormatBytes(avail)));
+    }
+  }
+
+  StorageProbeReport report;
+  report.directory = o.directory;
+  report.filesystem = FilesystemName(o.directory);
+  report.file_size = o.file_size;
+  report.block_size = block_size;
+  report.pool_files = pool_count;
+  report.control_files = o.control_files;
+
+  KVTIER_ASSIGN_OR_RETURN(auto run_dir, RunDirectory::Create(o.directory, o.keep_files));
+  const uint64_t nonce = std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32) ^
+                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  std::vector<ProbeFile> pool, control;
+  for (int i = 0; i < pool_count; ++i) {
+    pool.push_back({fmt::format("{}/pool-{:05}", run_dir->path(), i), static_cast<uint64_t>(i)});
+  }
+  for (int i = 0; i < o.control_files; ++i) {
+    control.push_back({fmt::format("{}/control-{:05}", run_dir->path(), i),
+                       static_cast<uint64_t>(pool_count + i)});
+  }
+
+  // Does this filesystem take O_DIRECT at all? Try on a scratch file first, so a refusal is a
+  // reported fact rather than a failed write.
+  bool direct = true;
+  {
+    const std::string scratch = run_dir->path() + "/o-direct-check";
+    Fd fd(::open(scratch.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_DIRECT, 0644));
+    if (fd.get() < 0) {
+      if (errno != EINVAL) return Status::FromErrno(errno, fmt::format("creating {}", scratch));
+      direct = false;
+    }
+    ::unlink(scratch.c_str());
+  }
+
+  std::vector<ProbeFile> all = pool;
+  all.insert(all.end(), control.begin(), control.end());
+  progress(fmt::format("writing {} files of {} ({} in all) into {} with {} writers{}", all.size(),
+                       FormatBytes(o.file_size), FormatBytes(total_bytes), run_dir->path(),
+                       std::min<size_t>(o.writers, all.size()), direct ? ", O_DIRECT" : ", buffered"));
+  KVTIER_ASSIGN_OR_RETURN(report.write,
+                          WriteFiles(all, o.writers, o.file_size, block_size, nonce, direct, o.stop));
+  progress(fmt::format("  write: {:.2f} GB/s", report.write.GBps()));
+
+  if (direct) {
+    report.o_direct = CheckODirectOpen(control.front().path);
+  } else {
+    DropFromPageCache(all);  // without O_DIRECT, at least start every read from storage
+  }
+
+  progress(fmt::format("control: 1 stream reading {} fresh files", control.size()));
+  KVTIER_ASSIGN_OR_RETURN(report.control,
+                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop));
+  progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
+  const double control_resident = ResidentFraction(control, o.file_size);
+
+  for (int readers : o.reader_counts) {
+    if (!direct) DropFromPageCache(pool);
+    progress(fmt::format("reading {} files with {} readers, each on its own files", pool.size(),
+                         readers));
+    KVTIER_ASSIGN_OR_RETURN(
+        PhaseResult phase, ReadFiles(pool, readers, o.file_size, block_size, nonce, direct, o.stop));
+    progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
+    report.reads.push_back(phase);
+  }
+  const double pool_resident = ResidentFraction(pool, o.file_size);
+
+  if (!direct) DropFromPageCache(control);
+  progress("control again: the same files, second read");
+  KVTIER_ASSIGN_OR_RETURN(report.control_reread,
+                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop));
+  progress(fmt::format("  control re-read: {:.2f} GB/s", report.control_reread.GBps()));
+
+  progress("buffered reads for contrast: cold (after dropping the files from the page cache), "
+           "then warm");
+  DropFromPageCache(pool);
+  KVTIER_ASSIGN_OR_RETURN(report.buffered_cold,
+                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop));
+  KVTIER_ASSIGN_OR_RETURN(report.buffered_warm,
+                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop));
+  progress(fmt::format("  buffered: cold {:.2f} GB/s, warm {:.2f} GB/s", report.buffered_cold.GBps(),
+                       report.buffered_warm.GBps()));
+  DropFromPageCache(pool);
+
+  ODirectCheck& c = report.o_direct;
+  c.resident_fraction = std::max(control_resident, pool_resident);
+  c.honoured = direct && c.open_accepted && c.flag_kept && c.resident_fraction < 0.02;
+  if (!direct || !c.open_accepted) {
+    c.detail = fmt::format("{} refuses O_DIRECT (EINVAL); reads were buffered after dropping the "
+                           "files from the page cache",
+                           report.filesystem);
+  } else if (!c.flag_kept) {
+    c.detail = "open() accepted O_DIRECT but the file descriptor does not carry the flag";
+  } else if (c.resident_fraction >= 0.02) {
+    c.detail = fmt::format(
+        "O_DIRECT reads left {:.0f}% of the files' pages in the page cache: the filesystem "
+        "ignores O_DIRECT",
+        c.resident_fraction * 100);
+  } else {
+    c.detail = fmt::format("page cache bypassed: no pages of the files were cached after the "
+                           "reads; misaligned O_DIRECT I/O {}",
+                           c.alignment_enforced ? "is refused (EINVAL)"
+                                                : "is accepted (the filesystem does not enforce "
+                                                  "alignment, as NFS and tmpfs do not)");
+  }
+  AddPlausibilityWarnings(report);
+  if (o.keep_files) progress(fmt::format("files kept in {}", run_dir->path()));
+  return report;
+}
+
+std::string StorageProbeReportToJson(const StorageProbeReport& r) {
+  nlohmann::json j;
+  j["directory"] = r.directory;
+  j["filesystem"] = r.filesystem;
+  j["file_size_bytes"] = r.file_size;
+  j["block_size_bytes"] = r.block_size;
+  j["pool_files"] = r.pool_files;
+  j["control_files"] = r.control_files;
+  j["o_direct"] = r.o_direct.honoured;
+  j["o_direct_detail"] = r.o_direct.detail;
+  j["o_direct_alignment_enforced"] = r.o_direct.alignment_enforced;
+  j["page_cache_resident_fraction"] = r.o_direct.resident_fraction;
+  j["readers"] = nlohmann::json::array();
+  for (const auto& p : r.reads) {
+    j["readers"].push_back(
+        {{"readers", p.streams}, {"read_GBps", p.GBps()}, {"bytes", p.bytes}, {"seconds", p.seconds}});
+  }
+  j["control_GBps"] = r.control.GBps();
+  j["control_reread_GBps"] = r.control_reread.GBps();
+  j["buffered_read_GBps"] = r.buffered_warm.GBps();
+  j["buffered_cold_read_GBps"] = r.buffered_cold.GBps();
+  j["write_GBps"] = r.write.GBps();
+  j["writers"] = r.write.streams;
+  j["warnings"] = r.warnings;
+  return j.dump(2);
+}
+
+std::string StorageProbeReportToText(const StorageProbeReport& r) {
+  std::string out;
+  out += fmt::format("storage probe of {} ({}), files of {}, requests of {}\n", r.directory,
+                     r.filesystem, FormatBytes(r.file_size), FormatBytes(r.block_size));
+  auto line = [&](const std::string& name, const PhaseResult& p, const char* note) {
+    out += fmt::format("  {:<34} {:>7.2f} GB/s  ({} in {:.3f} s){}\n", name, p.GBps(),
+                       FormatBytes(p.bytes), p.seconds, note);
+  };
+  const char* mode = r.o_direct.honoured ? "O_DIRECT" : "NOT O_DIRECT";
+  line(fmt::format("write, {} writers, {}", r.write.streams, mode), r.write, "");
+  for (const auto& p : r.reads) {
+    line(fmt::format("read, {} readers, {}", p.streams, mode), p, "");
+  }
+  line(fmt::format("control, 1 stream, {}", mode), r.control, "  <- storage figure");
+  line(fmt::format("control re-read, 1 stream, {}", mode), r.control_reread, "");
+  line("buffered read, cold, 1 stream", r.buffered_cold, "");
+  line("buffered read, warm, 1 stream", r.buffered_warm, "  <- page cache, not storage");
+  out += fmt::format("O_DIRECT honoured: {} ({})\n", r.o_direct.honoured ? "yes" : "NO",
+                     r.o_direct.detail);
+  for (const auto& w : r.warnings) out += fmt::format("WARNING: {}\n", w);
+  return out;
+}
+
+}  // namespace kvtier::probe

@@ -1,0 +1,180 @@
+#include "probe/storage_probe.h"
+
+#include <fcntl.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "testing/temp_dir.h"
+
+namespace kvtier::probe {
+namespace {
+
+namespace fs = std::filesystem;
+
+StorageProbeOptions SmallOptions(const std::string& dir) {
+  StorageProbeOptions o;
+  o.directory = dir;
+  o.file_size = 256 << 10;
+  o.block_size = 64 << 10;
+  o.reader_counts = {1, 3};
+  o.files_per_reader = 1;
+  o.control_files = 2;
+  o.writers = 2;
+  return o;
+}
+
+size_t Entries(const std::string& dir) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++n;
+  return n;
+}
+
+bool IsTmpfs(const std::string& path) {
+  struct statfs sf;
+  return ::statfs(path.c_str(), &sf) == 0 && sf.f_type == 0x01021994;
+}
+
+// Finds the probe's private directory while it runs.
+std::string RunDir(const std::string& parent) {
+  for (const auto& e : fs::directory_iterator(parent)) {
+    if (e.path().filename().string().rfind(".kvtier-probe-", 0) == 0) return e.path().string();
+  }
+  return "";
+}
+
+TEST(StorageProbe, MeasuresEveryPhaseAndCleansUp) {
+  testing::TempDir dir("probe");
+  std::vector<std::string> lines;
+  auto options = SmallOptions(dir.path());
+  options.progress = [&](const std::string& line) { lines.push_back(line); };
+  auto report = RunStorageProbe(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->pool_files, 3);
+  EXPECT_EQ(report->control_files, 2);
+  ASSERT_EQ(report->reads.size(), 2u);
+  EXPECT_EQ(report->reads[0].streams, 1);
+  EXPECT_EQ(report->reads[1].streams, 3);
+  for (const auto& phase : report->reads) {
+    EXPECT_EQ(phase.bytes, 3u * (256 << 10));
+    EXPECT_GT(phase.GBps(), 0);
+  }
+  EXPECT_EQ(report->write.bytes, 5u * (256 << 10));
+  EXPECT_EQ(report->control.bytes, 2u * (256 << 10));
+  EXPECT_GT(report->buffered_warm.GBps(), 0);
+  EXPECT_FALSE(lines.empty());
+  // Everything it wrote is gone.
+  EXPECT_EQ(Entries(dir.path()), 0u);
+  if (!IsTmpfs(dir.path())) {
+    // The test directory sits on a disk filesystem on the machines this project runs on.
+    EXPECT_TRUE(report->o_direct.honoured) << report->o_direct.detail;
+    EXPECT_LT(report->o_direct.resident_fraction, 0.02);
+  }
+  auto json = nlohmann::json::parse(StorageProbeReportToJson(*report));
+  for (const char* key : {"readers", "control_GBps", "buffered_read_GBps", "write_GBps", "o_direct"}) {
+    EXPECT_TRUE(json.contains(key)) << key;
+  }
+  ASSERT_EQ(json["readers"].size(), 2u);
+  EXPECT_EQ(json["readers"][1]["readers"], 3);
+  EXPECT_GT(json["readers"][1]["read_GBps"].get<double>(), 0);
+  EXPECT_NE(StorageProbeReportToText(*report).find("3 readers"), std::string::npos);
+}
+
+TEST(StorageProbe, SeesThatTmpfsDoesNotHonourODirect) {
+  if (!fs::is_directory("/dev/shm") || !IsTmpfs("/dev/shm")) GTEST_SKIP() << "no tmpfs at /dev/shm";
+  char pattern[] = "/dev/shm/kvtier-probe-test-XXXXXX";
+  ASSERT_NE(mkdtemp(pattern), nullptr);
+  const std::string shm = pattern;
+  auto report = RunStorageProbe(SmallOptions(shm));
+  std::error_code ec;
+  const size_t left = Entries(shm);
+  fs::remove_all(shm, ec);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(left, 0u);
+  EXPECT_EQ(report->filesystem, "tmpfs");
+  EXPECT_FALSE(report->o_direct.honoured);
+  EXPECT_GT(report->o_direct.resident_fraction, 0.5);
+  ASSERT_FALSE(report->warnings.empty());
+  EXPECT_NE(report->warnings.front().find("not honoured"), std::string::npos);
+}
+
+TEST(StorageProbe, DetectsBytesItDidNotWrite) {
+  testing::TempDir dir("probe");
+  auto options = SmallOptions(dir.path());
+  options.progress = [&](const std::string& line) {
+    if (line.rfind("control:", 0) != 0) return;
+    // Something else rewrites a pool file behind the probe's back.
+    const std::string victim = RunDir(dir.path()) + "/pool-00001";
+    int fd = ::open(victim.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    std::vector<char> zeros(4096, 0);
+    ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), 8192), 4096);
+    ::fsync(fd);
+    ::close(fd);
+  };
+  auto report = RunStorageProbe(options);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
+  EXPECT_NE(report.status().message().find("pool-00001"), std::string::npos);
+  EXPECT_EQ(Entries(dir.path()), 0u);
+}
+
+TEST(StorageProbe, StopsWhenAskedAndCleansUp) {
+  testing::TempDir dir("probe");
+  std::atomic<bool> stop{false};
+  auto options = SmallOptions(dir.path());
+  options.stop = &stop;
+  options.progress = [&](const std::string& line) {
+    if (line.rfind("reading", 0) == 0) stop = true;  // as a SIGINT handler would
+  };
+  auto report = RunStorageProbe(options);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kAborted);
+  EXPECT_EQ(Entries(dir.path()), 0u);
+}
+
+TEST(StorageProbe, KeepsFilesOnlyWhenAsked) {
+  testing::TempDir dir("probe");
+  auto options = SmallOptions(dir.path());
+  options.keep_files = true;
+  ASSERT_TRUE(RunStorageProbe(options).ok());
+  const std::string run = RunDir(dir.path());
+  ASSERT_FALSE(run.empty());
+  EXPECT_EQ(Entries(run), 5u);  // 3 pool + 2 control files
+}
+
+TEST(StorageProbe, RejectsBadInput) {
+  testing::TempDir dir("probe");
+  auto missing = SmallOptions(dir.Sub("missing"));
+  EXPECT_EQ(RunStorageProbe(missing).status().code(), StatusCode::kInvalidArgument);
+
+  const std::string file = dir.Sub("plain-file");
+  std::ofstream(file) << "x";
+  EXPECT_EQ(RunStorageProbe(SmallOptions(file)).status().code(), StatusCode::kInvalidArgument);
+
+  auto misaligned = SmallOptions(dir.path());
+  misaligned.block_size = 1000;
+  EXPECT_EQ(RunStorageProbe(misaligned).status().code(), StatusCode::kInvalidArgument);
+
+  auto odd_file = SmallOptions(dir.path());
+  odd_file.file_size = 4097;
+  EXPECT_EQ(RunStorageProbe(odd_file).status().code(), StatusCode::kInvalidArgument);
+
+  auto no_readers = SmallOptions(dir.path());
+  no_readers.reader_counts = {};
+  EXPECT_EQ(RunStorageProbe(no_readers).status().code(), StatusCode::kInvalidArgument);
+
+  auto huge = SmallOptions(dir.path());
+  huge.file_size = 1ull << 50;  // a PiB per file: no disk here has room
+  auto status = RunStorageProbe(huge).status();
+  EXPECT_EQ(status.code(), StatusCode::kNoSpace) << status.ToString();
+  EXPECT_EQ(Entries(dir.path()), 1u);  // only plain-file; the probe left nothing
+}
+
+}  // namespace
+}  // namespace kvtier::probe
