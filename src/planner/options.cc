@@ -1,0 +1,299 @@
+#include "planner/options.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "planner/units.h"
+
+namespace kvtier::planner {
+namespace {
+
+// The prefill of Qwen3-8B on one H200 measured for the project (bf16, transformers, SDPA).
+constexpr const char* kQwen3H200Table = "4096:0.135,8192:0.280,16384:0.652,24576:1.049,32768:1.530";
+
+struct FlagInfo {
+  const char* name;  // without dashes
+  const char* help;
+  std::string PlannerFlags::*text = nullptr;
+  std::vector<std::string> PlannerFlags::*list = nullptr;
+  bool PlannerFlags::*flag = nullptr;
+};
+
+const std::vector<FlagInfo>& Flags() {
+  using F = PlannerFlags;
+  static const std::vector<FlagInfo> flags = {
+      {"model",
+       "Model: qwen3-8b, llama-3.1-8b, llama-3.1-70b, deepseek-v3 (MLA), or a path to a Hugging "
+       "Face config.json",
+       &F::model},
+      {"dtype", "KV cache dtype (bfloat16, float16, fp8, ...); default: the model's", &F::dtype},
+      {"weight-dtype", "Weights dtype, for the memory they take; default: the model's",
+       &F::weight_dtype},
+      {"tp", "Tensor-parallel size (GPUs per engine instance)", &F::tp},
+      {"gpu", "GPU preset: h200, h100, a100-80g, l40s (memory, peak bf16 FLOP/s, HBM bandwidth)",
+       &F::gpu},
+      {"gpu-kv-gb",
+       "GPU memory free for KV after weights, per GPU, in GB (1e9 bytes) or with a unit "
+       "(e.g. 19GiB); default: GPU memory x utilization - weights/TP - reserve",
+       &F::gpu_kv_gb},
+      {"gpu-memory-utilization", "Fraction of GPU memory the engine may use (as vLLM's flag)",
+       &F::gpu_memory_utilization},
+      {"reserve-gb", "Per-GPU memory for activations and CUDA graphs, in GB", &F::reserve_gb},
+      {"prefill-table",
+       "Measured full prefills from an empty cache, \"TOKENS:SECONDS,...\" (e.g. "
+       "4096:0.135,8192:0.280); default: the measured Qwen3-8B/H200 table for that pair, FLOPs "
+       "otherwise",
+       &F::prefill_table},
+      {"efficiency", "Fraction of peak FLOP/s a prefill reaches, when costed from FLOPs",
+       &F::efficiency},
+      {"users", "Concurrent users (about this many conversations are active)", &F::users},
+      {"rounds", "Questions per user conversation", &F::rounds},
+      {"qps",
+       "Requests per second over all users; each user asks every users/qps seconds (never "
+       "before its last answer is done)",
+       &F::qps},
+      {"load",
+       "Instead of --qps: fraction of the no-offload engine's capacity, measured per context by "
+       "a saturating probe (0.65 = the honest-measurement rule)",
+       &F::load},
+      {"system-prompt", "Tokens of system prompt shared by all users", &F::system_prompt},
+      {"context",
+       "Per-user context at the first round, tokens; a comma list is a sweep (k = x1024, e.g. "
+       "8k,16k,24k)",
+       &F::context},
+      {"question-tokens", "Tokens per question", &F::question_tokens},
+      {"answer-tokens", "Tokens per answer (each answer joins the next prompt)",
+       &F::answer_tokens},
+      {"duration", "How long users keep sending (e.g. 1200, 1200s, 20m, 1h)", &F::duration},
+      {"tier",
+       "Offload tier NAME:CAPACITY:READ_BW[:WRITE_BW], repeatable, fastest first (e.g. "
+       "cpu:8GiB:20GB/s, nfs:200GiB:3.55GB/s); capacity needs a unit; default: "
+       "cpu:64GiB:50GB/s",
+       nullptr, &F::tiers},
+      {"write-policy",
+       "write_through (every tier on save), write_back (first tier; lower ones on eviction) or "
+       "none",
+       &F::write_policy},
+      {"step-overhead-ms",
+       "Fixed cost of every engine step (scheduling, launches, sampling), milliseconds",
+       &F::step_overhead_ms},
+      {"calibrate",
+       "CONTEXT:SECONDS: a measured mean TTFT without offload at that context, for this "
+       "workload; fits --step-overhead-ms to it",
+       &F::calibrate},
+      {"max-batched-tokens", "Tokens per engine step (decode + chunked prefill)",
+       &F::max_batched_tokens},
+      {"block-tokens", "GPU prefix-cache block size, tokens", &F::block_tokens},
+      {"chunk-tokens", "Offload chunk size, tokens (only full chunks are stored)",
+       &F::chunk_tokens},
+      {"save-copy-bw", "GPU->host copy bandwidth for KV being saved (e.g. 50GB/s)",
+       &F::save_copy_bw},
+      {"save-blocking",
+       "Fraction of that copy the engine step waits for: 1 = synchronous save, 0 = fully "
+       "overlapped",
+       &F::save_blocking},
+      {"no-sensitivity", "Skip the 0.9x/1.1x GPU-memory re-runs", nullptr, nullptr,
+       &F::no_sensitivity},
+      {"json", "Print one JSON object instead of the table", nullptr, nullptr, &F::json},
+      {"plot", "Also draw TTFT against context to FILE.svg or FILE.png (gnuplot)", &F::plot},
+  };
+  return flags;
+}
+
+Result<uint64_t> ParseCount(const std::string& text, const char* what, uint64_t min) {
+  KVTIER_ASSIGN_OR_RETURN(uint64_t v, ParseTokens(text));
+  if (v < min) return Status::InvalidArgument(fmt::format("--{} must be >= {}", what, min));
+  return v;
+}
+
+Result<double> ParseGb(const std::string& text) {
+  auto plain = ParseNumber(text, "--gpu-kv-gb");
+  if (plain.ok()) return *plain * 1e9;
+  return ParseBytes(text);
+}
+
+}  // namespace
+
+void AddPlannerFlags(CLI::App* cmd, PlannerFlags* flags) {
+  cmd->add_option("--config", flags->config,
+                  "JSON file with any of these inputs, keyed by flag name without dashes "
+                  "(e.g. {\"users\": 8, \"tier\": [\"cpu:8GiB:20GB/s\"]}); flags override it");
+  for (const FlagInfo& f : Flags()) {
+    std::string name = std::string("--") + f.name;
+    if (f.text) {
+      cmd->add_option(name, flags->*(f.text), f.help)->capture_default_str();
+    } else if (f.list) {
+      cmd->add_option(name, flags->*(f.list), f.help)->allow_extra_args(false);
+    } else {
+      cmd->add_flag(name, flags->*(f.flag), f.help);
+    }
+  }
+}
+
+Status MergeConfigFile(const CLI::App& cmd, PlannerFlags* flags) {
+  if (flags->config.empty()) return Status::Ok();
+  std::ifstream in(flags->config);
+  if (!in) return Status::InvalidArgument(fmt::format("--config: cannot read '{}'", flags->config));
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::InvalidArgument(fmt::format("--config '{}' is not a JSON object", flags->config));
+  }
+  auto scalar = [](const nlohmann::json& v) -> std::string {
+    return v.is_string() ? v.get<std::string>() : v.dump();
+  };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    std::string key = it.key();
+    for (char& c : key) c = c == '_' ? '-' : c;
+    if (key == "tiers") key = "tier";
+    const FlagInfo* info = nullptr;
+    for (const FlagInfo& f : Flags()) {
+      if (key == f.name) info = &f;
+    }
+    if (info == nullptr) {
+      return Status::InvalidArgument(
+          fmt::format("--config '{}': unknown key '{}'", flags->config, it.key()));
+    }
+    if (cmd.count(std::string("--") + info->name) > 0) continue;  // the command line wins
+    const nlohmann::json& v = it.value();
+    if (info->text) {
+      std::string s;
+      if (v.is_array()) {
+        for (const auto& e : v) s += (s.empty() ? "" : ",") + scalar(e);
+      } else {
+        s = scalar(v);
+      }
+      flags->*(info->text) = s;
+    } else if (info->list) {
+      auto& list = flags->*(info->list);
+      list.clear();
+      if (v.is_array()) {
+        for (const auto& e : v) list.push_back(scalar(e));
+      } else {
+        list.push_back(scalar(v));
+      }
+    } else {
+      if (!v.is_boolean()) {
+        return Status::InvalidArgument(fmt::format("--config: '{}' must be true or false", key));
+      }
+      flags->*(info->flag) = v.get<bool>();
+    }
+  }
+  return Status::Ok();
+}
+
+Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, bool fast) {
+  PlanInputs in;
+  in.fast = fast;
+  KVTIER_ASSIGN_OR_RETURN(uint64_t tp, ParseCount(f.tp, "tp", 1));
+  if (tp > 1024) return Status::InvalidArgument("--tp is larger than 1024");
+  KVTIER_ASSIGN_OR_RETURN(in.model,
+                          LoadModel(f.model, static_cast<uint32_t>(tp), f.dtype, f.weight_dtype));
+  KVTIER_ASSIGN_OR_RETURN(GpuSpec gpu, LoadGpu(f.gpu));
+
+  double kv_per_gpu = 0;
+  if (!f.gpu_kv_gb.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(kv_per_gpu, ParseGb(f.gpu_kv_gb));
+    if (!(kv_per_gpu > 0)) return Status::InvalidArgument("--gpu-kv-gb must be > 0");
+    in.gpu_description = fmt::format("{}{}", gpu.name, tp > 1 ? fmt::format(" x{}", tp) : "");
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(double util,
+                            ParseNumber(f.gpu_memory_utilization, "--gpu-memory-utilization"));
+    if (!(util > 0) || util > 1) {
+      return Status::InvalidArgument("--gpu-memory-utilization must be in (0, 1]");
+    }
+    KVTIER_ASSIGN_OR_RETURN(double reserve, ParseNumber(f.reserve_gb, "--reserve-gb"));
+    const double weights = in.model.weight_bytes() / tp;
+    kv_per_gpu = gpu.memory_bytes * util - weights - reserve * 1e9;
+    if (kv_per_gpu <= 0) {
+      return Status::InvalidArgument(fmt::format(
+          "{} does not fit: {} of weights per GPU at TP {} leave no KV memory in {} x {:.2f} of "
+          "{}; raise --tp or give --gpu-kv-gb",
+          in.model.name, FormatBytes(weights), tp, FormatBytes(gpu.memory_bytes), util, gpu.name));
+    }
+    in.gpu_description = fmt::format("{}{}", gpu.name, tp > 1 ? fmt::format(" x{}", tp) : "");
+  }
+
+  EngineModel& e = in.engine;
+  e.gpu_kv_bytes = kv_per_gpu * tp;
+  e.kv_bytes_per_token = in.model.kv_bytes_per_token();
+  const bool measured_pair = in.model.name == "qwen3-8b" && gpu.name == "h200" && tp == 1 &&
+                             in.model.kv_dtype == DType::kBFloat16;
+  if (!f.prefill_table.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(auto table, ParseTokenSecondsTable(f.prefill_table));
+    auto cost = PrefillCost::FromTable(std::move(table));
+    if (!cost.ok()) return cost.status().WithContext("--prefill-table");
+    e.prefill = std::move(cost).value();
+  } else if (measured_pair && cmd.count("--efficiency") == 0) {
+    KVTIER_ASSIGN_OR_RETURN(auto table, ParseTokenSecondsTable(kQwen3H200Table));
+    KVTIER_ASSIGN_OR_RETURN(e.prefill, PrefillCost::FromTable(std::move(table)));
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(double eff, ParseNumber(f.efficiency, "--efficiency"));
+    KVTIER_ASSIGN_OR_RETURN(e.prefill, PrefillCost::FromFlops(in.model, gpu.peak_flops, eff));
+  }
+  KVTIER_ASSIGN_OR_RETURN(double overhead_ms, ParseNumber(f.step_overhead_ms, "--step-overhead-ms"));
+  e.step_overhead_s = overhead_ms / 1e3;
+  const double hbm = gpu.hbm_bytes_per_s * tp;
+  e.decode_weights_s = in.model.active_params * in.model.weight_bytes_per_param / hbm;
+  e.decode_s_per_kv_token = static_cast<double>(e.kv_bytes_per_token) / hbm;
+  KVTIER_ASSIGN_OR_RETURN(uint64_t mbt, ParseCount(f.max_batched_tokens, "max-batched-tokens", 1));
+  KVTIER_ASSIGN_OR_RETURN(uint64_t bt, ParseCount(f.block_tokens, "block-tokens", 1));
+  KVTIER_ASSIGN_OR_RETURN(uint64_t ct, ParseCount(f.chunk_tokens, "chunk-tokens", 1));
+  if (mbt > (1u << 24) || bt > (1u << 20) || ct > (1u << 20)) {
+    return Status::InvalidArgument("--max-batched-tokens, --block-tokens or --chunk-tokens too large");
+  }
+  e.max_batched_tokens = static_cast<uint32_t>(mbt);
+  e.block_tokens = static_cast<uint32_t>(bt);
+  e.chunk_tokens = static_cast<uint32_t>(ct);
+  KVTIER_ASSIGN_OR_RETURN(e.save_copy_bytes_per_s, ParseBandwidth(f.save_copy_bw));
+  KVTIER_ASSIGN_OR_RETURN(e.save_blocking, ParseNumber(f.save_blocking, "--save-blocking"));
+  if (e.save_blocking > 1) return Status::InvalidArgument("--save-blocking must be in [0, 1]");
+
+  Workload& w = in.workload;
+  KVTIER_ASSIGN_OR_RETURN(uint64_t users, ParseCount(f.users, "users", 1));
+  KVTIER_ASSIGN_OR_RETURN(uint64_t rounds, ParseCount(f.rounds, "rounds", 1));
+  if (users > 100000 || rounds > 100000) {
+    return Status::InvalidArgument("--users and --rounds must be <= 100000");
+  }
+  w.users = static_cast<uint32_t>(users);
+  w.rounds = static_cast<uint32_t>(rounds);
+  KVTIER_ASSIGN_OR_RETURN(w.system_prompt_tokens, ParseTokens(f.system_prompt));
+  KVTIER_ASSIGN_OR_RETURN(w.question_tokens, ParseCount(f.question_tokens, "question-tokens", 1));
+  KVTIER_ASSIGN_OR_RETURN(w.answer_tokens, ParseCount(f.answer_tokens, "answer-tokens", 1));
+  KVTIER_ASSIGN_OR_RETURN(w.duration_s, ParseDuration(f.duration));
+  if (!(w.duration_s > 0)) return Status::InvalidArgument("--duration must be > 0");
+  auto contexts = ParseTokenList(f.context);
+  if (!contexts.ok()) return contexts.status().WithContext("--context");
+  in.contexts = *contexts;
+  if (!f.qps.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(in.qps, ParseNumber(f.qps, "--qps"));
+    if (!(in.qps > 0)) return Status::InvalidArgument("--qps must be > 0");
+    w.qps = in.qps;
+    if (cmd.count("--load") > 0) return Status::InvalidArgument("give --qps or --load, not both");
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(in.load, ParseNumber(f.load, "--load"));
+  }
+  std::vector<std::string> tier_texts = f.tiers;
+  if (tier_texts.empty()) tier_texts.push_back(kDefaultTier);
+  for (const std::string& t : tier_texts) {
+    KVTIER_ASSIGN_OR_RETURN(TierSpec tier, ParseTierSpec(t));
+    in.tiers.push_back(std::move(tier));
+  }
+  KVTIER_ASSIGN_OR_RETURN(in.write_policy, ParseWritePolicy(f.write_policy));
+  if (!f.calibrate.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(auto table, ParseTokenSecondsTable(f.calibrate));
+    if (table.size() != 1 || !(table[0].second > 0)) {
+      return Status::InvalidArgument("--calibrate takes one CONTEXT:SECONDS point, seconds > 0");
+    }
+    in.calibrate = table[0];
+  }
+  in.sensitivity = !f.no_sensitivity;
+  return in;
+}
+
+}  // namespace kvtier::planner

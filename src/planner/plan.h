@@ -1,0 +1,108 @@
+// The planner: for each context length, the closed forms and (unless fast) two simulations, one
+// without offload and one with the tiers; classifies the regime, measures sensitivity near the
+// eviction threshold and formats the answer as a table, JSON or a gnuplot plot.
+// Thread-compatible: RunPlan uses no shared state.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kvtier/status.h"
+#include "planner/closed_form.h"
+#include "planner/presets.h"
+#include "planner/simulator.h"
+
+namespace kvtier::planner {
+
+struct PlanInputs {
+  ModelSpec model;
+  std::string gpu_description;  // e.g. "h200, 19 GB KV" for titles
+  EngineModel engine;           // gpu_kv_bytes, prefill, step model
+  Workload workload;            // context_tokens is replaced by each entry of `contexts`
+  std::vector<uint64_t> contexts;
+  // Exactly one of qps (> 0) and load (fraction of the no-offload arm's measured capacity).
+  double qps = 0;
+  double load = 0.65;
+  std::vector<TierSpec> tiers;
+  WritePolicy write_policy = WritePolicy::kWriteThrough;
+  bool fast = false;         // closed forms only
+  bool sensitivity = true;   // re-simulate at 0.9x and 1.1x GPU KV memory
+  bool service_rate = true;  // capacity probes for both arms
+  // One measured point (context tokens, mean TTFT of the no-offload arm) to calibrate the
+  // engine's per-step overhead.
+  std::optional<std::pair<uint64_t, double>> calibrate;
+};
+
+struct ArmReport {
+  double mean_ttft_s = 0, median_ttft_s = 0, p90_ttft_s = 0;
+  std::vector<double> hit_rate;       // gpu, each tier, recompute
+  std::vector<double> bytes_written;  // per tier, whole run
+  std::vector<double> bytes_read;
+  double service_rate_rps = 0;        // capacity probe; 0 when not measured
+  uint64_t requests = 0;
+  double evicted_recompute_fraction = 0;  // of prompt tokens
+  double sim_wall_s = 0;
+};
+
+struct PointReport {
+  uint64_t context_tokens = 0;
+  int regime = 0;
+  double qps = 0;
+  double peak_working_set_bytes = 0;
+  ArmReport baseline, offload;
+  // Sensitivity: the same point with 0.9x and 1.1x the GPU KV memory.
+  bool has_sensitivity = false;
+  double baseline_gpu_hit_low = 0, baseline_gpu_hit_high = 0;
+  double offload_mean_low = 0, offload_mean_high = 0;
+  double baseline_mean_low = 0, baseline_mean_high = 0;
+  bool near_threshold = false;
+};
+
+struct PlanReport {
+  std::string model_name;
+  std::string gpu_description;
+  std::string prefill_description;
+  uint64_t kv_bytes_per_token = 0;
+  double gpu_kv_bytes = 0;
+  double peak_session_bytes_at_first_context = 0;
+  double eviction_onset_peak_tokens = 0;
+  uint64_t eviction_onset_tokens = 0;  // first-round context
+  std::vector<std::string> tier_names;
+  std::vector<std::optional<uint64_t>> payoff_tokens;  // per tier
+  std::vector<double> tier_read_bytes_per_s;
+  Workload workload;
+  WritePolicy write_policy = WritePolicy::kWriteThrough;
+  bool fast = false;
+  double step_overhead_s = 0;
+  bool calibrated = false;
+  std::vector<PointReport> points;
+  std::string recommendation;
+  double total_sim_wall_s = 0;
+};
+
+using ProgressFn = std::function<void(const std::string&)>;
+
+// Fails on inputs the model cannot run (see Simulate) or an impossible calibration.
+Result<PlanReport> RunPlan(const PlanInputs& inputs, const ProgressFn& progress = {});
+
+// Regime of a point: 1 when the no-offload arm recomputes less than 1% of its prompt tokens
+// because of eviction; otherwise 3 when reading the mean prompt from the slowest tier is cheaper
+// than recomputing it, else 2.
+int ClassifyRegime(double baseline_evicted_recompute_fraction, double mean_prompt_tokens,
+                   const std::vector<std::optional<uint64_t>>& payoff_tokens);
+
+std::string FormatReport(const PlanReport& report);
+// Exactly the fields of the issue: kv_bytes_per_token, thresholds, points.
+nlohmann::json ReportToJson(const PlanReport& report);
+// The gnuplot script that draws TTFT against context for both arms with the thresholds marked.
+// REQUIRES: path ends in .svg or .png.
+std::string PlotScript(const PlanReport& report, const std::string& path);
+// Runs gnuplot on PlotScript. Fails on another extension, a missing gnuplot or its error.
+Status WritePlot(const PlanReport& report, const std::string& path);
+
+}  // namespace kvtier::planner

@@ -1,0 +1,210 @@
+#include "planner/presets.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace kvtier::planner {
+namespace {
+
+// The config.json fields the planner reads, for the presets. Llama-3.1-70B's has no test copy, so
+// all four are spelled out here; they match the published configs.
+constexpr std::string_view kQwen3_8B = R"({
+  "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+  "vocab_size": 151936, "tie_word_embeddings": false, "max_position_embeddings": 40960,
+  "torch_dtype": "bfloat16"})";
+constexpr std::string_view kLlama31_8B = R"({
+  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+  "tie_word_embeddings": false, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"})";
+constexpr std::string_view kLlama31_70B = R"({
+  "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+  "tie_word_embeddings": false, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"})";
+constexpr std::string_view kDeepSeekV3 = R"({
+  "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+  "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+  "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+  "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280,
+  "max_position_embeddings": 163840, "torch_dtype": "bfloat16"})";
+
+struct Preset {
+  std::string_view name;
+  std::string_view config;
+  std::string_view weight_dtype;  // DeepSeek-V3 ships fp8 weights
+};
+constexpr Preset kPresets[] = {
+    {"qwen3-8b", kQwen3_8B, "bfloat16"},
+    {"llama-3.1-8b", kLlama31_8B, "bfloat16"},
+    {"llama-3.1-70b", kLlama31_70B, "bfloat16"},
+    {"deepseek-v3", kDeepSeekV3, "float8_e4m3fn"},
+};
+
+constexpr GpuSpec kGpus[] = {
+    // memory: what the driver reports; FLOP/s: dense bf16; HBM: datasheet.
+    {"h200", 143771.0 * 1048576, 989e12, 4.8e12},
+    {"h100", 81559.0 * 1048576, 989e12, 3.35e12},
+    {"a100-80g", 81251.0 * 1048576, 312e12, 2.039e12},
+    {"l40s", 46068.0 * 1048576, 362e12, 0.864e12},
+};
+
+uint64_t GetU64(const nlohmann::json& j, const char* key, uint64_t fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return fallback;
+  return it->get<uint64_t>();
+}
+
+}  // namespace
+
+double ModelSpec::PrefillFlops(uint64_t cached, uint64_t new_tokens) const {
+  double m = static_cast<double>(cached);
+  double n = static_cast<double>(new_tokens);
+  // Token i (0-based) attends to i+1 keys: sum over [m, m+n) = n*m + n*(n+1)/2 query-key pairs,
+  // each costing 2*qk_dim for Q.K^T and 2*v_dim for P.V per head per layer.
+  double pairs = n * m + n * (n + 1) / 2;
+  double attention = 2.0 * pairs * attention_heads * (qk_head_dim + v_head_dim) * num_layers;
+  return 2.0 * active_params * n + attention;
+}
+
+Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string name,
+                                      uint32_t tensor_parallel, std::string_view kv_dtype,
+                                      std::string_view weight_dtype) {
+  if (tensor_parallel == 0) return Status::InvalidArgument("tensor-parallel size must be >= 1");
+  KVTIER_ASSIGN_OR_RETURN(Layout layout,
+                          Layout::FromHfConfigJson(json_text, tensor_parallel, kv_dtype));
+  nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::InvalidArgument(fmt::format("{}: not a JSON object", name));
+  }
+  if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
+
+  ModelSpec m;
+  m.name = std::move(name);
+  m.layout = layout.ToString();
+  m.rank_kv_bytes_per_token = layout.bytes_per_token();
+  m.kv_dtype = layout.dtype();
+  m.tensor_parallel = tensor_parallel;
+  const uint64_t hidden = GetU64(j, "hidden_size", 0);
+  const uint64_t layers = GetU64(j, "num_hidden_layers", 0);
+  const uint64_t heads = GetU64(j, "num_attention_heads", 0);
+  const uint64_t kv_heads = GetU64(j, "num_key_value_heads", heads);
+  const uint64_t inter = GetU64(j, "intermediate_size", 0);
+  const uint64_t vocab = GetU64(j, "vocab_size", 0);
+  if (hidden == 0 || layers == 0 || heads == 0 || inter == 0) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: config needs hidden_size, num_hidden_layers, num_attention_heads and "
+        "intermediate_size to estimate prefill cost",
+        m.name));
+  }
+  const uint64_t head_dim = GetU64(j, "head_dim", hidden / heads);
+  m.num_layers = static_cast<uint32_t>(layers);
+  m.attention_heads = static_cast<uint32_t>(heads);
+  m.max_context = GetU64(j, "max_position_embeddings", 0);
+
+  double attn_params = 0;
+  const uint64_t kv_lora = GetU64(j, "kv_lora_rank", 0);
+  if (kv_lora > 0) {  // MLA
+    const uint64_t q_lora = GetU64(j, "q_lora_rank", 0);
+    const uint64_t nope = GetU64(j, "qk_nope_head_dim", head_dim);
+    const uint64_t rope = GetU64(j, "qk_rope_head_dim", 0);
+    const uint64_t v_dim = GetU64(j, "v_head_dim", head_dim);
+    const double q_proj = q_lora > 0 ? double(hidden) * q_lora + double(q_lora) * heads * (nope + rope)
+                                     : double(hidden) * heads * (nope + rope);
+    attn_params = q_proj + double(hidden) * (kv_lora + rope) + double(kv_lora) * heads * (nope + v_dim) +
+                  double(heads) * v_dim * hidden;
+    m.qk_head_dim = static_cast<uint32_t>(nope + rope);
+    m.v_head_dim = static_cast<uint32_t>(v_dim);
+  } else {
+    attn_params = double(hidden) * heads * head_dim * 2 + double(hidden) * kv_heads * head_dim * 2;
+    m.qk_head_dim = m.v_head_dim = static_cast<uint32_t>(head_dim);
+  }
+
+  const uint64_t experts = GetU64(j, "n_routed_experts", GetU64(j, "num_local_experts", 0));
+  double total_mlp = 0, active_mlp = 0;
+  if (experts > 0) {
+    const uint64_t moe_inter = GetU64(j, "moe_intermediate_size", inter);
+    const uint64_t shared = GetU64(j, "n_shared_experts", 0);
+    const uint64_t per_tok = GetU64(j, "num_experts_per_tok", 1);
+    const uint64_t dense_layers = std::min<uint64_t>(GetU64(j, "first_k_dense_replace", 0), layers);
+    const double expert = 3.0 * hidden * moe_inter;
+    const double dense = 3.0 * hidden * inter;
+    const double router = double(hidden) * experts;
+    total_mlp = dense_layers * dense + (layers - dense_layers) * ((experts + shared) * expert + router);
+    active_mlp = dense_layers * dense + (layers - dense_layers) * ((per_tok + shared) * expert + router);
+  } else {
+    total_mlp = active_mlp = layers * 3.0 * hidden * inter;
+  }
+  const bool tied = j.value("tie_word_embeddings", false);
+  const double embeddings = double(vocab) * hidden * (tied ? 1 : 2);
+  m.total_params = layers * attn_params + total_mlp + embeddings;
+  // Prefill FLOPs: the input embedding is a lookup and only the last token goes through the
+  // LM head, so neither counts per token.
+  m.active_params = layers * attn_params + active_mlp;
+
+  std::string_view wdt = weight_dtype;
+  std::string config_dtype = j.value("torch_dtype", j.value("dtype", std::string("bfloat16")));
+  if (wdt.empty()) wdt = config_dtype;
+  KVTIER_ASSIGN_OR_RETURN(DType weight_type, ParseDType(wdt));
+  m.weight_bytes_per_param = DTypeSize(weight_type);
+
+  if (kv_lora == 0 && (kv_heads % tensor_parallel != 0 && tensor_parallel % kv_heads != 0)) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: {} KV heads cannot be split evenly over tensor-parallel size {}", m.name, kv_heads,
+        tensor_parallel));
+  }
+  return m;
+}
+
+Result<ModelSpec> LoadModel(std::string_view name_or_path, uint32_t tensor_parallel,
+                            std::string_view kv_dtype, std::string_view weight_dtype) {
+  for (const Preset& p : kPresets) {
+    if (p.name == name_or_path) {
+      return ModelFromConfigJson(p.config, std::string(p.name), tensor_parallel, kv_dtype,
+                                 weight_dtype.empty() ? p.weight_dtype : weight_dtype);
+    }
+  }
+  std::string path(name_or_path);
+  std::ifstream in(path);
+  if (!in) {
+    std::string names;
+    for (const auto& n : ModelPresetNames()) names += (names.empty() ? "" : ", ") + n;
+    return Status::InvalidArgument(fmt::format(
+        "unknown model '{}': not a preset ({}) and no readable config.json at that path", path,
+        names));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  auto model = ModelFromConfigJson(text.str(), path, tensor_parallel, kv_dtype, weight_dtype);
+  if (!model.ok()) return model.status().WithContext(path);
+  return model;
+}
+
+std::vector<std::string> ModelPresetNames() {
+  std::vector<std::string> out;
+  for (const Preset& p : kPresets) out.emplace_back(p.name);
+  return out;
+}
+
+Result<GpuSpec> LoadGpu(std::string_view name) {
+  std::string_view n = name;
+  if (n == "h100-sxm") n = "h100";
+  if (n == "a100") n = "a100-80g";
+  for (const GpuSpec& g : kGpus) {
+    if (g.name == n) return g;
+  }
+  std::string names;
+  for (const auto& g : GpuPresetNames()) names += (names.empty() ? "" : ", ") + g;
+  return Status::InvalidArgument(fmt::format("unknown GPU '{}' (known: {})", name, names));
+}
+
+std::vector<std::string> GpuPresetNames() {
+  std::vector<std::string> out;
+  for (const GpuSpec& g : kGpus) out.emplace_back(g.name);
+  return out;
+}
+
+}  // namespace kvtier::planner

@@ -1,0 +1,183 @@
+#include "planner/simulator.h"
+
+#include <gtest/gtest.h>
+
+#include "planner/plan.h"
+
+namespace kvtier::planner {
+namespace {
+
+constexpr uint64_t kQwenBytes = 147456;
+
+EngineModel Qwen(double gpu_kv_bytes) {
+  EngineModel e;
+  e.gpu_kv_bytes = gpu_kv_bytes;
+  e.kv_bytes_per_token = kQwenBytes;
+  e.prefill = *PrefillCost::FromTable(
+      {{4096, 0.135}, {8192, 0.280}, {16384, 0.652}, {24576, 1.049}, {32768, 1.530}});
+  e.step_overhead_s = 0.004;
+  e.decode_weights_s = 16.4e9 / 4.8e12;
+  e.decode_s_per_kv_token = kQwenBytes / 4.8e12;
+  return e;
+}
+
+SimOptions Options(uint64_t context, double qps, std::vector<TierSpec> tiers,
+                   WritePolicy policy = WritePolicy::kWriteThrough, double gpu = 19e9) {
+  SimOptions o;
+  o.engine = Qwen(gpu);
+  o.workload.context_tokens = context;
+  o.workload.qps = qps;
+  o.workload.duration_s = 400;
+  o.tiers = std::move(tiers);
+  o.write_policy = policy;
+  o.keep_requests = true;
+  return o;
+}
+
+std::vector<TierSpec> CpuNfs(double cpu_bytes = 8.0 * (1ull << 30), double nfs_read = 3.55e9,
+                             double nfs_write = 3.55e9) {
+  return {{"cpu", cpu_bytes, 20e9, 20e9}, {"nfs", 200.0 * (1ull << 30), nfs_read, nfs_write}};
+}
+
+void CheckInvariants(const SimOptions& o, const SimResult& r) {
+  ASSERT_GT(r.requests, 0u);
+  uint64_t sum = 0;
+  for (uint64_t n : r.requests_by_source) sum += n;
+  EXPECT_EQ(sum, r.requests) << "hits plus misses must equal requests";
+  for (size_t t = 0; t < o.tiers.size(); ++t) {
+    EXPECT_LE(r.tier_peak_bytes[t], o.tiers[t].capacity_bytes) << o.tiers[t].name;
+  }
+  EXPECT_LE(r.peak_gpu_used_tokens, r.gpu_capacity_tokens);
+  EXPECT_GE(r.min_ttft_minus_transfer_s, 0) << "TTFT below the pure transfer time";
+  for (const RequestLog& log : r.request_log) {
+    uint64_t tokens = log.gpu_tokens + log.recomputed_tokens;
+    for (uint64_t t : log.tier_tokens) tokens += t;
+    EXPECT_EQ(tokens, log.prompt_tokens);
+    EXPECT_GE(log.ttft_s, log.transfer_s);
+    EXPECT_GT(log.ttft_s, 0);
+  }
+}
+
+TEST(SimulatorTest, InvariantsAcrossRegimesAndPolicies) {
+  for (uint64_t context : {4096u, 16384u, 32768u}) {
+    for (WritePolicy policy :
+         {WritePolicy::kWriteThrough, WritePolicy::kWriteBack, WritePolicy::kNone}) {
+      SimOptions o = Options(context, 0.4, CpuNfs(), policy);
+      auto r = Simulate(o);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      SCOPED_TRACE(testing::Message() << context << " " << WritePolicyName(policy));
+      CheckInvariants(o, *r);
+    }
+  }
+}
+
+TEST(SimulatorTest, SmallTiersStayWithinCapacity) {
+  // Tiers far smaller than the working set evict all the time.
+  SimOptions o = Options(16384, 0.6, {{"cpu", 3e9, 20e9, 20e9}, {"nfs", 10e9, 2e9, 1e9}},
+                         WritePolicy::kWriteBack);
+  auto r = Simulate(o);
+  ASSERT_TRUE(r.ok());
+  CheckInvariants(o, *r);
+  EXPECT_GT(r->bytes_written[1], 0);  // write-back reached the second tier
+}
+
+TEST(SimulatorTest, NoWritePolicyEqualsTheBaseline) {
+  auto base = Simulate(Options(24576, 0.4, {}));
+  auto none = Simulate(Options(24576, 0.4, CpuNfs(), WritePolicy::kNone));
+  ASSERT_TRUE(base.ok() && none.ok());
+  EXPECT_DOUBLE_EQ(base->mean_ttft_s, none->mean_ttft_s);
+  EXPECT_EQ(none->bytes_read[0] + none->bytes_read[1], 0);
+}
+
+TEST(SimulatorTest, MonotoneInBandwidth) {
+  double previous = 1e9;
+  for (double bw : {1e9, 2e9, 3.55e9, 7e9, 14e9, 28e9, 56e9}) {
+    auto r = Simulate(Options(24576, 0.35, CpuNfs(8.0 * (1ull << 30), bw, bw)));
+    ASSERT_TRUE(r.ok());
+    EXPECT_LE(r->mean_ttft_s, previous * 1.01) << bw;
+    previous = r->mean_ttft_s;
+  }
+}
+
+TEST(SimulatorTest, WriteTrafficCompetesWithReads) {
+  auto fast_writes = Simulate(Options(24576, 0.35, CpuNfs(8.0 * (1ull << 30), 3.55e9, 50e9)));
+  auto slow_writes = Simulate(Options(24576, 0.35, CpuNfs(8.0 * (1ull << 30), 3.55e9, 0.5e9)));
+  ASSERT_TRUE(fast_writes.ok() && slow_writes.ok());
+  EXPECT_GT(slow_writes->mean_ttft_s, fast_writes->mean_ttft_s * 1.05);
+}
+
+TEST(SimulatorTest, SavingKvThatIsNeverReadCostsTtft) {
+  // Regime 1: everything fits, offload only adds the device-to-host copies.
+  auto base = Simulate(Options(4096, 1.0, {}));
+  auto off = Simulate(Options(4096, 1.0, CpuNfs()));
+  ASSERT_TRUE(base.ok() && off.ok());
+  EXPECT_EQ(off->bytes_read[0] + off->bytes_read[1], 0);
+  EXPECT_GT(off->bytes_written[0], 0);
+  EXPECT_GT(off->mean_ttft_s, base->mean_ttft_s);
+  EXPECT_EQ(base->evicted_recompute_tokens, 0u);
+}
+
+TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
+  // Just above the threshold some conversations lose only their tails: a later round finds a
+  // GPU prefix longer than the shared system prompt but shorter than what it had computed.
+  SimOptions o = Options(16384, 0.8, {});
+  auto r = Simulate(o);
+  ASSERT_TRUE(r.ok());
+  int partial = 0;
+  for (const RequestLog& log : r->request_log) {
+    uint64_t previous = log.prompt_tokens - o.workload.question_tokens;
+    if (log.round > 0 && log.gpu_tokens > 1024 && log.gpu_tokens + 256 < previous) ++partial;
+  }
+  EXPECT_GT(partial, 0);
+}
+
+TEST(SimulatorTest, QueueingRaisesTtftWithLoad) {
+  auto light = Simulate(Options(8192, 0.5, {}));
+  auto heavy = Simulate(Options(8192, 5.0, {}));
+  ASSERT_TRUE(light.ok() && heavy.ok());
+  EXPECT_GT(heavy->mean_ttft_s, light->mean_ttft_s);
+  // Even a full GPU hit pays at least one engine step.
+  EXPECT_GE(light->ttft_sorted_s.front(), 0.004);
+}
+
+TEST(SimulatorTest, DeterministicAndFast) {
+  // A 20-minute, 8-user run.
+  SimOptions o = Options(24576, 0.4, CpuNfs());
+  o.workload.duration_s = 1200;
+  auto a = Simulate(o);
+  auto b = Simulate(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->ttft_sorted_s, b->ttft_sorted_s);
+  EXPECT_GT(a->requests, 300u);
+  EXPECT_LT(a->wall_s, 5.0);  // well under a second in a Release build; sanitizers are slower
+}
+
+TEST(SimulatorTest, RefusesWhatCannotRun) {
+  EXPECT_FALSE(Simulate(Options(32768, 0.4, {}, WritePolicy::kNone, 2e9)).ok());  // too small
+  SimOptions o = Options(4096, 0.4, {});
+  o.workload.users = 0;
+  EXPECT_FALSE(Simulate(o).ok());
+  o = Options(4096, 0, {});
+  EXPECT_FALSE(Simulate(o).ok());
+  o = Options(4096, 0.4, {{"cpu", 1e9, -1, 1e9}});
+  EXPECT_FALSE(Simulate(o).ok());
+}
+
+TEST(SimulatorTest, ParsesTiersAndPolicies) {
+  auto t = ParseTierSpec("nfs:200GiB:3.55GB/s:1.5GB/s");
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->name, "nfs");
+  EXPECT_DOUBLE_EQ(t->capacity_bytes, 200.0 * (1ull << 30));
+  EXPECT_DOUBLE_EQ(t->read_bytes_per_s, 3.55e9);
+  EXPECT_DOUBLE_EQ(t->write_bytes_per_s, 1.5e9);
+  EXPECT_DOUBLE_EQ(ParseTierSpec("cpu:8GiB:20GB/s")->write_bytes_per_s, 20e9);
+  EXPECT_FALSE(ParseTierSpec("cpu:8:20GB/s").ok());        // capacity without unit
+  EXPECT_FALSE(ParseTierSpec("cpu:8GiB:-20GB/s").ok());    // negative bandwidth
+  EXPECT_FALSE(ParseTierSpec("cpu:8GiB").ok());
+  EXPECT_FALSE(ParseTierSpec("gpu:8GiB:20GB/s").ok());     // reserved name
+  EXPECT_EQ(*ParseWritePolicy("write_back"), WritePolicy::kWriteBack);
+  EXPECT_FALSE(ParseWritePolicy("sometimes").ok());
+}
+
+}  // namespace
+}  // namespace kvtier::planner
