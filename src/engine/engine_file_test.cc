@@ -182,9 +182,9 @@ class StallingFile : public File {
   StallingFile(std::unique_ptr<File> f, StallingEnv* env) : f_(std::move(f)), env_(env) {}
   const std::string& path() const override { return f_->path(); }
   bool direct() const override { return f_->direct(); }
-  Status Submit(std::span<IoOp> ops) override {
+  Status Submit(std::span<IoOp> ops, IoObserver* observer) override {
     if (!ops.empty() && ops[0].kind == IoOp::Kind::kRead) env_->WaitWhileStalled();
-    return f_->Submit(ops);
+    return f_->Submit(ops, observer);
   }
   Status Sync() override { return f_->Sync(); }
   Result<uint64_t> Size() override { return f_->Size(); }
