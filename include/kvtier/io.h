@@ -100,6 +100,18 @@ struct OpenOptions {
   bool direct = false;     // try O_DIRECT; buffered where refused (File::direct() says which)
 };
 
+// Optional hooks into File::Submit, called on the submitting thread so that CPU work (checksums)
+// overlaps the transfers instead of following them.
+class IoObserver {
+ public:
+  virtual ~IoObserver() = default;
+  // Once, as soon as the first requests are in flight.
+  virtual void Submitted() {}
+  // Whenever the leading `bytes` of ops[op] have completed (a hint: it may never be called, e.g.
+  // by the thread-pool engine or a fault-injecting wrapper, which may still alter the data).
+  virtual void Progress(size_t op, uint64_t bytes) {}
+};
+
 class File {
  public:
   virtual ~File() = default;  // closes the file
@@ -113,7 +125,7 @@ class File {
   // ReadExact/WriteExact). Returns non-OK only if the requests could not be issued at all.
   // REQUIRES: for a direct() file, buffers, offsets and lengths aligned to kDirectIoAlignment
   // (a shorter result at end of file is fine). Buffers stay owned by the caller.
-  virtual Status Submit(std::span<IoOp> ops) = 0;
+  virtual Status Submit(std::span<IoOp> ops, IoObserver* observer = nullptr) = 0;
   // fdatasync: the data written so far survives a power failure once this returns OK.
   virtual Status Sync() = 0;
   virtual Result<uint64_t> Size() = 0;
@@ -121,10 +133,11 @@ class File {
 
 // Reads every op in full, resubmitting the rest of short transfers. Reaching the end of file
 // before an op is full returns kCorruption ("unexpected end of file"); an OS error returns
-// kIOError (kNoSpace, ...) via Status::FromErrno. All ops must be reads.
-Status ReadExact(File& file, std::span<IoOp> ops);
+// kIOError (kNoSpace, ...) via Status::FromErrno. All ops must be reads. `observer` sees the
+// first submission only (op indices are those of `ops`).
+Status ReadExact(File& file, std::span<IoOp> ops, IoObserver* observer = nullptr);
 // Writes every op in full, resubmitting the rest of short transfers. All ops must be writes.
-Status WriteExact(File& file, std::span<IoOp> ops);
+Status WriteExact(File& file, std::span<IoOp> ops, IoObserver* observer = nullptr);
 
 struct DirEntry {
   enum class Type : uint8_t { kFile, kDirectory, kOther };

@@ -24,7 +24,8 @@ class FaultFile final : public File {
   const std::string& path() const override { return base_->path(); }
   bool direct() const override { return base_->direct(); }
 
-  Status Submit(std::span<IoOp> ops) override {
+  // Never reports Progress: data may still be altered (bit flips) after the transfer completes.
+  Status Submit(std::span<IoOp> ops, IoObserver* observer) override {
     // Decide every op's fate under the lock, do the I/O without it.
     enum Fate { kPass, kFail, kShort };
     std::vector<Fate> fate(ops.size(), kPass);
@@ -61,7 +62,8 @@ class FaultFile final : public File {
         }
       }
     }
-    KVTIER_RETURN_IF_ERROR(base_->Submit(forward));
+    if (observer) observer->Submitted();
+    KVTIER_RETURN_IF_ERROR(base_->Submit(forward, nullptr));
     std::lock_guard<std::mutex> lock(env_->mu_);
     for (size_t i = 0; i < ops.size(); ++i) {
       if (fate[i] == kFail) ops[i].result = -err[i];

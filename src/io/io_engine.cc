@@ -80,12 +80,21 @@ class IoUringEngine final : public IoEngine {
 
   std::string name() const override { return "io_uring"; }
 
-  Status Execute(int fd, std::span<IoOp> ops) override {
+  Status Execute(int fd, std::span<IoOp> ops, IoObserver* observer) override {
     io_uring* ring = tls_ring.Get();
     if (ring == nullptr) {
       return Status::FromErrno(tls_ring.init_error, "io_uring_queue_init on this thread");
     }
     std::vector<IoPiece> pieces = SplitOps(ops, max_request_bytes_);
+    // Progress reporting: pieces of an op are consecutive in `pieces`; an op's leading bytes are
+    // done when its pieces up to there completed in full.
+    std::vector<bool> complete(observer ? pieces.size() : 0, false);
+    std::vector<size_t> frontier;  // per op: index of its first piece not yet reported
+    if (observer) {
+      frontier.assign(ops.size(), pieces.size());
+      for (size_t i = pieces.size(); i-- > 0;) frontier[pieces[i].op] = i;
+    }
+    bool announced = false;
     size_t next = 0, inflight = 0;
     while (next < pieces.size() || inflight > 0) {
       while (next < pieces.size() && inflight < static_cast<size_t>(depth_)) {
@@ -115,14 +124,37 @@ class IoUringEngine final : public IoEngine {
         }
         break;
       }
+      if (observer && !announced) {
+        announced = true;
+        observer->Submitted();
+      }
       io_uring_cqe* cqe;
+      bool advanced = false;
       while (io_uring_peek_cqe(ring, &cqe) == 0) {
-        IoPiece& p = pieces[io_uring_cqe_get_data64(cqe)];
+        size_t idx = io_uring_cqe_get_data64(cqe);
+        IoPiece& p = pieces[idx];
         p.result = cqe->res;
         io_uring_cqe_seen(ring, cqe);
         --inflight;
+        if (observer && p.result == static_cast<int64_t>(p.len)) {
+          complete[idx] = true;
+          advanced = true;
+        }
+      }
+      if (advanced) {
+        for (size_t op = 0; op < ops.size(); ++op) {
+          size_t f = frontier[op];
+          size_t start = f;
+          while (f < pieces.size() && pieces[f].op == op && complete[f]) ++f;
+          if (f != start) {
+            frontier[op] = f;
+            const IoPiece& last = pieces[f - 1];
+            observer->Progress(op, last.offset + last.len - ops[op].offset);
+          }
+        }
       }
     }
+    if (observer && !announced) observer->Submitted();
     GatherResults(ops, pieces);
     return Status::Ok();
   }
@@ -150,9 +182,10 @@ class ThreadPoolEngine final : public IoEngine {
 
   std::string name() const override { return "threads"; }
 
-  Status Execute(int fd, std::span<IoOp> ops) override {
+  Status Execute(int fd, std::span<IoOp> ops, IoObserver* observer) override {
     std::vector<IoPiece> pieces = SplitOps(ops, max_request_bytes_);
     if (pieces.empty()) {
+      if (observer) observer->Submitted();
       GatherResults(ops, pieces);
       return Status::Ok();
     }
@@ -187,6 +220,8 @@ class ThreadPoolEngine final : public IoEngine {
         --shared.helpers_left;
       }
     }
+    // With helpers running, the caller's CPU work overlaps their I/O; then it joins in.
+    if (observer) observer->Submitted();
     work();
     std::unique_lock<std::mutex> lock(shared.mu);
     shared.cv.wait(lock, [&shared] { return shared.helpers_left == 0; });

@@ -17,7 +17,7 @@ class IoEngine {
   virtual ~IoEngine() = default;
   virtual std::string name() const = 0;
   // Returns non-OK only if nothing could be issued; otherwise every op's result is set.
-  virtual Status Execute(int fd, std::span<IoOp> ops) = 0;
+  virtual Status Execute(int fd, std::span<IoOp> ops, IoObserver* observer) = 0;
 };
 
 // Fails if io_uring cannot be set up here (old kernel, seccomp, container policy).

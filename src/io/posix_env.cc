@@ -46,7 +46,7 @@ class PosixFile final : public File {
 
   const std::string& path() const override { return path_; }
   bool direct() const override { return direct_.load(std::memory_order_relaxed); }
-  Status Submit(std::span<IoOp> ops) override;
+  Status Submit(std::span<IoOp> ops, IoObserver* observer) override;
   Status Sync() override {
     while (::fdatasync(fd_) != 0) {
       if (errno != EINTR) return Status::FromErrno(errno, fmt::format("fdatasync {}", path_));
@@ -198,8 +198,8 @@ bool OpsAligned(std::span<const IoOp> ops) {
   return true;
 }
 
-Status PosixFile::Submit(std::span<IoOp> ops) {
-  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, ops));
+Status PosixFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
+  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, ops, observer));
   if (!direct()) return Status::Ok();
   // Some filesystems accept O_DIRECT at open and refuse it on the first transfer (EINVAL). With
   // aligned requests that can only mean "no direct I/O here": switch this descriptor to buffered
@@ -219,7 +219,7 @@ Status PosixFile::Submit(std::span<IoOp> ops) {
       where.push_back(i);
     }
   }
-  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, redo));
+  KVTIER_RETURN_IF_ERROR(env_->engine().Execute(fd_, redo, nullptr));
   for (size_t j = 0; j < redo.size(); ++j) ops[where[j]].result = redo[j].result;
   return Status::Ok();
 }
@@ -235,7 +235,7 @@ Result<std::unique_ptr<io::IoEngine>> MakeEngine(const PosixEnvOptions& o) {
 }
 
 // Loops until every op is complete; `reads` selects the end-of-file rule.
-Status TransferExact(File& file, std::span<IoOp> ops, bool reads) {
+Status TransferExact(File& file, std::span<IoOp> ops, bool reads, IoObserver* observer) {
   std::vector<IoOp> todo(ops.begin(), ops.end());
   for (const IoOp& op : todo) {
     if ((op.kind == IoOp::Kind::kRead) != reads) {
@@ -243,7 +243,7 @@ Status TransferExact(File& file, std::span<IoOp> ops, bool reads) {
     }
   }
   for (int round = 0; !todo.empty(); ++round) {
-    KVTIER_RETURN_IF_ERROR(file.Submit(todo));
+    KVTIER_RETURN_IF_ERROR(file.Submit(todo, round == 0 ? observer : nullptr));
     std::vector<IoOp> rest;
     for (const IoOp& op : todo) {
       if (op.result < 0) {
@@ -277,8 +277,12 @@ Status TransferExact(File& file, std::span<IoOp> ops, bool reads) {
 
 }  // namespace
 
-Status ReadExact(File& file, std::span<IoOp> ops) { return TransferExact(file, ops, true); }
-Status WriteExact(File& file, std::span<IoOp> ops) { return TransferExact(file, ops, false); }
+Status ReadExact(File& file, std::span<IoOp> ops, IoObserver* observer) {
+  return TransferExact(file, ops, true, observer);
+}
+Status WriteExact(File& file, std::span<IoOp> ops, IoObserver* observer) {
+  return TransferExact(file, ops, false, observer);
+}
 
 Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options) {
   if (options.queue_depth < 1 || options.queue_depth > 64) {

@@ -47,6 +47,20 @@ struct DecodedHeader {
 DecodedHeader DecodeHeader(std::span<const uint8_t, kHeaderBytes> in);
 
 uint64_t PayloadChecksum(std::span<const uint8_t> payload);
+
+// The same checksum, fed piece by piece (as a read completes).
+class PayloadHasher {
+ public:
+  PayloadHasher();
+  ~PayloadHasher();
+  PayloadHasher(const PayloadHasher&) = delete;
+  PayloadHasher& operator=(const PayloadHasher&) = delete;
+  void Update(std::span<const uint8_t> bytes);
+  uint64_t Digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t, kept out of this header
+};
 inline uint64_t ChunkFileBytes(uint64_t payload_bytes) {
   return kHeaderBytes + (payload_bytes + 4095) / 4096 * 4096;
 }

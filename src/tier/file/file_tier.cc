@@ -493,11 +493,32 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
   ops.push_back(IoOp::Read(0, scratch.header.span()));
   std::span<uint8_t> bounce;        // whole payload through the bounce buffer
   size_t tail_len = 0;              // or only the last partial block through scratch.tail
+  // The checksum follows the payload op as it completes, so that it overlaps the transfer.
+  struct Hashing final : IoObserver {
+    PayloadHasher hasher;
+    const uint8_t* base = nullptr;
+    uint64_t limit = 0, done = 0;
+    size_t op = 1;
+    void Progress(size_t which, uint64_t bytes) override {
+      uint64_t upto = std::min(bytes, limit);
+      if (which != op || upto <= done) return;
+      hasher.Update({base + done, upto - done});
+      done = upto;
+    }
+    void Finish(const uint8_t* data, uint64_t n) {  // hashes what Progress did not
+      if (base != data) done = 0, base = data;
+      if (done < n) hasher.Update({data + done, n - done});
+      done = n;
+    }
+  } hashing;
+  hashing.base = dst.data();
   if (!file.direct() || (IsAligned(dst.data()) && dst.size() >= padded)) {
     ops.push_back(IoOp::Read(kHeaderBytes, dst.first(file.direct() ? padded : n)));
+    hashing.limit = n;
   } else if (IsAligned(dst.data())) {
     uint64_t main = n / kDirectIoAlignment * kDirectIoAlignment;
     tail_len = n - main;
+    hashing.limit = main;
     if (main > 0) ops.push_back(IoOp::Read(kHeaderBytes, dst.first(main)));
     ops.push_back(IoOp::Read(kHeaderBytes + main, scratch.tail.span()));
   } else {
@@ -505,7 +526,7 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     ops.push_back(IoOp::Read(kHeaderBytes, bounce));
     bounce_copies_.fetch_add(1);
   }
-  Status s = ReadExact(file, ops);
+  Status s = ReadExact(file, ops, &hashing);
   if (s.code() == StatusCode::kCorruption) {
     // Shorter than a chunk of ours: truncated, or a chunk of another size (foreign)?
     IoOp op = IoOp::Read(0, scratch.header.span());
@@ -545,7 +566,8 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     return Foreign(key, path, fmt::format("payload of {} bytes, not {}", h.payload_bytes, n));
   }
   if (h.key != key) return Foreign(key, path, "header names another key");
-  if (PayloadChecksum(dst.first(n)) != h.payload_checksum) {
+  hashing.Finish(dst.data(), n);
+  if (hashing.hasher.Digest() != h.payload_checksum) {
     return Corrupt(key, path, "payload checksum mismatch");
   }
   if (indexed) {
@@ -591,21 +613,34 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   NoteDirect(*file);
 
   ThreadScratch& scratch = tls_scratch;
-  ChunkHeader h;
+  // The payload goes first; its checksum is computed while it is in flight, then the header
+  // (which holds the checksum) is written. Nobody reads a temporary file, so the order is free.
+  struct HeaderMaker final : IoObserver {
+    ChunkHeader h;
+    std::span<const uint8_t> src;
+    uint8_t* out = nullptr;
+    bool made = false;
+    void Submitted() override {
+      if (made) return;
+      h.payload_checksum = PayloadChecksum(src);
+      EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(out, kHeaderBytes));
+      made = true;
+    }
+  } maker;
+  ChunkHeader& h = maker.h;
   h.namespace_root = ns_root_;
   h.key = key;
   h.layout_fingerprint = options_.ns.layout_fingerprint;
   h.payload_bytes = n;
-  h.payload_checksum = PayloadChecksum(src);
   h.created_unix_ms = NowUnixMs();
   h.chunk_tokens = options_.ns.chunk_tokens;
   h.rank = options_.ns.rank;
   h.world_size = options_.ns.world_size;
   h.model_id = options_.ns.model_id;
-  EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
+  maker.src = src;
+  maker.out = scratch.header.data();
 
   std::vector<IoOp> ops;
-  ops.push_back(IoOp::Write(0, scratch.header.span()));
   const uint64_t main = n / kDirectIoAlignment * kDirectIoAlignment;
   const uint64_t tail = n - main;
   if (!file->direct() || IsAligned(src.data())) {
@@ -622,7 +657,12 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
     ops.push_back(IoOp::Write(kHeaderBytes, bounce));
     bounce_copies_.fetch_add(1);
   }
-  Status s = WriteExact(*file, ops);
+  Status s = WriteExact(*file, ops, &maker);
+  if (s.ok()) {
+    maker.Submitted();  // no-op if it already ran
+    IoOp header = IoOp::Write(0, scratch.header.span());
+    s = WriteExact(*file, std::span<IoOp>(&header, 1));
+  }
   if (s.ok() && options_.sync_data) s = file->Sync();
   file.reset();
   if (s.ok()) s = env_->Rename(tmp_path, final_path);

@@ -1,0 +1,454 @@
+// kvtier bench tier: writes then reads chunks through the file tier, and in the same run does
+// plain O_DIRECT writes and reads of files of the same size with the same concurrency (the
+// physical limit this tier is held to).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "kvtier/cache_dir.h"
+#include "kvtier/file_tier.h"
+#include "tools/command.h"
+
+namespace kvtier::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+struct BenchTierArgs {
+  std::string dir;
+  uint64_t chunk_mib = 32;
+  uint32_t chunks = 32;
+  int readers = 4;
+  int writers = 4;
+  int repeats = 2;
+  std::string io_engine = "auto";
+  int io_depth = 8;
+  uint64_t request_kib = 4096;
+  bool keep = false;
+  bool json = false;
+};
+
+struct Totals {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  double GBps() const { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
+};
+
+// Runs fn(i) for i in [0, n) on `threads` threads; returns the wall time.
+template <typename Fn>
+double Parallel(int threads, uint32_t n, Fn fn) {
+  std::atomic<uint32_t> next{0};
+  auto t0 = Clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (uint32_t i; (i = next.fetch_add(1)) < n;) fn(t, i);
+    });
+  }
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Bytes of `paths` resident in the page cache (mincore): the control that proves O_DIRECT kept
+// the data out of it.
+uint64_t ResidentBytes(const std::vector<std::string>& paths) {
+  uint64_t resident = 0;
+  const long page = sysconf(_SC_PAGESIZE);
+  for (const auto& p : paths) {
+    int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st;
+    if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+      void* m = ::mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+      if (m != MAP_FAILED) {
+        std::vector<unsigned char> vec((st.st_size + page - 1) / page);
+        if (::mincore(m, st.st_size, vec.data()) == 0) {
+          for (unsigned char v : vec) resident += (v & 1) ? page : 0;
+        }
+        ::munmap(m, st.st_size);
+      }
+    }
+    ::close(fd);
+  }
+  return resident;
+}
+
+void DropFromPageCache(const std::vector<std::string>& paths) {
+  for (const auto& p : paths) {
+    int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+// Plain O_DIRECT: one pwrite (then fdatasync, as the tier does before publishing) per file.
+Status RawWrite(const std::string& path, std::span<const uint8_t> buf) {
+  int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::FromErrno(errno, fmt::format("open {} with O_DIRECT", path));
+  size_t done = 0;
+  while (done < buf.size()) {
+    ssize_t n = ::pwrite(fd, buf.data() + done, buf.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      Status s = Status::FromErrno(n < 0 ? errno : EIO, fmt::format("write {}", path));
+      ::close(fd);
+      return s;
+    }
+    done += static_cast<size_t>(n);
+  }
+  Status s;
+  if (::fdatasync(fd) != 0) s = Status::FromErrno(errno, fmt::format("fdatasync {}", path));
+  ::close(fd);
+  return s;
+}
+
+Status RawRead(const std::string& path, std::span<uint8_t> buf) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, fmt::format("open {} with O_DIRECT", path));
+  size_t done = 0;
+  while (done < buf.size()) {
+    ssize_t n = ::pread(fd, buf.data() + done, buf.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      Status s = n == 0 ? Status::Corruption(fmt::format("{} is short", path))
+                        : Status::FromErrno(errno, fmt::format("read {}", path));
+      ::close(fd);
+      return s;
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return Status::Ok();
+}
+
+// A fixed set of buffers handed out to requests in flight.
+class BufferPool {
+ public:
+  BufferPool(int n, size_t bytes) {
+    for (int i = 0; i < n; ++i) {
+      bufs_.emplace_back(bytes);
+      free_.push_back(i);
+    }
+  }
+  int Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty(); });
+    int i = free_.back();
+    free_.pop_back();
+    return i;
+  }
+  void Give(int i) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(i);
+    }
+    cv_.notify_all();
+  }
+  void WaitAll() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return free_.size() == bufs_.size(); });
+  }
+  AlignedBuffer& at(int i) { return bufs_[i]; }
+
+ private:
+  std::vector<AlignedBuffer> bufs_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> free_;
+};
+
+// Keeps `in_flight` asynchronous tier calls going over chunks [0, n); returns the wall time, and
+// the first error in *error.
+template <typename Submit>
+double TierPhase(BufferPool& pool, uint32_t n, Submit submit, Status* error) {
+  std::mutex mu;
+  auto t0 = Clock::now();
+  for (uint32_t i = 0; i < n; ++i) {
+    int b = pool.Take();
+    auto done = [&pool, &mu, error, b](Status s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (error->ok()) *error = s;
+      }
+      pool.Give(b);
+    };
+    Status s = submit(i, pool.at(b), done);
+    if (!s.ok()) {  // rejected: cannot happen with the queue sized to the buffers
+      pool.Give(b);
+      std::lock_guard<std::mutex> lock(mu);
+      if (error->ok()) *error = s;
+    }
+  }
+  pool.WaitAll();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int RunBenchTier(const BenchTierArgs& a) {
+  auto fail = [](const std::string& msg) {
+    fmt::print(stderr, "kvtier bench tier: {}\n", msg);
+    return 1;
+  };
+  if (a.chunk_mib == 0 || a.chunk_mib > 4096) return fail("--chunk-mib must be in [1, 4096]");
+  if (a.chunks == 0) return fail("--chunks must be positive");
+  if (a.readers < 1 || a.readers > 256 || a.writers < 1 || a.writers > 256) {
+    return fail("--readers and --writers must be in [1, 256]");
+  }
+  if (a.repeats < 1) return fail("--repeats must be positive");
+  auto engine = ParseIoEngineKind(a.io_engine);
+  if (!engine.ok()) return fail(engine.status().message());
+  std::error_code ec;
+  fs::create_directories(a.dir, ec);
+  if (ec || !fs::is_directory(a.dir)) {
+    return fail(fmt::format("cannot use {} as a directory: {}", a.dir,
+                            ec ? ec.message() : "not a directory"));
+  }
+  const uint64_t chunk = a.chunk_mib << 20;
+  const uint64_t per_repeat = 2 * a.chunks * (chunk + 4096);
+  struct statvfs vfs;
+  if (::statvfs(a.dir.c_str(), &vfs) == 0) {
+    uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (avail < per_repeat + (256u << 20)) {
+      return fail(fmt::format("{} has {:.2f} GB free; this run needs {:.2f} GB (lower --chunks or "
+                              "--chunk-mib)",
+                              a.dir, avail / 1e9, (per_repeat + (256u << 20)) / 1e9));
+    }
+  }
+
+  const std::string raw_dir = fmt::format("{}/.kvtier-bench-raw-{}", a.dir, getpid());
+  fs::create_directories(raw_dir, ec);
+  if (ec) return fail(fmt::format("cannot create {}: {}", raw_dir, ec.message()));
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code e;
+      fs::remove_all(dir, e);
+    }
+  } cleanup{raw_dir};
+
+  const int bufs = std::max(a.readers, a.writers);
+  BufferPool pool(bufs, chunk);
+  std::mt19937_64 rng(std::random_device{}());
+  for (int b = 0; b < bufs; ++b) {
+    auto span = pool.at(b).span();
+    for (size_t i = 0; i + 8 <= span.size(); i += 8) {
+      uint64_t v = rng();
+      std::memcpy(span.data() + i, &v, 8);
+    }
+  }
+
+  Totals raw_w, raw_r, tier_w, tier_r;
+  bool o_direct = true;
+  std::string io_engine_name;
+  uint64_t resident = 0;
+  std::vector<std::string> kept_namespaces;
+  const std::string salt = fmt::format("{:016x}", rng());
+  auto progress = [&](const char* what, uint64_t bytes, double s) {
+    fmt::print(stderr, "  {:<11} {:>6.2f} GB/s  ({} x {} MiB in {:.2f} s)\n", what,
+               bytes / s / 1e9, a.chunks, a.chunk_mib, s);
+  };
+  fmt::print(stderr,
+             "kvtier bench tier: {} chunks of {} MiB in {}, {} writers, {} readers, {} repeats\n",
+             a.chunks, a.chunk_mib, a.dir, a.writers, a.readers, a.repeats);
+
+  for (int rep = 0; rep < a.repeats; ++rep) {
+    FileTierOptions o;
+    o.root = a.dir;
+    o.ns.model_id = "kvtier-bench-tier";
+    o.ns.chunk_tokens = 256;
+    o.ns.tenant_salt = fmt::format("{}-{}", salt, rep);  // a fresh namespace: no stale chunks
+    o.chunk_bytes = chunk;
+    o.read_threads = a.readers;
+    o.write_threads = a.writers;
+    o.max_queued_reads = o.max_queued_writes = static_cast<size_t>(bufs);
+    o.io_engine = *engine;
+    o.io_queue_depth = a.io_depth;
+    o.io_request_bytes = a.request_kib << 10;
+    auto opened = FileTier::Open(o);
+    if (!opened.ok()) return fail(opened.status().ToString());
+    FileTier& tier = **opened;
+    io_engine_name = tier.Stats().io_engine;
+    std::vector<ChunkKey> keys;
+    for (uint32_t i = 0; i < a.chunks; ++i) {
+      std::string s = fmt::format("bench-{}-{}-{}", salt, rep, i);
+      keys.push_back(
+          *ChunkKey::FromOpaque({reinterpret_cast<const uint8_t*>(s.data()), s.size()}));
+    }
+    std::vector<std::string> raw_paths, tier_paths;
+    for (uint32_t i = 0; i < a.chunks; ++i) {
+      raw_paths.push_back(fmt::format("{}/raw-{}-{}", raw_dir, rep, i));
+      tier_paths.push_back(tier.ChunkPath(keys[i]));
+    }
+    std::atomic<bool> raw_failed{false};
+    Status raw_error, tier_error;
+    std::mutex raw_mu;
+    auto raw_write = [&] {
+      double s = Parallel(a.writers, a.chunks, [&](int t, uint32_t i) {
+        Status st = RawWrite(raw_paths[i], pool.at(t % bufs).first(chunk));
+        if (!st.ok() && !raw_failed.exchange(true)) {
+          std::lock_guard<std::mutex> lock(raw_mu);
+          raw_error = st;
+        }
+      });
+      raw_w.bytes += a.chunks * chunk;
+      raw_w.seconds += s;
+      progress("raw write", a.chunks * chunk, s);
+    };
+    auto tier_write = [&] {
+      double s = TierPhase(
+          pool, a.chunks,
+          [&](uint32_t i, AlignedBuffer& b, auto done) {
+            return tier.WriteAsync(keys[i], b.first(chunk), done);
+          },
+          &tier_error);
+      tier_w.bytes += a.chunks * chunk;
+      tier_w.seconds += s;
+      progress("tier write", a.chunks * chunk, s);
+    };
+    auto raw_read = [&] {
+      double s = Parallel(a.readers, a.chunks, [&](int t, uint32_t i) {
+        Status st = RawRead(raw_paths[i], pool.at(t % bufs).first(chunk));
+        if (!st.ok() && !raw_failed.exchange(true)) {
+          std::lock_guard<std::mutex> lock(raw_mu);
+          raw_error = st;
+        }
+      });
+      raw_r.bytes += a.chunks * chunk;
+      raw_r.seconds += s;
+      progress("raw read", a.chunks * chunk, s);
+    };
+    auto tier_read = [&] {
+      double s = TierPhase(
+          pool, a.chunks,
+          [&](uint32_t i, AlignedBuffer& b, auto done) {
+            return tier.ReadAsync(keys[i], b.first(chunk), done);
+          },
+          &tier_error);
+      tier_r.bytes += a.chunks * chunk;
+      tier_r.seconds += s;
+      progress("tier read", a.chunks * chunk, s);
+    };
+    // Alternate which goes first, so that drift on a shared machine hits both alike.
+    if (rep % 2 == 0) {
+      raw_write();
+      tier_write();
+    } else {
+      tier_write();
+      raw_write();
+    }
+    if (!raw_error.ok()) return fail(raw_error.ToString());
+    if (!tier_error.ok()) return fail(tier_error.ToString());
+    DropFromPageCache(raw_paths);
+    DropFromPageCache(tier_paths);
+    if (rep % 2 == 0) {
+      raw_read();
+      tier_read();
+    } else {
+      tier_read();
+      raw_read();
+    }
+    if (!raw_error.ok()) return fail(raw_error.ToString());
+    if (!tier_error.ok()) return fail(tier_error.ToString());
+    FileTierStats st = tier.Stats();
+    if (st.hits != a.chunks) {
+      return fail(fmt::format("the tier served {} of {} chunks", st.hits, a.chunks));
+    }
+    o_direct = o_direct && st.o_direct;
+    resident += ResidentBytes(raw_paths) + ResidentBytes(tier_paths);
+    std::string ns_id = o.ns.Id();
+    opened.value().reset();
+    for (const auto& p : raw_paths) fs::remove(p, ec);
+    if (a.keep) {
+      kept_namespaces.push_back(ns_id);
+    } else {
+      auto purged = PurgeCacheDir(a.dir, ns_id);
+      if (!purged.ok()) fmt::print(stderr, "warning: {}\n", purged.status().ToString());
+    }
+  }
+
+  const double rr = tier_r.GBps() / raw_r.GBps(), wr = tier_w.GBps() / raw_w.GBps();
+  if (a.json) {
+    nlohmann::json j = {{"dir", a.dir},
+                        {"chunk_mib", a.chunk_mib},
+                        {"chunks", a.chunks},
+                        {"readers", a.readers},
+                        {"writers", a.writers},
+                        {"repeats", a.repeats},
+                        {"io_engine", io_engine_name},
+                        {"o_direct", o_direct},
+                        {"write_GBps", tier_w.GBps()},
+                        {"read_GBps", tier_r.GBps()},
+                        {"raw_write_GBps", raw_w.GBps()},
+                        {"raw_read_GBps", raw_r.GBps()},
+                        {"write_ratio", wr},
+                        {"read_ratio", rr},
+                        {"page_cache_resident_bytes", resident},
+                        {"raw_write_includes_fdatasync", true},
+                        {"kept_namespaces", kept_namespaces}};
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    fmt::print("tier write   {:6.2f} GB/s   raw O_DIRECT write {:6.2f} GB/s   ratio {:.2f}\n",
+               tier_w.GBps(), raw_w.GBps(), wr);
+    fmt::print("tier read    {:6.2f} GB/s   raw O_DIRECT read  {:6.2f} GB/s   ratio {:.2f}\n",
+               tier_r.GBps(), raw_r.GBps(), rr);
+    fmt::print("o_direct {}, io engine {}, page cache holding {} bytes of the files afterwards\n",
+               o_direct, io_engine_name, resident);
+    if (a.keep) {
+      fmt::print("kept the chunk files in {} (namespaces {})\n", a.dir,
+                 fmt::join(kept_namespaces, ", "));
+    }
+  }
+  return 0;
+}
+
+void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
+  auto args = std::make_shared<BenchTierArgs>();
+  auto* cmd = parent.add_subcommand(
+      "tier",
+      "Write then read chunks through the file tier, and compare with plain O_DIRECT writes and "
+      "reads of same-size files at the same concurrency, measured in the same run");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark (a kvtier cache or a new one)")
+      ->required();
+  cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk payload size in MiB")
+      ->capture_default_str();
+  cmd->add_option("--chunks", args->chunks, "Chunks written and read per repeat")
+      ->capture_default_str();
+  cmd->add_option("--readers", args->readers, "Concurrent reads (tier read threads, raw readers)")
+      ->capture_default_str();
+  cmd->add_option("--writers", args->writers,
+                  "Concurrent writes (tier write threads, raw writers)")
+      ->capture_default_str();
+  cmd->add_option("--repeats", args->repeats,
+                  "Rounds; raw and tier alternate going first, figures are totals over all")
+      ->capture_default_str();
+  cmd->add_option("--io-engine", args->io_engine, "auto, io_uring or threads")
+      ->capture_default_str();
+  cmd->add_option("--io-depth", args->io_depth, "Tier requests in flight per chunk")
+      ->capture_default_str();
+  cmd->add_option("--request-kib", args->request_kib, "Tier request size in KiB")
+      ->capture_default_str();
+  cmd->add_flag("--keep", args->keep, "Leave the tier's chunk files in --dir");
+  cmd->add_flag("--json", args->json, "Print the result as JSON on stdout");
+  cmd->callback([args, &ctx] { ctx.exit_code = RunBenchTier(*args); });
+}
+
+const bool kRegistered = RegisterCommand("bench", &AddBenchTier);
+
+}  // namespace
+}  // namespace kvtier::tools
