@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <random>
 
 #include "gpu/cuda_copier.h"
@@ -80,14 +81,14 @@ struct GpuCache {
 };
 
 void CheckGatherAndScatter(const CacheShape& shape, CopyMechanism mechanism, uint64_t chunk_tokens,
-                           std::mt19937_64& rng) {
+                           std::mt19937_64& rng, const CudaCopierOptions& options = {}) {
   SCOPED_TRACE(testing::Message() << "mechanism " << CopyMechanismName(mechanism) << ", "
                                   << shape.tokens_per_block << " tokens/block, " << chunk_tokens
                                   << " tokens");
   GpuCache g;
   g.Init(shape, rng);
   if (::testing::Test::HasFatalFailure()) return;
-  auto copier = NewCudaKvCopier(*g.cache);
+  auto copier = NewCudaKvCopier(*g.cache, options);
   ASSERT_TRUE(copier.ok()) << copier.status().ToString();
   auto host = NewHostKvCopier(*g.host_cache);
   ASSERT_TRUE(host.ok());
@@ -143,10 +144,89 @@ TEST_F(CudaCopierTest, MatchesHostCopierOnRandomLayouts) {
   for (const Case& c : cases) {
     const uint64_t nblk = c.chunk_tokens / c.tpb;
     const CacheShape shape = MakeShape(c.kind, c.layers, c.tpb, 2 * nblk + 3, c.token_bytes, c.pad);
-    for (CopyMechanism m :
-         {CopyMechanism::kSmKernel, CopyMechanism::kCopyEngine, CopyMechanism::kAuto}) {
+    for (CopyMechanism m : {CopyMechanism::kSmKernel, CopyMechanism::kCopyEngine,
+                            CopyMechanism::kStaged, CopyMechanism::kAuto}) {
       CheckGatherAndScatter(shape, m, c.chunk_tokens, rng);
     }
+  }
+}
+
+// Staging slots smaller than the chunk: several streams per piece, and streams split by blocks.
+TEST_F(CudaCopierTest, StagedInPieces) {
+  std::mt19937_64 rng(77);
+  // 4 KiB pages, 16 blocks per chunk: 64 KiB per stream, 6 streams.
+  const CacheShape shape = MakeShape(ShapeKind::kSplitKvPerLayer, 3, 16, 40, 256, 16);
+  for (uint64_t slot : {uint64_t{16} << 10, uint64_t{160} << 10, uint64_t{4} << 10}) {
+    for (int slots : {1, 2, 3}) {
+      CudaCopierOptions o;
+      o.staging_slot_bytes = slot;
+      o.staging_slots = slots;
+      CheckGatherAndScatter(shape, CopyMechanism::kStaged, 256, rng, o);
+    }
+  }
+  GpuCache g;
+  g.Init(shape, rng);
+  CudaCopierOptions tiny;
+  tiny.staging_slot_bytes = 1024;  // smaller than a page
+  auto copier = NewCudaKvCopier(*g.cache, tiny);
+  ASSERT_TRUE(copier.ok());
+  Pinned chunk(g.cache->chunk_bytes(16));
+  CopyOptions staged;
+  staged.mechanism = CopyMechanism::kStaged;
+  const std::vector<int64_t> ids = {4};
+  auto r = (*copier)->Gather(ids, 16, chunk.data(), g.cache->chunk_bytes(16), staged);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  CudaCopierOptions off;
+  off.staging_slot_bytes = 0;
+  auto no_staging = NewCudaKvCopier(*g.cache, off);
+  ASSERT_TRUE(no_staging.ok());
+  EXPECT_EQ((*no_staging)->AutoMechanism(), CopyMechanism::kSmKernel);
+  EXPECT_FALSE((*no_staging)->Gather(ids, 16, chunk.data(), g.cache->chunk_bytes(16), staged).ok());
+}
+
+// Concurrent copies from several threads on several caller streams share the staging lanes.
+TEST_F(CudaCopierTest, ConcurrentStagedCopiesFromThreads) {
+  std::mt19937_64 rng(31);
+  GpuCache g;
+  g.Init(MakeShape(ShapeKind::kCrossLayer, 4, 16, 64, 512, 0), rng);
+  CudaCopierOptions o;
+  o.staging_slot_bytes = 64 << 10;  // pieces smaller than a chunk
+  auto copier = NewCudaKvCopier(*g.cache, o);
+  ASSERT_TRUE(copier.ok());
+  auto host = NewHostKvCopier(*g.host_cache);
+  ASSERT_TRUE(host.ok());
+  const auto all = gpu::testing::RandomIds(rng, 64, 64);
+  const uint64_t bytes = g.cache->chunk_bytes(64);  // 4 blocks per chunk
+  constexpr int kThreads = 4;
+  std::vector<std::unique_ptr<Pinned>> chunks;
+  for (int t = 0; t < kThreads; ++t) chunks.push_back(std::make_unique<Pinned>(bytes));
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      cudaStream_t s;
+      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+        results[t] = Status::Internal("stream");
+        return;
+      }
+      std::span<const int64_t> ids(all.data() + 4 * t, 4);
+      CopyOptions opt;
+      opt.stream = s;
+      opt.mechanism = CopyMechanism::kStaged;
+      for (int rep = 0; rep < 20 && results[t].ok(); ++rep) {
+        auto h = (*copier)->Gather(ids, 64, chunks[t]->data(), bytes, opt);
+        results[t] = h.ok() ? h->Wait() : h.status();
+      }
+      (void)cudaStreamDestroy(s);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_TRUE(results[t].ok()) << results[t].ToString();
+    std::span<const int64_t> ids(all.data() + 4 * t, 4);
+    EXPECT_EQ(std::vector<char>(chunks[t]->data(), chunks[t]->data() + bytes),
+              ReferenceGather(g.host_cache->desc(), ids))
+        << "thread " << t;
   }
 }
 
@@ -243,14 +323,14 @@ TEST_F(CudaCopierTest, RefusesWhatItCannotDo) {
   auto r = (*copier)->Gather(ids, 32, pageable.data(), bytes);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("pinned"), std::string::npos) << r.status().ToString();
-  // Misaligned chunk: refused by the kernel, served by the copy engines under kAuto.
+  // Misaligned chunk: refused by the zero-copy kernel, served under kAuto.
   Pinned chunk(bytes + 16);
   r = (*copier)->Gather(ids, 32, chunk.data() + 4, bytes, kernel);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("aligned"), std::string::npos) << r.status().ToString();
   r = (*copier)->Gather(ids, 32, chunk.data() + 4, bytes);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->mechanism(), CopyMechanism::kCopyEngine);
+  EXPECT_EQ(r->mechanism(), CopyMechanism::kStaged);  // 4 KiB pages: staged, any alignment
   ASSERT_TRUE(r->Wait().ok());
   EXPECT_EQ(std::vector<char>(chunk.data() + 4, chunk.data() + 4 + bytes),
             ReferenceGather(g.host_cache->desc(), ids));

@@ -141,12 +141,10 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   say(fmt::format("{}; chunk {} tokens = {:.1f} MiB, {} chunks per batch = {:.2f} GiB", report.device,
                   o.chunk_tokens, report.chunk_bytes / 1048576.0, o.chunks, batch / 1073741824.0));
 
-  // Buffers: the paged cache, two host pools (gather destination, scatter source) and a
-  // device staging area for the staged variant.
-  DeviceBuffer cache_mem, staging_mem;
+  // Buffers: the paged cache and two host pools (gather destination, scatter source).
+  DeviceBuffer cache_mem;
   PinnedBuffer gather_pool, scatter_pool;
   BENCH_CUDA(cudaMalloc(&cache_mem.ptr, o.cache_bytes));
-  BENCH_CUDA(cudaMalloc(&staging_mem.ptr, 2 * batch));
   BENCH_CUDA(cudaHostAlloc(&gather_pool.ptr, batch, cudaHostAllocDefault));
   BENCH_CUDA(cudaHostAlloc(&scatter_pool.ptr, batch, cudaHostAllocDefault));
   FillRandom(scatter_pool.ptr, batch, 0x9e3779b97f4a7c15ull);
@@ -227,22 +225,22 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
       std::string name;
       CudaCopierOptions copier;
       CopyMechanism mechanism;
-      bool staged = false;
     };
     std::vector<Variant> variants;
     variants.push_back({"auto", {}, CopyMechanism::kAuto});
     variants.push_back({"kernel", {}, CopyMechanism::kSmKernel});
     variants.push_back({"dma", {}, CopyMechanism::kCopyEngine});
-    CudaCopierOptions no_hint;
-    no_hint.dma_prefer_overlap = false;
-    variants.push_back({"dma/no-hint", no_hint, CopyMechanism::kCopyEngine});
-    variants.push_back({"staged", {}, CopyMechanism::kSmKernel, true});
-    if (headline && cfg.layout == "per-layer") {
+    variants.push_back({"staged", {}, CopyMechanism::kStaged});
+    if (headline) {
+      for (uint64_t mib : o.staging_slot_mib) {
+        CudaCopierOptions k;
+        k.staging_slot_bytes = mib << 20;
+        variants.push_back({fmt::format("staged/{}MiB", mib), k, CopyMechanism::kStaged});
+      }
       for (int kb : o.kernel_blocks) {
         CudaCopierOptions k;
         k.kernel_blocks = kb;
-        variants.push_back({fmt::format("kernel/{}", kb == 0 ? "sm" : std::to_string(kb)), k,
-                            CopyMechanism::kSmKernel});
+        variants.push_back({fmt::format("kernel/{}", kb), k, CopyMechanism::kSmKernel});
       }
     }
 
@@ -253,15 +251,7 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
         name = fmt::format("auto={}", CopyMechanismName(copier->AutoMechanism()));
       }
       const uint64_t cb = report.chunk_bytes;
-      char* staging = static_cast<char*>(staging_mem.ptr);
       IssueFn gather = [&](uint32_t c, cudaStream_t s) -> Status {
-        if (v.staged) {
-          char* stage = staging + c * cb;
-          KVTIER_RETURN_IF_ERROR(
-              LaunchKernelCopy(*copier, ids(false, c), o.chunk_tokens, stage, true, s));
-          BENCH_CUDA(cudaMemcpyAsync(gp + c * cb, stage, cb, cudaMemcpyDeviceToHost, s));
-          return Status::Ok();
-        }
         CopyOptions opt;
         opt.stream = s;
         opt.mechanism = v.mechanism;
@@ -270,11 +260,6 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
         return Status::Ok();
       };
       IssueFn scatter = [&](uint32_t c, cudaStream_t s) -> Status {
-        if (v.staged) {
-          char* stage = staging + batch + c * cb;
-          BENCH_CUDA(cudaMemcpyAsync(stage, sp + c * cb, cb, cudaMemcpyHostToDevice, s));
-          return LaunchKernelCopy(*copier, ids(true, c), o.chunk_tokens, stage, false, s);
-        }
         CopyOptions opt;
         opt.stream = s;
         opt.mechanism = v.mechanism;

@@ -26,8 +26,10 @@ struct GpuBenchOptions {
   uint32_t chunks = 32;
   uint64_t cache_bytes = uint64_t{8} << 30;
   int reps = 5;  // timed repetitions per figure (median reported), after one warm-up
-  // Thread-block counts of the SM kernel tried on the headline configuration (0 = one per SM).
-  std::vector<int> kernel_blocks = {8, 16, 32, 66, 0, 264};
+  // Extra variants tried on the headline block size: staging slot sizes (MiB) and thread-block
+  // counts of the zero-copy kernel.
+  std::vector<uint64_t> staging_slot_mib = {8, 64};
+  std::vector<int> kernel_blocks = {32, 264};
   std::function<void(const std::string&)> progress;  // one line per finished figure
 };
 
@@ -35,7 +37,7 @@ struct GpuBenchRow {
   std::string layout;    // "per-layer" or "cross-layer"
   uint32_t block_tokens = 0;
   uint64_t page_bytes = 0;
-  std::string variant;   // "auto=kernel", "kernel/132", "dma", "dma/no-hint", "staged", ...
+  std::string variant;   // "auto=staged", "kernel", "dma", "staged", "staged/8MiB", ...
   std::string op;        // "gather", "scatter", "bidir"
   double gbps = 0;
   double peak_gbps = 0;  // the matching pinned cudaMemcpy peak of the same run

@@ -23,8 +23,10 @@ __global__ void PageCopyKernel(const __grid_constant__ PageCopyLaunch p, uint32_
     if (begin >= st.page_bytes) continue;
     const uint64_t n = st.page_bytes - begin < unit_bytes ? st.page_bytes - begin : unit_bytes;
     char* page = st.first_page + uint64_t{p.block_ids[j]} * st.block_stride + begin;
-    char* chunk = p.chunk + p.chunk_blocks * p.tokens_per_block * st.prefix_token_bytes +
-                  uint64_t{p.first_block + j} * st.page_bytes + begin;
+    char* chunk = p.chunk +
+                  (p.chunk_blocks * p.tokens_per_block * st.prefix_token_bytes +
+                   uint64_t{p.first_block + j} * st.page_bytes - p.chunk_offset_base) +
+                  begin;
     const int4* src = reinterpret_cast<const int4*>(kGather ? page : chunk);
     int4* dst = reinterpret_cast<int4*>(kGather ? chunk : page);
     const uint32_t nv = static_cast<uint32_t>(n / 16);

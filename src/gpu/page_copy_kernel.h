@@ -21,10 +21,15 @@ struct DevicePageStream {
 // a chunk; longer chunks take several launches.
 constexpr uint32_t kMaxBlocksPerLaunch = 512;
 
+// Copies pages (stream s, block j) for s in the `num_streams` streams at `streams` and j in
+// [first_block, first_block + count). The page's canonical chunk offset, minus
+// `chunk_offset_base`, is its offset from `chunk`: a launch can target a whole chunk or a
+// staging buffer holding one contiguous piece of it.
 struct PageCopyLaunch {
   const DevicePageStream* streams;  // device memory, num_streams entries
   uint32_t num_streams;
-  char* chunk;                 // device-accessible address of the whole chunk
+  char* chunk;                 // device-accessible address of chunk byte `chunk_offset_base`
+  uint64_t chunk_offset_base;
   uint64_t chunk_blocks;       // blocks in the whole chunk (fixes each stream's offset)
   uint64_t tokens_per_block;
   uint32_t first_block;        // position in the chunk of this launch's first block

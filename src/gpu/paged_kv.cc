@@ -86,6 +86,7 @@ std::string_view CopyMechanismName(CopyMechanism mechanism) {
     case CopyMechanism::kHostMemcpy: return "memcpy";
     case CopyMechanism::kCopyEngine: return "dma";
     case CopyMechanism::kSmKernel: return "kernel";
+    case CopyMechanism::kStaged: return "staged";
   }
   return "unknown";
 }
@@ -95,8 +96,9 @@ Result<CopyMechanism> ParseCopyMechanism(std::string_view name) {
   if (name == "memcpy") return CopyMechanism::kHostMemcpy;
   if (name == "dma" || name == "copy-engine") return CopyMechanism::kCopyEngine;
   if (name == "kernel" || name == "sm-kernel") return CopyMechanism::kSmKernel;
-  return Status::InvalidArgument(
-      fmt::format("unknown copy mechanism '{}' (expected auto, memcpy, dma or kernel)", name));
+  if (name == "staged") return CopyMechanism::kStaged;
+  return Status::InvalidArgument(fmt::format(
+      "unknown copy mechanism '{}' (expected auto, memcpy, dma, kernel or staged)", name));
 }
 
 KvPageTensor KvPageTensor::SplitKv(void* base, uint64_t num_blocks, uint32_t tokens_per_block,

@@ -194,7 +194,8 @@ TEST(PagedKvCacheTest, HostCopierNeedsHostMemory) {
 
 TEST(PagedKvCacheTest, MechanismNames) {
   for (CopyMechanism m : {CopyMechanism::kAuto, CopyMechanism::kHostMemcpy,
-                          CopyMechanism::kCopyEngine, CopyMechanism::kSmKernel}) {
+                          CopyMechanism::kCopyEngine, CopyMechanism::kSmKernel,
+                          CopyMechanism::kStaged}) {
     auto parsed = ParseCopyMechanism(CopyMechanismName(m));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, m);
