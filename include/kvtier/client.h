@@ -1,0 +1,187 @@
+// Client of a `kvtier serve` daemon, and the ChunkStore interface that lets an integration switch
+// between an in-process Engine and a shared server with one setting.
+//
+//   ChunkStoreOptions o;
+//   o.mode = ChunkStoreMode::kServer;          // or kInProcess
+//   o.client.ns = ns;  o.client.chunk_bytes = layout.bytes_per_chunk(256);
+//   o.engine.ns = ns;  o.engine.chunk_bytes = ...;   // used by kInProcess
+//   auto store = OpenChunkStore(o);
+//   LookupResult hit = store.value()->Lookup(keys);
+//   auto op = store.value()->Load(keys, destinations);   // asynchronous, like Engine::Load
+//   OpResult r = op->Wait();                               // r.chunks leading chunks loaded
+//
+// In server mode the chunks live in the server's L1 pool, a shared-memory arena that the client
+// maps in full (MAP_SHARED, page-aligned: pool_base() can be registered with cudaHostRegister).
+// Data never crosses the socket: Store and Load copy between caller memory and pool slots in
+// this process; the zero-copy calls (ReserveSlots/CommitSlots, PrepareLoad/Unpin) let a caller
+// (e.g. a GPU copy engine) read and write slots itself. docs/protocol.md defines the protocol.
+//
+// Failure model: a cache never stalls its caller. If the server dies or stops answering within
+// rpc_timeout, the connection is marked broken and closed (the server then releases everything
+// this client held); from then on Lookup reports zero hits and every other call fails fast with
+// kUnavailable. Reconnect by creating a new Client (slot numbers of the old one mean nothing).
+//
+// Thread-safety: every method of ChunkStore, Client and AsyncOp is thread-safe. Requests from
+// several threads are pipelined over the one connection.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtier/chunk_key.h"
+#include "kvtier/engine.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+// A handle to an asynchronous operation of a ChunkStore, with the shape of Engine's OpHandle.
+// Copyable. An AsyncOp of PrepareLoad whose result is never taken (Wait/WaitFor) releases its
+// pins itself when the last copy is destroyed.
+class AsyncOp {
+ public:
+  class Impl {
+   public:
+    virtual ~Impl() = default;
+    virtual bool Done() = 0;
+    virtual std::optional<OpResult> WaitFor(std::optional<std::chrono::nanoseconds> timeout) = 0;
+  };
+  explicit AsyncOp(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  // An already finished operation.
+  static AsyncOp Finished(OpResult result);
+
+  bool Done() const { return impl_->Done(); }
+  OpResult Wait() const { return *impl_->WaitFor(std::nullopt); }
+  // The result if done within `timeout`, else nullopt (the operation goes on).
+  std::optional<OpResult> WaitFor(std::chrono::nanoseconds timeout) const {
+    return impl_->WaitFor(timeout);
+  }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// What an inference integration needs from the KV store, in process or through a server.
+class ChunkStore {
+ public:
+  virtual ~ChunkStore() = default;
+
+  // Bytes of one chunk; every buffer passed to Store/Load has exactly this size.
+  virtual uint64_t chunk_bytes() const = 0;
+  // Leading chunks of `keys` a Load would find now. In server mode a broken connection reports
+  // zero hits (the caller recomputes). Never blocks on file I/O.
+  virtual LookupResult Lookup(std::span<const ChunkKey> keys) = 0;
+  // Stores src[i] under keys[i] (idempotent: keys already stored are skipped). kInvalidArgument
+  // for mismatched sizes, kRejected if the copy queue is full, kUnavailable if the server is
+  // gone; otherwise a handle whose result counts the chunks now stored. Caller buffers must stay
+  // valid until the handle is done.
+  virtual Result<AsyncOp> Store(std::span<const ChunkKey> keys,
+                                std::span<const std::span<const uint8_t>> src) = 0;
+  // Copies the longest available prefix of `keys` into dst; result.chunks says how many.
+  virtual Result<AsyncOp> Load(std::span<const ChunkKey> keys,
+                               std::span<const std::span<uint8_t>> dst) = 0;
+
+  // --- Zero-copy: the caller reads and writes pool slots itself (see SlotData). ---
+  // Reserves a slot per key; kNoSlot where the key is already stored. The vector may be shorter
+  // than `keys` when the pool is full of pinned chunks. Fill, then CommitSlots or AbortSlots.
+  virtual Result<std::vector<SlotId>> ReserveSlots(std::span<const ChunkKey> keys) = 0;
+  // REQUIRES: keys and slots as given to and returned by ReserveSlots.
+  virtual Status CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) = 0;
+  virtual Status AbortSlots(std::span<const SlotId> slots) = 0;
+  // Pins the longest available prefix of `keys` in the pool (promoting from lower tiers).
+  // result.slots lists the pinned slots; give each back with Unpin.
+  virtual Result<AsyncOp> PrepareLoad(std::span<const ChunkKey> keys) = 0;
+  virtual Status Unpin(std::span<const SlotId> slots) = 0;
+  // The pool's bytes of `slot`: writable while reserved, readable while pinned.
+  virtual std::span<uint8_t> SlotData(SlotId slot) const = 0;
+  // The whole pool, e.g. for cudaHostRegister.
+  virtual uint8_t* pool_base() const = 0;
+  virtual uint64_t pool_bytes() const = 0;
+};
+
+// Where `kvtier serve` listens by default: $XDG_RUNTIME_DIR/kvtier.sock, else
+// /tmp/kvtier-<uid>.sock.
+std::string DefaultSocketPath();
+
+struct ClientOptions {
+  std::string socket_path;  // empty = DefaultSocketPath()
+  KeyNamespace ns;          // REQUIRED: scopes every key this client sends
+  uint64_t chunk_bytes = 0; // REQUIRED: must equal the server's pool chunk size (0 = adopt it)
+  std::string token;        // the server's shared secret, if it has one
+  std::string client_name;  // shown in server logs
+  std::chrono::milliseconds connect_timeout{5000};
+  std::chrono::milliseconds rpc_timeout{10000};  // a server silent this long is declared dead
+  int copy_threads = 1;          // threads copying for Store/Load (not used by zero-copy calls)
+  size_t max_queued_copies = 64; // Store/Load batches queued before kRejected
+  bool populate_mapping = true;  // MAP_POPULATE the pool mapping so first copies run full speed
+};
+
+// A connection to a `kvtier serve` daemon. See the file comment.
+class Client final : public ChunkStore {
+ public:
+  // Connects, performs the handshake (version, namespace, chunk size, token) and maps the pool.
+  // Fails with kUnavailable if no server listens at the socket, kPermissionDenied for a wrong
+  // token or socket permissions, kInvalidArgument for a namespace or chunk size the server
+  // refuses (the message says why), kTimeout if the server does not answer in time.
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client() override;  // waits for queued Store/Load copies, then closes the connection
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  uint64_t chunk_bytes() const override;
+  LookupResult Lookup(std::span<const ChunkKey> keys) override;
+  // Like Lookup, but a broken connection is an error rather than zero hits.
+  Result<LookupResult> TryLookup(std::span<const ChunkKey> keys);
+  Result<AsyncOp> Store(std::span<const ChunkKey> keys,
+                        std::span<const std::span<const uint8_t>> src) override;
+  Result<AsyncOp> Load(std::span<const ChunkKey> keys,
+                       std::span<const std::span<uint8_t>> dst) override;
+  // REQUIRES for the zero-copy calls: keys.size() <= max_keys_per_request().
+  Result<std::vector<SlotId>> ReserveSlots(std::span<const ChunkKey> keys) override;
+  Status CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) override;
+  Status AbortSlots(std::span<const SlotId> slots) override;
+  Result<AsyncOp> PrepareLoad(std::span<const ChunkKey> keys) override;
+  Status Unpin(std::span<const SlotId> slots) override;
+  std::span<uint8_t> SlotData(SlotId slot) const override;
+  uint8_t* pool_base() const override;
+  uint64_t pool_bytes() const override;
+
+  // An empty round trip (for health checks and latency measurements).
+  Status Ping();
+  // The server's statistics as JSON (the document HTTP /stats serves).
+  Result<std::string> StatsJson();
+  // False once the connection broke; the reason is in broken_status().
+  bool connected() const;
+  Status broken_status() const;
+  uint64_t session_id() const;
+  uint32_t num_slots() const;
+  uint64_t slot_bytes() const;
+  uint32_t max_keys_per_request() const;
+
+  class Impl;
+
+ private:
+  explicit Client(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;  // shared with pending operations
+};
+
+enum class ChunkStoreMode : uint8_t { kInProcess, kServer };
+// "in_process"/"in-process"/"local" or "server".
+Result<ChunkStoreMode> ParseChunkStoreMode(std::string_view name);
+
+struct ChunkStoreOptions {
+  ChunkStoreMode mode = ChunkStoreMode::kInProcess;
+  EngineOptions engine;  // kInProcess: the engine to open in this process
+  ClientOptions client;  // kServer: the server to connect to
+};
+
+// Opens an in-process Engine or connects to a server, per options.mode.
+Result<std::unique_ptr<ChunkStore>> OpenChunkStore(const ChunkStoreOptions& options);
+// Wraps an already open engine (not owned; it must outlive the store).
+std::unique_ptr<ChunkStore> WrapEngine(Engine* engine);
+
+}  // namespace kvtier

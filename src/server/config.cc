@@ -1,0 +1,329 @@
+#include "server/config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "kvtier/client.h"
+
+namespace kvtier::server {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string NormalizeKey(std::string_view k) {
+  std::string out(k);
+  std::replace(out.begin(), out.end(), '-', '_');
+  return out;
+}
+
+Result<json> ParseJson(std::string_view text, std::string_view what) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::InvalidArgument(fmt::format("{} is not valid JSON", what));
+  if (!j.is_object()) return Status::InvalidArgument(fmt::format("{} must be a JSON object", what));
+  return j;
+}
+
+Status GetNumber(const json& v, const std::string& key, double* out) {
+  if (!v.is_number()) return Status::InvalidArgument(fmt::format("\"{}\" must be a number", key));
+  *out = v.get<double>();
+  return Status::Ok();
+}
+
+template <typename Int>
+Status GetInt(const json& v, const std::string& key, Int* out) {
+  if (!v.is_number_integer()) {
+    return Status::InvalidArgument(fmt::format("\"{}\" must be an integer", key));
+  }
+  if constexpr (std::is_unsigned_v<Int>) {
+    if (v.is_number_unsigned() || v.get<int64_t>() >= 0) {
+      uint64_t x = v.get<uint64_t>();
+      if (x <= std::numeric_limits<Int>::max()) {
+        *out = static_cast<Int>(x);
+        return Status::Ok();
+      }
+    }
+  } else {
+    int64_t x = v.get<int64_t>();
+    if (x >= std::numeric_limits<Int>::min() && x <= std::numeric_limits<Int>::max()) {
+      *out = static_cast<Int>(x);
+      return Status::Ok();
+    }
+  }
+  return Status::InvalidArgument(fmt::format("\"{}\" is out of range", key));
+}
+
+Status GetString(const json& v, const std::string& key, std::string* out) {
+  if (!v.is_string()) return Status::InvalidArgument(fmt::format("\"{}\" must be a string", key));
+  *out = v.get<std::string>();
+  return Status::Ok();
+}
+
+Status GetBool(const json& v, const std::string& key, bool* out) {
+  if (!v.is_boolean()) return Status::InvalidArgument(fmt::format("\"{}\" must be true or false", key));
+  *out = v.get<bool>();
+  return Status::Ok();
+}
+
+Result<L2Spec> L2FromJson(const json& j) {
+  if (!j.is_object()) return Status::InvalidArgument("an L2 tier must be a JSON object");
+  L2Spec spec;
+  bool has_path = false;
+  for (auto& [k, v] : j.items()) {
+    std::string key = NormalizeKey(k);
+    if (key == "type") {
+      KVTIER_RETURN_IF_ERROR(GetString(v, key, &spec.type));
+    } else if (key == "path") {
+      KVTIER_RETURN_IF_ERROR(GetString(v, key, &spec.path));
+      has_path = true;
+    } else if (key == "max_size_gb") {
+      KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.max_size_gb));
+    } else if (key == "read_threads") {
+      KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.read_threads));
+    } else if (key == "write_threads") {
+      KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.write_threads));
+    } else {
+      return Status::InvalidArgument(fmt::format(
+          "unknown L2 key \"{}\" (expected type, path, max_size_gb, read_threads, write_threads)",
+          k));
+    }
+  }
+  if (spec.type != "fs") {
+    return Status::InvalidArgument(
+        fmt::format("unsupported L2 type \"{}\" (supported: \"fs\")", spec.type));
+  }
+  if (!has_path || spec.path.empty()) return Status::InvalidArgument("an fs L2 tier needs a \"path\"");
+  if (!(spec.max_size_gb >= 0) || spec.max_size_gb > 1e6) {
+    return Status::InvalidArgument("L2 \"max_size_gb\" must be in [0, 1e6] (0 = unlimited)");
+  }
+  if (spec.read_threads < 1 || spec.read_threads > 256 || spec.write_threads < 1 ||
+      spec.write_threads > 256) {
+    return Status::InvalidArgument("L2 read_threads and write_threads must be in [1, 256]");
+  }
+  return spec;
+}
+
+struct Preset {
+  const char* name;
+  bool latent;
+  uint32_t layers, kv_heads, head_dim;  // head_dim = latent dim for MLA
+};
+// Per-rank shapes come from Layout (KV heads split over tensor-parallel ranks).
+constexpr Preset kPresets[] = {
+    {"qwen3-0.6b", false, 28, 8, 128},    {"qwen3-8b", false, 36, 8, 128},
+    {"qwen3-32b", false, 64, 8, 128},     {"llama-3.1-8b", false, 32, 8, 128},
+    {"llama-3.1-70b", false, 80, 8, 128}, {"deepseek-v3", true, 61, 1, 576},
+};
+
+}  // namespace
+
+std::vector<std::string> ModelPresetNames() {
+  std::vector<std::string> names;
+  for (const Preset& p : kPresets) names.emplace_back(p.name);
+  return names;
+}
+
+Result<L2Spec> ParseL2Spec(std::string_view text) {
+  KVTIER_ASSIGN_OR_RETURN(json j, ParseJson(text, fmt::format("--l2 '{}'", text)));
+  auto spec = L2FromJson(j);
+  if (!spec.ok()) return spec.status().WithContext("--l2");
+  return spec;
+}
+
+Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
+  KVTIER_ASSIGN_OR_RETURN(json j, ParseJson(text, "the configuration"));
+  for (auto& [k, v] : j.items()) {
+    const std::string key = NormalizeKey(k);
+    Status s;
+    if (key == "l1_size_gb") {
+      s = GetNumber(v, key, &c->l1_size_gb);
+    } else if (key == "eviction_policy") {
+      s = GetString(v, key, &c->eviction_policy);
+    } else if (key == "chunk_size") {
+      s = GetInt(v, key, &c->chunk_size);
+    } else if (key == "model") {
+      s = GetString(v, key, &c->model);
+    } else if (key == "tensor_parallel_size") {
+      s = GetInt(v, key, &c->tensor_parallel_size);
+    } else if (key == "kv_dtype") {
+      s = GetString(v, key, &c->kv_dtype);
+    } else if (key == "chunk_bytes") {
+      s = GetInt(v, key, &c->chunk_bytes);
+    } else if (key == "l2") {
+      if (!v.is_array()) {
+        s = Status::InvalidArgument("\"l2\" must be an array of tier objects");
+      } else {
+        c->l2.clear();
+        for (const json& t : v) {
+          auto spec = L2FromJson(t);
+          if (!spec.ok()) return spec.status().WithContext("configuration \"l2\"");
+          c->l2.push_back(*spec);
+        }
+      }
+    } else if (key == "no_l2") {
+      s = GetBool(v, key, &c->no_l2);
+    } else if (key == "write_policy") {
+      s = GetString(v, key, &c->write_policy);
+    } else if (key == "socket") {
+      s = GetString(v, key, &c->socket);
+    } else if (key == "socket_group") {
+      s = GetString(v, key, &c->socket_group);
+    } else if (key == "token") {
+      s = GetString(v, key, &c->token);
+    } else if (key == "token_file") {
+      s = GetString(v, key, &c->token_file);
+    } else if (key == "http_host") {
+      s = GetString(v, key, &c->http_host);
+    } else if (key == "http_port") {
+      s = GetInt(v, key, &c->http_port);
+    } else if (key == "worker_threads") {
+      s = GetInt(v, key, &c->worker_threads);
+    } else if (key == "max_clients") {
+      s = GetInt(v, key, &c->max_clients);
+    } else if (key == "huge_pages") {
+      s = GetBool(v, key, &c->huge_pages);
+    } else {
+      s = Status::InvalidArgument(fmt::format("unknown configuration key \"{}\"", k));
+    }
+    if (!s.ok()) return s.WithContext("configuration");
+  }
+  return Status::Ok();
+}
+
+Status ApplyConfigFile(const std::string& path, ServeConfig* config) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound(fmt::format("cannot read configuration file \"{}\"", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ApplyConfigJson(ss.str(), config).WithContext(path);
+}
+
+Result<Layout> ResolveModelLayout(const ServeConfig& c) {
+  if (c.tensor_parallel_size < 1 || c.tensor_parallel_size > 1024) {
+    return Status::InvalidArgument("--tensor-parallel-size must be in [1, 1024]");
+  }
+  std::string name = Lower(c.model);
+  if (auto slash = name.rfind('/'); slash != std::string::npos && access(c.model.c_str(), F_OK)) {
+    name = name.substr(slash + 1);  // "Qwen/Qwen3-8B" -> "qwen3-8b"
+  }
+  for (const Preset& p : kPresets) {
+    if (name != p.name) continue;
+    DType dtype = DType::kBFloat16;
+    if (!c.kv_dtype.empty()) {
+      KVTIER_ASSIGN_OR_RETURN(dtype, ParseDType(c.kv_dtype));
+    }
+    if (p.latent) return Layout::Latent(p.layers, p.head_dim, dtype);
+    uint32_t heads = std::max<uint32_t>(1, p.kv_heads / c.tensor_parallel_size);
+    return Layout::KeyValue(p.layers, heads, p.head_dim, dtype);
+  }
+  if (access(c.model.c_str(), R_OK) == 0) {
+    return Layout::FromHfConfigFile(c.model, c.tensor_parallel_size, c.kv_dtype);
+  }
+  std::string names;
+  for (const Preset& p : kPresets) names += std::string(names.empty() ? "" : ", ") + p.name;
+  return Status::InvalidArgument(fmt::format(
+      "--model \"{}\" is neither a preset ({}) nor a readable config.json", c.model, names));
+}
+
+std::string DefaultCacheDir() {
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/kvtier";
+  if (const char* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/kvtier";
+  return "kvtier-cache";
+}
+
+L2Spec DefaultL2() {
+  L2Spec s;
+  s.path = DefaultCacheDir();
+  s.max_size_gb = 10;
+  return s;
+}
+
+Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
+  ServerOptions o;
+  if (c.chunk_size < 1 || c.chunk_size > (1u << 20)) {
+    return Status::InvalidArgument("--chunk-size must be in [1, 1048576] tokens");
+  }
+  uint64_t chunk_bytes = c.chunk_bytes;
+  if (chunk_bytes == 0) {
+    KVTIER_ASSIGN_OR_RETURN(Layout layout, ResolveModelLayout(c));
+    chunk_bytes = layout.bytes_per_chunk(c.chunk_size);
+  }
+  if (chunk_bytes > (16ull << 30)) return Status::InvalidArgument("chunks above 16 GiB are refused");
+  o.engine.chunk_bytes = chunk_bytes;
+  if (!(c.l1_size_gb > 0) || c.l1_size_gb > 1 << 20) {
+    return Status::InvalidArgument("--l1-size-gb must be a positive number of GiB");
+  }
+  o.engine.memory.capacity_bytes = static_cast<uint64_t>(c.l1_size_gb * (1ull << 30));
+  const uint64_t slot = (chunk_bytes + 4095) / 4096 * 4096;
+  if (o.engine.memory.capacity_bytes < slot) {
+    return Status::InvalidArgument(fmt::format(
+        "--l1-size-gb {} holds no chunk: one chunk takes {} bytes ({:.1f} MiB)", c.l1_size_gb,
+        slot, slot / 1048576.0));
+  }
+  std::string policy = Lower(c.eviction_policy);
+  std::replace(policy.begin(), policy.end(), '_', '-');
+  KVTIER_ASSIGN_OR_RETURN(o.engine.memory.eviction, ParseEvictionPolicy(policy));
+  o.engine.memory.huge_pages = c.huge_pages;
+  KVTIER_ASSIGN_OR_RETURN(o.engine.write_policy, ParseWritePolicy(Lower(c.write_policy)));
+  if (c.worker_threads < 1 || c.worker_threads > 256) {
+    return Status::InvalidArgument("--worker-threads must be in [1, 256]");
+  }
+  o.engine.worker_threads = c.worker_threads;
+
+  std::vector<L2Spec> l2 = c.l2;
+  if (c.no_l2) {
+    if (!c.l2.empty()) return Status::InvalidArgument("--no-l2 and --l2 contradict each other");
+  } else if (l2.empty()) {
+    l2.push_back(DefaultL2());
+  }
+  if (l2.size() > 1) {
+    return Status::InvalidArgument(
+        fmt::format("{} L2 tiers given; this version supports one file tier", l2.size()));
+  }
+  if (!l2.empty()) {
+    FileTierOptions f;
+    f.root = l2[0].path;
+    f.capacity_bytes = static_cast<uint64_t>(l2[0].max_size_gb * (1ull << 30));
+    f.read_threads = l2[0].read_threads;
+    f.write_threads = l2[0].write_threads;
+    o.engine.file = f;
+  }
+
+  o.socket_path = c.socket.empty() ? DefaultSocketPath() : c.socket;
+  o.socket_group = c.socket_group;
+  o.token = c.token;
+  if (o.token.empty() && !c.token_file.empty()) {
+    std::ifstream in(c.token_file);
+    if (!in) return Status::NotFound(fmt::format("cannot read --token-file \"{}\"", c.token_file));
+    std::getline(in, o.token);
+    while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) {
+      o.token.pop_back();
+    }
+    if (o.token.empty()) return Status::InvalidArgument("--token-file is empty");
+  }
+  if (o.token.size() > 4096) return Status::InvalidArgument("--token is longer than 4096 bytes");
+  o.http_host = c.http_host;
+  if (c.http_port < -1 || c.http_port > 65535) {
+    return Status::InvalidArgument("--http-port must be in [0, 65535] (0: any free port; -1: off)");
+  }
+  o.http_port = c.http_port;
+  if (c.max_clients < 1) return Status::InvalidArgument("--max-clients must be >= 1");
+  o.max_clients = c.max_clients;
+  return o;
+}
+
+}  // namespace kvtier::server

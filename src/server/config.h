@@ -1,0 +1,69 @@
+// Configuration of `kvtier serve`: the settings, their JSON form (--config, --l2) and their
+// translation into ServerOptions. Flag names follow LMCache's server where one exists
+// (--l1-size-gb, --eviction-policy, --chunk-size, --l2 '{json}').
+//
+// Thread-safety: pure functions over values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/layout.h"
+#include "kvtier/status.h"
+#include "server/server.h"
+
+namespace kvtier::server {
+
+// One lower tier: --l2 '{"type":"fs","path":...,"max_size_gb":...,"read_threads":...,
+// "write_threads":...}'.
+struct L2Spec {
+  std::string type = "fs";
+  std::string path;
+  double max_size_gb = 0;  // 0 = unlimited
+  int read_threads = 4;
+  int write_threads = 2;
+};
+
+struct ServeConfig {
+  double l1_size_gb = 1.0;  // GiB of shared L1 pool
+  std::string eviction_policy = "prefix-aware";
+  uint32_t chunk_size = 256;        // tokens per chunk
+  std::string model = "qwen3-8b";   // preset name or path to a Hugging Face config.json
+  uint32_t tensor_parallel_size = 1;
+  std::string kv_dtype;             // overrides the model's dtype (e.g. fp8)
+  uint64_t chunk_bytes = 0;         // overrides model x chunk_size when set
+  std::vector<L2Spec> l2;           // empty: the default file tier, unless no_l2
+  bool no_l2 = false;
+  std::string write_policy = "write_back";
+  std::string socket;               // empty: DefaultSocketPath()
+  std::string socket_group;
+  std::string token;
+  std::string token_file;
+  std::string http_host = "127.0.0.1";
+  int http_port = 8790;             // 0: any free port; -1: no HTTP
+  int worker_threads = 2;
+  uint32_t max_clients = 256;
+  bool huge_pages = false;
+};
+
+// Applies a JSON object of settings (keys as the flags, with '_' or '-'; "l2" is an array of
+// L2 objects). Unknown keys, wrong types and bad values are errors naming the key.
+Status ApplyConfigJson(std::string_view text, ServeConfig* config);
+Status ApplyConfigFile(const std::string& path, ServeConfig* config);
+Result<L2Spec> ParseL2Spec(std::string_view json);
+
+// The layout of one rank of config.model (a preset name, or a config.json path).
+Result<Layout> ResolveModelLayout(const ServeConfig& config);
+// Names of the built-in model presets.
+std::vector<std::string> ModelPresetNames();
+// $XDG_CACHE_HOME/kvtier, else $HOME/.cache/kvtier, else ./kvtier-cache.
+std::string DefaultCacheDir();
+// The default L2: a file tier in DefaultCacheDir(), 10 GiB.
+L2Spec DefaultL2();
+
+// Validates everything and builds the server's options.
+Result<ServerOptions> BuildServerOptions(const ServeConfig& config);
+
+}  // namespace kvtier::server

@@ -1,0 +1,83 @@
+#include "server/config.h"
+
+#include <gtest/gtest.h>
+
+namespace kvtier::server {
+namespace {
+
+TEST(ServeConfigTest, DefaultsBuildAWorkingServer) {
+  ServeConfig c;
+  auto o = BuildServerOptions(c);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  // Qwen3-8B: 36 layers x 8 heads x 128 x 2 (K,V) x 2 bytes x 256 tokens.
+  EXPECT_EQ(o->engine.chunk_bytes, 36ull * 8 * 128 * 2 * 2 * 256);
+  EXPECT_EQ(o->engine.memory.capacity_bytes, 1ull << 30);
+  ASSERT_TRUE(o->engine.file.has_value());
+  EXPECT_EQ(o->engine.file->root, DefaultCacheDir());
+  EXPECT_EQ(o->engine.write_policy, WritePolicy::kWriteBack);
+  EXPECT_FALSE(o->socket_path.empty());
+}
+
+TEST(ServeConfigTest, JsonConfigAppliesEveryKeyAndRefusesUnknownOnes) {
+  ServeConfig c;
+  ASSERT_TRUE(ApplyConfigJson(R"({"l1-size-gb": 2, "eviction_policy": "lru", "chunk_size": 128,
+      "l2": [{"type": "fs", "path": "/mnt/kv", "max_size_gb": 50, "read_threads": 8,
+              "write_threads": 3}],
+      "write_policy": "write_through", "http_port": 9100, "token": "t", "tensor_parallel_size": 2})",
+                              &c)
+                  .ok());
+  auto o = BuildServerOptions(c);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->engine.memory.capacity_bytes, 2ull << 30);
+  EXPECT_EQ(o->engine.memory.eviction, EvictionPolicyKind::kLru);
+  EXPECT_EQ(o->engine.chunk_bytes, 36ull * 4 * 128 * 2 * 2 * 128);  // tp 2 halves the heads
+  EXPECT_EQ(o->engine.file->root, "/mnt/kv");
+  EXPECT_EQ(o->engine.file->capacity_bytes, 50ull << 30);
+  EXPECT_EQ(o->engine.file->read_threads, 8);
+  EXPECT_EQ(o->engine.write_policy, WritePolicy::kWriteThrough);
+  EXPECT_EQ(o->http_port, 9100);
+  EXPECT_EQ(o->token, "t");
+
+  Status unknown = ApplyConfigJson(R"({"l1_size": 2})", &c);
+  EXPECT_NE(unknown.message().find("l1_size"), std::string::npos);
+  EXPECT_FALSE(ApplyConfigJson("[1]", &c).ok());
+  EXPECT_FALSE(ApplyConfigJson("{", &c).ok());
+  EXPECT_FALSE(ApplyConfigJson(R"({"chunk_size": -1})", &c).ok());
+  EXPECT_FALSE(ApplyConfigJson(R"({"chunk_size": 1.5})", &c).ok());
+  EXPECT_FALSE(ApplyConfigJson(R"({"l2": {"type": "fs"}})", &c).ok());
+}
+
+TEST(ServeConfigTest, L2SpecsAreValidated) {
+  auto ok = ParseL2Spec(R"({"type":"fs","path":"/x","max_size_gb":1.5})");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->max_size_gb, 1.5);
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"s3","path":"/x"})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs"})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_threads":0})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","max_size_gb":-1})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","colour":"red"})").ok());
+  EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
+}
+
+TEST(ServeConfigTest, BadValuesAreRefused) {
+  auto refused = [](auto mutate) {
+    ServeConfig c;
+    mutate(c);
+    return !BuildServerOptions(c).ok();
+  };
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.l1_size_gb = 0; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.l1_size_gb = 0.001; }));  // below one chunk
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.eviction_policy = "random"; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.write_policy = "sometimes"; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.model = "nope"; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.chunk_size = 0; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.http_port = 70000; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.no_l2 = true, c.l2.push_back(DefaultL2()); }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.l2 = {DefaultL2(), DefaultL2()}; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.token_file = "/nonexistent/token"; }));
+  EXPECT_FALSE(refused([](ServeConfig& c) { c.model = "Qwen/Qwen3-8B"; }));
+  EXPECT_FALSE(refused([](ServeConfig& c) { c.eviction_policy = "LRU"; }));
+}
+
+}  // namespace
+}  // namespace kvtier::server

@@ -1,0 +1,87 @@
+// Server: one Engine per node, shared with every inference process through a Unix socket and a
+// shared-memory pool (docs/protocol.md).
+//
+// One thread accepts connections; each connection is served by its own thread (blocking reads
+// with no polling hop, so a control round trip costs two wake-ups), and prepare_load requests
+// that must wait for the file tier complete on a small pool so a slow promotion never blocks a
+// connection. Every connection's reservations and pins are tracked and released when it closes,
+// however it closes. An HTTP listener serves /metrics (Prometheus text), /healthz and /stats.
+//
+// Thread-safety: Start, Stop and Wait may be called from any thread; StatsJson and MetricsText
+// are thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvtier/engine.h"
+#include "kvtier/status.h"
+
+namespace kvtier::server {
+
+struct ServerOptions {
+  // The engine. Its namespace is set by the server (clients bring their own, see protocol.md);
+  // chunk_bytes fixes the pool's slot size for every client.
+  EngineOptions engine;
+  std::string socket_path;        // REQUIRED
+  std::string socket_group;       // empty: owner-only socket (0600); else 0660 and this group
+  std::string token;              // empty: none required
+  std::string http_host = "127.0.0.1";
+  int http_port = 8790;           // 0: pick a free port (see http_port()); -1: no HTTP listener
+  uint32_t max_clients = 256;
+  uint32_t max_message_bytes = 1u << 20;
+  uint32_t max_keys_per_request = 4096;
+  int completion_threads = 2;     // wait for slow prepare_loads (file-tier promotions)
+  std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
+};
+
+class Server {
+ public:
+  // Opens the engine, binds the socket (refusing a path where a server already answers; a stale
+  // socket file is replaced), binds HTTP, and starts serving. Errors: kInvalidArgument for bad
+  // options, kUnavailable when the socket or port is in use, kIOError/kPermissionDenied from the
+  // OS, or the engine's error.
+  static Result<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  // Stop(), then wait
+
+  // Drains: stops accepting, refuses new handshakes, closes every connection (releasing what it
+  // held), finishes the engine's queued writes, stops HTTP, removes the socket file. Idempotent.
+  void Stop();
+  // Blocks until Stop() has completed.
+  void Wait();
+
+  int http_port() const;  // the bound port, or -1 without HTTP
+  const std::string& socket_path() const;
+  std::string StatsJson() const;
+  std::string MetricsText() const;
+  Engine& engine();
+
+  class Impl;
+
+ private:
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The namespace the server's engine (and its file tier directory) uses, derived from the pool's
+// chunk size so that a restarted server with the same chunk size finds its files again.
+KeyNamespace ServerNamespace(uint64_t chunk_bytes);
+
+// Derives stored keys from a client's keys (protocol.md, "Namespaces"). Not thread-safe: one per
+// connection.
+class KeyDeriver {
+ public:
+  explicit KeyDeriver(const KeyNamespace& ns);
+  ~KeyDeriver();
+  KeyDeriver(const KeyDeriver&) = delete;
+  KeyDeriver& operator=(const KeyDeriver&) = delete;
+  ChunkKey Derive(const ChunkKey& client_key);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kvtier::server

@@ -1,0 +1,202 @@
+// kvtier serve: one engine per node, shared by every inference process on it through a Unix
+// socket and a shared-memory L1 pool (docs/protocol.md).
+#include <signal.h>
+
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include "kvtier/client.h"
+#include "server/config.h"
+#include "server/server.h"
+#include "tools/command.h"
+
+namespace kvtier::tools {
+namespace {
+
+using server::ServeConfig;
+
+struct ServeArgs {
+  ServeConfig flags;               // values given on the command line
+  std::vector<std::string> l2;     // raw --l2 JSON strings
+  std::string config_path;
+  std::string log_level = "info";
+  // Copies a flag into the effective configuration when it was given on the command line.
+  std::vector<std::pair<CLI::Option*, std::function<void(ServeConfig&)>>> overrides;
+};
+
+int Fail(const Status& s) {
+  fmt::print(stderr, "kvtier serve: error: {}\n", s.ToString());
+  return 1;
+}
+
+int RunServe(ServeArgs& args) {
+  auto level = spdlog::level::from_str(args.log_level);
+  if (level == spdlog::level::off && args.log_level != "off") {
+    return Fail(Status::InvalidArgument(fmt::format(
+        "--log-level \"{}\" (expected trace, debug, info, warn, error or off)", args.log_level)));
+  }
+  spdlog::set_level(level);
+
+  ServeConfig config;
+  if (!args.config_path.empty()) {
+    Status s = server::ApplyConfigFile(args.config_path, &config);
+    if (!s.ok()) return Fail(s);
+  }
+  for (auto& [opt, apply] : args.overrides) {
+    if (opt->count() > 0) apply(config);
+  }
+  if (!args.l2.empty()) {
+    config.l2.clear();
+    for (const std::string& text : args.l2) {
+      auto spec = server::ParseL2Spec(text);
+      if (!spec.ok()) return Fail(spec.status());
+      config.l2.push_back(*spec);
+    }
+  }
+  if (config.token.empty() && config.token_file.empty()) {
+    if (const char* t = std::getenv("KVTIER_TOKEN"); t && *t) config.token = t;
+  }
+  auto options = server::BuildServerOptions(config);
+  if (!options.ok()) return Fail(options.status());
+
+  // Signals are taken synchronously by this thread: blocked before any thread starts, so every
+  // thread inherits the mask and only sigwait below sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  const auto& eo = options->engine;
+  spdlog::info("starting: L1 {:.2f} GiB of {:.2f} MiB chunks ({}), eviction {}, write policy {}",
+               eo.memory.capacity_bytes / double(1ull << 30), eo.chunk_bytes / 1048576.0,
+               config.chunk_bytes ? fmt::format("--chunk-bytes {}", config.chunk_bytes)
+                                  : fmt::format("model {}, {} tokens, tp {}", config.model,
+                                                config.chunk_size, config.tensor_parallel_size),
+               EvictionPolicyName(eo.memory.eviction), WritePolicyName(eo.write_policy));
+  if (eo.file) {
+    spdlog::info("L2: file tier at {} ({}), {} read / {} write threads", eo.file->root,
+                 eo.file->capacity_bytes
+                     ? fmt::format("{:.1f} GiB", eo.file->capacity_bytes / double(1ull << 30))
+                     : std::string("unlimited"),
+                 eo.file->read_threads, eo.file->write_threads);
+  } else {
+    spdlog::info("L2: none");
+  }
+  auto srv = server::Server::Start(*options);
+  if (!srv.ok()) return Fail(srv.status());
+  const MemoryTier& mem = (*srv)->engine().memory_tier();
+  spdlog::info("listening on {} ({}{}); pool {} slots, {:.2f} GiB shared", options->socket_path,
+               options->socket_group.empty() ? "owner only"
+                                             : "group " + options->socket_group,
+               options->token.empty() ? "" : ", token required", mem.num_slots(),
+               mem.arena_bytes() / double(1ull << 30));
+  if ((*srv)->http_port() >= 0) {
+    spdlog::info("HTTP: http://{}:{}/metrics  /healthz  /stats", options->http_host,
+                 (*srv)->http_port());
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received {}, draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*srv)->Stop();
+  return 0;
+}
+
+void AddServe(CLI::App& parent, CommandContext& ctx) {
+  auto args = std::make_shared<ServeArgs>();
+  ServeConfig& f = args->flags;
+  CLI::App* cmd = parent.add_subcommand(
+      "serve",
+      "Run the node's KV-cache server: one engine (L1 shared-memory pool + file tier) shared by "
+      "every inference process through a Unix socket. SIGTERM drains and exits.");
+  cmd->footer(fmt::format(
+      "Defaults work on a fresh machine: a {:.0f} GiB L1 pool of {}-token {} chunks and a 10 GiB "
+      "file tier in {}.\nSettings can also come from --config FILE.json (keys as the flags, e.g. "
+      "{{\"l1_size_gb\": 8, \"l2\": [{{\"type\": \"fs\", \"path\": \"/mnt/kv\"}}]}}); flags win.\n"
+      "Model presets: {}.",
+      f.l1_size_gb, f.chunk_size, f.model, server::DefaultCacheDir(),
+      fmt::join(server::ModelPresetNames(), ", ")));
+  auto add = [&](CLI::Option* opt, std::function<void(ServeConfig&)> apply) {
+    args->overrides.emplace_back(opt, std::move(apply));
+    return opt;
+  };
+  ServeArgs* a = args.get();
+  add(cmd->add_option("--l1-size-gb", f.l1_size_gb, "Size of the shared L1 pool in GiB")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.l1_size_gb = a->flags.l1_size_gb; });
+  add(cmd->add_option("--eviction-policy", f.eviction_policy, "L1 eviction: lru or prefix-aware")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.eviction_policy = a->flags.eviction_policy; });
+  add(cmd->add_option("--chunk-size", f.chunk_size, "Tokens per chunk")->capture_default_str(),
+      [a](ServeConfig& c) { c.chunk_size = a->flags.chunk_size; });
+  add(cmd->add_option("--model", f.model,
+                      "Model whose per-rank KV layout sizes the pool slots: a preset name or a "
+                      "Hugging Face config.json")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.model = a->flags.model; });
+  add(cmd->add_option("--tensor-parallel-size", f.tensor_parallel_size,
+                      "Tensor-parallel ranks sharing the model (a chunk holds one rank's KV)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.tensor_parallel_size = a->flags.tensor_parallel_size; });
+  add(cmd->add_option("--kv-dtype", f.kv_dtype, "Override the KV dtype (e.g. fp8, bfloat16)"),
+      [a](ServeConfig& c) { c.kv_dtype = a->flags.kv_dtype; });
+  add(cmd->add_option("--chunk-bytes", f.chunk_bytes,
+                      "Bytes of one chunk, overriding --model and --chunk-size"),
+      [a](ServeConfig& c) { c.chunk_bytes = a->flags.chunk_bytes; });
+  cmd->add_option("--l2", args->l2,
+                  "A lower tier as JSON, e.g. '{\"type\":\"fs\",\"path\":\"/mnt/kv\","
+                  "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}' (default: "
+                  "a 10 GiB fs tier in the cache directory)")
+      ->type_name("JSON");
+  add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
+      [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });
+  add(cmd->add_option("--write-policy", f.write_policy,
+                      "When L1 chunks reach L2: write_back (on eviction and at shutdown), "
+                      "write_through (every store) or none (L2 read-only)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.write_policy = a->flags.write_policy; });
+  add(cmd->add_option("--socket", f.socket,
+                      fmt::format("Unix socket to listen on (default {})", DefaultSocketPath())),
+      [a](ServeConfig& c) { c.socket = a->flags.socket; });
+  add(cmd->add_option("--socket-group", f.socket_group,
+                      "Let this group connect (socket mode 0660); default owner-only (0600)"),
+      [a](ServeConfig& c) { c.socket_group = a->flags.socket_group; });
+  add(cmd->add_option("--token", f.token,
+                      "Shared secret clients must present (visible in ps: prefer --token-file "
+                      "or $KVTIER_TOKEN)"),
+      [a](ServeConfig& c) { c.token = a->flags.token; });
+  add(cmd->add_option("--token-file", f.token_file, "File holding the shared secret"),
+      [a](ServeConfig& c) { c.token_file = a->flags.token_file; });
+  add(cmd->add_option("--http-host", f.http_host, "Address of the HTTP listener")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.http_host = a->flags.http_host; });
+  add(cmd->add_option("--http-port", f.http_port,
+                      "Port for /metrics, /healthz and /stats (0: any free port, -1: off)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.http_port = a->flags.http_port; });
+  add(cmd->add_option("--worker-threads", f.worker_threads, "Engine copy threads")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.worker_threads = a->flags.worker_threads; });
+  add(cmd->add_option("--max-clients", f.max_clients, "Connections served at once")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.max_clients = a->flags.max_clients; });
+  add(cmd->add_flag("--huge-pages", f.huge_pages, "Try 2 MiB pages for the pool"),
+      [a](ServeConfig& c) { c.huge_pages = a->flags.huge_pages; });
+  cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")
+      ->type_name("FILE");
+  cmd->add_option("--log-level", args->log_level, "trace, debug, info, warn, error or off")
+      ->capture_default_str();
+  cmd->callback([args, &ctx] { ctx.exit_code = RunServe(*args); });
+}
+
+const bool kRegistered = RegisterCommand("", &AddServe);
+
+}  // namespace
+}  // namespace kvtier::tools
