@@ -129,6 +129,12 @@ class File {
   // fdatasync: the data written so far survives a power failure once this returns OK.
   virtual Status Sync() = 0;
   virtual Result<uint64_t> Size() = 0;
+  // fallocate: reserves `bytes` from offset 0 and sets the size. Writes into a preallocated file
+  // do not extend it, which lets filesystems like ext4 run O_DIRECT writes to it concurrently and
+  // without a detour through kernel worker threads. kUnimplemented where unsupported (NFSv3).
+  virtual Status Preallocate(uint64_t bytes) {
+    return Status::Unimplemented("preallocation is not supported");
+  }
 };
 
 // Reads every op in full, resubmitting the rest of short transfers. Reaching the end of file

@@ -99,6 +99,16 @@ class FaultFile final : public File {
   }
 
   Result<uint64_t> Size() override { return base_->Size(); }
+  Status Preallocate(uint64_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      if (env_->enabled_ && env_->Draw(env_->options_.no_space)) {
+        ++env_->counters_.no_space;
+        return Status::FromErrno(ENOSPC, fmt::format("fallocate {} (injected)", path()));
+      }
+    }
+    return base_->Preallocate(bytes);
+  }
 
  private:
   FaultInjectionEnv* const env_;

@@ -53,6 +53,16 @@ class PosixFile final : public File {
     }
     return Status::Ok();
   }
+  Status Preallocate(uint64_t bytes) override {
+    int rc;
+    while ((rc = ::fallocate(fd_, 0, 0, static_cast<off_t>(bytes))) != 0 && errno == EINTR) {
+    }
+    if (rc == 0) return Status::Ok();
+    if (errno == EOPNOTSUPP || errno == ENOSYS) {
+      return Status::Unimplemented(fmt::format("fallocate {}: not supported here", path_));
+    }
+    return Status::FromErrno(errno, fmt::format("fallocate {}", path_));
+  }
   Result<uint64_t> Size() override {
     struct stat st;
     if (::fstat(fd_, &st) != 0) return Status::FromErrno(errno, fmt::format("fstat {}", path_));

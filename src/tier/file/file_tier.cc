@@ -611,6 +611,12 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   if (!opened.ok()) return opened.status();
   std::unique_ptr<File> file = std::move(opened).value();
   NoteDirect(*file);
+  // Unsupported is fine (the writes then extend the file); no space is not.
+  if (Status p = file->Preallocate(file_bytes_); !p.ok() && p.code() != StatusCode::kUnimplemented) {
+    file.reset();
+    (void)env_->Unlink(tmp_path);
+    return p;
+  }
 
   ThreadScratch& scratch = tls_scratch;
   // The payload goes first; its checksum is computed while it is in flight, then the header
