@@ -234,7 +234,7 @@ TEST(FileTierTest, CapacityEvictsLeastRecentlyUsed) {
 TEST(FileTierTest, ChunksOfAnotherInstanceAreFoundAfterTheNegativeCacheExpires) {
   testing::TempDir dir;
   FileTierOptions o = Options(dir.path(), 8192);
-  o.negative_cache_ttl = std::chrono::milliseconds(300);
+  o.negative_cache_ttl = std::chrono::milliseconds(1000);
   auto a = OpenTier(o);
   auto b = OpenTier(o);
   AlignedBuffer buf(8192);
@@ -242,7 +242,7 @@ TEST(FileTierTest, ChunksOfAnotherInstanceAreFoundAfterTheNegativeCacheExpires) 
   FillChunk(TestKey(7), buf.span());
   ASSERT_TRUE(b->Write(TestKey(7), buf.span()).ok());
   EXPECT_FALSE(a->Contains(TestKey(7))) << "the negative cache should hide it for a while";
-  std::this_thread::sleep_for(std::chrono::milliseconds(350));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1050));
   EXPECT_TRUE(a->Contains(TestKey(7)));
   EXPECT_EQ(a->Stats().found_on_disk, 1u);
   std::memset(buf.data(), 0, buf.size());
