@@ -229,6 +229,7 @@ Status Client::Impl::Connect() {
   tv.tv_sec = options.rpc_timeout.count() / 1000;
   tv.tv_usec = (options.rpc_timeout.count() % 1000) * 1000;
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 
   server::HelloRequest req;
   req.token = options.token;
@@ -382,16 +383,27 @@ Client::Impl::ReadOutcome Client::Impl::ReadOne(Clock::time_point deadline, Fram
       rend -= rbegin;
       rbegin = 0;
     }
-    pollfd p{fd, POLLIN, 0};
-    int n = ::poll(&p, 1, RemainingMs(deadline));
-    if (n == 0) return ReadOutcome::kNoData;
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      *error = Status::FromErrno(errno, "poll");
-      return ReadOutcome::kError;
+    ssize_t r;
+    if (deadline - Clock::now() > std::chrono::milliseconds(200)) {
+      // A synchronous call: block in recv (bounded by SO_RCVTIMEO = rpc_timeout), one system
+      // call per reply instead of poll + recv.
+      r = ::recv(fd, rbuf.data() + rend, rbuf.size() - rend, 0);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (Clock::now() >= deadline) return ReadOutcome::kNoData;
+        continue;
+      }
+    } else {
+      pollfd p{fd, POLLIN, 0};
+      int n = ::poll(&p, 1, RemainingMs(deadline));
+      if (n == 0) return ReadOutcome::kNoData;
+      if (n < 0 && errno != EINTR) {
+        *error = Status::FromErrno(errno, "poll");
+        return ReadOutcome::kError;
+      }
+      if (n < 0) continue;
+      r = ::recv(fd, rbuf.data() + rend, rbuf.size() - rend, MSG_DONTWAIT);
     }
-    ssize_t r = ::recv(fd, rbuf.data() + rend, rbuf.size() - rend, 0);
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (r <= 0) {
       *error = Status::Unavailable("the kvtier server closed the connection");
       return ReadOutcome::kError;
