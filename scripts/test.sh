@@ -34,4 +34,12 @@ if command -v nvcc >/dev/null; then
   cmake --build build/cuda -j"$jobs" --target kvtier_gpu kvtier gpu_cuda_test
 fi
 
+echo "== libFuzzer (clang): server protocol decoders, 45 s"
+CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DKVTIER_FUZZ=ON -DKVTIER_BUILD_TESTS=OFF -DKVTIER_COMPONENTS="common;server" >/dev/null
+cmake --build build/fuzz -j"$jobs" --target server_codec_fuzz
+mkdir -p build/fuzz/corpus/server_codec
+./build/fuzz/src/server/fuzz/server_codec_fuzz -max_total_time=45 -max_len=4096 \
+  -print_final_stats=1 build/fuzz/corpus/server_codec 2>&1 | tail -n 4
+
 echo "== all test stages passed"
