@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "kvtier/client.h"
 #include "server/server.h"
@@ -279,6 +280,7 @@ int RunBenchServer(const BenchServerArgs& a) {
   std::string where = a.socket;
   if (a.socket.empty()) {
     dir.emplace("kvtier-bench-server");
+    spdlog::set_level(spdlog::level::warn);  // no per-client connect lines in the report
     server::ServerOptions o;
     o.socket_path = dir->Sub("kvtier.sock");
     o.http_port = -1;
