@@ -90,7 +90,7 @@ const std::vector<FlagInfo>& Flags() {
       {"block-tokens", "GPU prefix-cache block size, tokens", &F::block_tokens},
       {"chunk-tokens", "Offload chunk size, tokens (only full chunks are stored)",
        &F::chunk_tokens},
-      {"save-copy-bw", "GPU->host copy bandwidth for KV being saved (e.g. 50GB/s)",
+      {"save-copy-bw", "GPU->host copy bandwidth per GPU for KV being saved (e.g. 50GB/s)",
        &F::save_copy_bw},
       {"save-blocking",
        "Fraction of that copy the engine step waits for: 1 = synchronous save, 0 = fully "
@@ -105,7 +105,9 @@ const std::vector<FlagInfo>& Flags() {
 }
 
 Result<uint64_t> ParseCount(const std::string& text, const char* what, uint64_t min) {
-  KVTIER_ASSIGN_OR_RETURN(uint64_t v, ParseTokens(text));
+  auto parsed = ParseTokens(text);
+  if (!parsed.ok()) return parsed.status().WithContext(fmt::format("--{}", what));
+  uint64_t v = *parsed;
   if (v < min) return Status::InvalidArgument(fmt::format("--{} must be >= {}", what, min));
   return v;
 }
@@ -118,16 +120,37 @@ Result<double> ParseGb(const std::string& text) {
 
 }  // namespace
 
+const char* TypeName(std::string_view flag) {
+  static const std::pair<std::string_view, const char*> kTypes[] = {
+      {"model", "NAME|PATH"}, {"dtype", "DTYPE"}, {"weight-dtype", "DTYPE"}, {"tp", "N"},
+      {"gpu", "NAME"}, {"gpu-kv-gb", "GB"}, {"gpu-memory-utilization", "FRACTION"},
+      {"reserve-gb", "GB"}, {"prefill-table", "TOKENS:S,..."}, {"efficiency", "FRACTION"},
+      {"users", "N"}, {"rounds", "N"}, {"qps", "REQ/S"}, {"load", "FRACTION"},
+      {"system-prompt", "TOKENS"}, {"context", "TOKENS,..."}, {"question-tokens", "TOKENS"},
+      {"answer-tokens", "TOKENS"}, {"duration", "TIME"}, {"tier", "NAME:SIZE:BW[:BW]"},
+      {"write-policy", "POLICY"}, {"step-overhead-ms", "MS"}, {"calibrate", "TOKENS:S"},
+      {"max-batched-tokens", "TOKENS"}, {"block-tokens", "TOKENS"}, {"chunk-tokens", "TOKENS"},
+      {"save-copy-bw", "BW"}, {"save-blocking", "FRACTION"}, {"plot", "FILE"}};
+  for (const auto& [name, type] : kTypes) {
+    if (name == flag) return type;
+  }
+  return "TEXT";
+}
+
 void AddPlannerFlags(CLI::App* cmd, PlannerFlags* flags) {
   cmd->add_option("--config", flags->config,
                   "JSON file with any of these inputs, keyed by flag name without dashes "
-                  "(e.g. {\"users\": 8, \"tier\": [\"cpu:8GiB:20GB/s\"]}); flags override it");
+                  "(e.g. {\"users\": 8, \"tier\": [\"cpu:8GiB:20GB/s\"]}); flags override it")
+      ->type_name("FILE");
   for (const FlagInfo& f : Flags()) {
     std::string name = std::string("--") + f.name;
     if (f.text) {
-      cmd->add_option(name, flags->*(f.text), f.help)->capture_default_str();
+      cmd->add_option(name, flags->*(f.text), f.help)->capture_default_str()->type_name(
+          TypeName(f.name));
     } else if (f.list) {
-      cmd->add_option(name, flags->*(f.list), f.help)->allow_extra_args(false);
+      cmd->add_option(name, flags->*(f.list), f.help)
+          ->allow_extra_args(false)
+          ->type_name(TypeName(f.name));
     } else {
       cmd->add_flag(name, flags->*(f.flag), f.help);
     }
@@ -250,7 +273,10 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   e.max_batched_tokens = static_cast<uint32_t>(mbt);
   e.block_tokens = static_cast<uint32_t>(bt);
   e.chunk_tokens = static_cast<uint32_t>(ct);
-  KVTIER_ASSIGN_OR_RETURN(e.save_copy_bytes_per_s, ParseBandwidth(f.save_copy_bw));
+  auto save_bw = ParseBandwidth(f.save_copy_bw);
+  if (!save_bw.ok()) return save_bw.status().WithContext("--save-copy-bw");
+  // Every GPU copies its own rank's KV over its own link.
+  e.save_copy_bytes_per_s = *save_bw * tp;
   KVTIER_ASSIGN_OR_RETURN(e.save_blocking, ParseNumber(f.save_blocking, "--save-blocking"));
   if (e.save_blocking > 1) return Status::InvalidArgument("--save-blocking must be in [0, 1]");
 
@@ -262,10 +288,12 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   }
   w.users = static_cast<uint32_t>(users);
   w.rounds = static_cast<uint32_t>(rounds);
-  KVTIER_ASSIGN_OR_RETURN(w.system_prompt_tokens, ParseTokens(f.system_prompt));
+  KVTIER_ASSIGN_OR_RETURN(w.system_prompt_tokens, ParseCount(f.system_prompt, "system-prompt", 0));
   KVTIER_ASSIGN_OR_RETURN(w.question_tokens, ParseCount(f.question_tokens, "question-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(w.answer_tokens, ParseCount(f.answer_tokens, "answer-tokens", 1));
-  KVTIER_ASSIGN_OR_RETURN(w.duration_s, ParseDuration(f.duration));
+  auto duration = ParseDuration(f.duration);
+  if (!duration.ok()) return duration.status().WithContext("--duration");
+  w.duration_s = *duration;
   if (!(w.duration_s > 0)) return Status::InvalidArgument("--duration must be > 0");
   auto contexts = ParseTokenList(f.context);
   if (!contexts.ok()) return contexts.status().WithContext("--context");

@@ -413,6 +413,17 @@ std::string FormatReport(const PlanReport& r) {
     }
     out += "\n";
   }
+  for (const PointReport& p : r.points) {
+    for (int arm = 0; arm < 2; ++arm) {
+      const ArmReport& a = arm == 0 ? p.baseline : p.offload;
+      if (a.service_rate_rps > 0 && p.qps > 0.95 * a.service_rate_rps) {
+        out += fmt::format(
+            "Warning: at {} tokens the {} arm is offered {:.3f} req/s but serves at most {:.3f}: "
+            "its TTFT measures a growing queue, not the cache.\n",
+            p.context_tokens, arm == 0 ? "no-offload" : "offload", p.qps, a.service_rate_rps);
+      }
+    }
+  }
   out += "Recommendation: " + r.recommendation + "\n";
   return out;
 }
