@@ -54,14 +54,14 @@ std::string_view MemorySpaceName(MemorySpace space);
 
 // One tensor of a paged KV cache, as raw pages. All sizes in bytes.
 struct KvPageTensor {
-  void* base = nullptr;                // page (block 0, layer 0, component 0)
-  uint64_t num_blocks = 0;             // valid block ids are [0, num_blocks)
-  uint64_t block_stride_bytes = 0;     // from block b to block b + 1
-  uint64_t token_bytes = 0;            // one token's bytes in one page (e.g. heads x dim x 2)
-  uint32_t num_layers = 1;             // layers kept in every block of this tensor
-  uint64_t layer_stride_bytes = 0;     // from layer l to l + 1 inside a block
-  uint32_t num_components = 1;         // 2 for separate K and V pages, 1 for MLA or mixed K/V
-  uint64_t component_stride_bytes = 0; // from component c to c + 1 (may exceed the block stride)
+  void* base = nullptr;                 // page (block 0, layer 0, component 0)
+  uint64_t num_blocks = 0;              // valid block ids are [0, num_blocks)
+  uint64_t block_stride_bytes = 0;      // from block b to block b + 1
+  uint64_t token_bytes = 0;             // one token's bytes in one page (e.g. heads x dim x 2)
+  uint32_t num_layers = 1;              // layers kept in every block of this tensor
+  uint64_t layer_stride_bytes = 0;      // from layer l to l + 1 inside a block
+  uint32_t num_components = 1;          // 2 for separate K and V pages, 1 for MLA or mixed K/V
+  uint64_t component_stride_bytes = 0;  // from component c to c + 1 (may exceed the block stride)
 
   // [2, num_blocks, tokens_per_block, ...] (vLLM FlashAttention, one tensor per layer).
   static KvPageTensor SplitKv(void* base, uint64_t num_blocks, uint32_t tokens_per_block,
@@ -86,9 +86,9 @@ struct PagedKvCacheDesc {
 
 // One stream of the canonical layout: the pages of one (tensor, layer, component).
 struct KvPageStream {
-  char* first_page;        // page of block 0
-  uint64_t block_stride;   // bytes from block b to b + 1
-  uint64_t page_bytes;     // tokens_per_block x token_bytes
+  char* first_page;       // page of block 0
+  uint64_t block_stride;  // bytes from block b to b + 1
+  uint64_t page_bytes;    // tokens_per_block x token_bytes
   uint64_t token_bytes;
   uint64_t prefix_token_bytes;  // sum of token_bytes over earlier streams
 };

@@ -15,6 +15,8 @@
 // Streams: every copy goes on a caller-given stream or on one of the copier's own non-blocking
 // streams, waits for the caller's event stream-side, and ends with an event. Nothing here
 // synchronizes a stream the caller owns.
+#include "gpu/cuda_copier.h"
+
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
@@ -23,7 +25,6 @@
 #include <vector>
 
 #include "gpu/copy_plan.h"
-#include "gpu/cuda_copier.h"
 #include "gpu/page_copy_kernel.h"
 #include "kvtier/paged_kv.h"
 
@@ -36,13 +37,13 @@ constexpr uint64_t kKernelAlignment = 16;
 constexpr size_t kMaxBatch = 4096;
 
 Status CudaError(cudaError_t err, std::string_view what) {
-  return Status::Internal(fmt::format("{}: {} ({})", what, cudaGetErrorString(err),
-                                      cudaGetErrorName(err)));
+  return Status::Internal(
+      fmt::format("{}: {} ({})", what, cudaGetErrorString(err), cudaGetErrorName(err)));
 }
 
-#define KVTIER_CUDA_RETURN(expr, what)                \
-  do {                                                \
-    cudaError_t kvtier_err_ = (expr);                 \
+#define KVTIER_CUDA_RETURN(expr, what)                                   \
+  do {                                                                   \
+    cudaError_t kvtier_err_ = (expr);                                    \
     if (kvtier_err_ != cudaSuccess) return CudaError(kvtier_err_, what); \
   } while (0)
 
@@ -124,10 +125,10 @@ Result<char*> MappedHostAddress(const void* ptr, uint64_t bytes, int device) {
   if (first.devicePointer == nullptr || last.devicePointer == nullptr ||
       static_cast<char*>(last.devicePointer) - static_cast<char*>(first.devicePointer) !=
           static_cast<ptrdiff_t>(bytes - 1)) {
-    return Status::InvalidArgument(fmt::format(
-        "chunk buffer is not mapped contiguously into device {}'s address space (one "
-        "registration must cover it)",
-        device));
+    return Status::InvalidArgument(
+        fmt::format("chunk buffer is not mapped contiguously into device {}'s address space (one "
+                    "registration must cover it)",
+                    device));
   }
   return static_cast<char*>(first.devicePointer);
 }
@@ -187,9 +188,8 @@ class CudaKvCopier final : public KvCopier {
 
   Status Init() {
     if (cache_.memory() != MemorySpace::kCuda) {
-      return Status::InvalidArgument(
-          fmt::format("CUDA copier needs a cache in CUDA memory, not {}",
-                      MemorySpaceName(cache_.memory())));
+      return Status::InvalidArgument(fmt::format("CUDA copier needs a cache in CUDA memory, not {}",
+                                                 MemorySpaceName(cache_.memory())));
     }
     if (options_.kernel_threads <= 0 || options_.kernel_threads > 1024 ||
         options_.kernel_threads % 32 != 0) {
@@ -204,9 +204,8 @@ class CudaKvCopier final : public KvCopier {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
-      return Status::Unavailable(fmt::format("no CUDA device: {}", err == cudaSuccess
-                                                                       ? "none found"
-                                                                       : cudaGetErrorString(err)));
+      return Status::Unavailable(fmt::format(
+          "no CUDA device: {}", err == cudaSuccess ? "none found" : cudaGetErrorString(err)));
     }
     if (device_ >= count) {
       return Status::InvalidArgument(
@@ -226,14 +225,14 @@ class CudaKvCopier final : public KvCopier {
                              uint64_t{t.num_layers - 1} * t.layer_stride_bytes +
                              uint64_t{t.num_components - 1} * t.component_stride_bytes +
                              uint64_t{cache_.tokens_per_block()} * t.token_bytes - 1;
-      for (const char* p : {static_cast<const char*>(t.base),
-                            static_cast<const char*>(t.base) + last_offset}) {
+      for (const char* p :
+           {static_cast<const char*>(t.base), static_cast<const char*>(t.base) + last_offset}) {
         cudaPointerAttributes attr{};
         KVTIER_CUDA_RETURN(cudaPointerGetAttributes(&attr, p), "cudaPointerGetAttributes");
         if (attr.type != cudaMemoryTypeDevice || attr.device != device_) {
-          return Status::InvalidArgument(fmt::format(
-              "paged KV tensor {}: {} is not memory of CUDA device {}", i,
-              p == t.base ? "base" : "last byte", device_));
+          return Status::InvalidArgument(
+              fmt::format("paged KV tensor {}: {} is not memory of CUDA device {}", i,
+                          p == t.base ? "base" : "last byte", device_));
         }
       }
     }
@@ -248,7 +247,8 @@ class CudaKvCopier final : public KvCopier {
       host_streams.push_back({s.first_page, s.block_stride, s.page_bytes, s.prefix_token_bytes});
     }
     const size_t table_bytes = host_streams.size() * sizeof(DevicePageStream);
-    KVTIER_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_streams_), table_bytes), "cudaMalloc(stream table)");
+    KVTIER_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&device_streams_), table_bytes),
+                       "cudaMalloc(stream table)");
     KVTIER_CUDA_RETURN(cudaMemcpyAsync(device_streams_, host_streams.data(), table_bytes,
                                        cudaMemcpyHostToDevice, gather_stream_),
                        "uploading the stream table");
@@ -286,8 +286,9 @@ class CudaKvCopier final : public KvCopier {
       return Status::InvalidArgument("SM copy kernel needs a 16-byte aligned chunk buffer");
     }
     if (mechanism == CopyMechanism::kStaged && !StagingEnabled()) {
-      return Status::InvalidArgument("staged copies are disabled (staging_slot_bytes or "
-                                     "staging_slots is 0)");
+      return Status::InvalidArgument(
+          "staged copies are disabled (staging_slot_bytes or "
+          "staging_slots is 0)");
     }
 
     DeviceScope scope(device_);
@@ -306,8 +307,7 @@ class CudaKvCopier final : public KvCopier {
     } else if (mechanism == CopyMechanism::kStaged) {
       KVTIER_RETURN_IF_ERROR(Staged(block_ids, static_cast<char*>(chunk), gather, stream));
     } else {
-      KVTIER_RETURN_IF_ERROR(
-          BatchedDma(block_ids, static_cast<char*>(chunk), gather, stream));
+      KVTIER_RETURN_IF_ERROR(BatchedDma(block_ids, static_cast<char*>(chunk), gather, stream));
     }
     KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, events_->Take());
     CopyHandle handle(std::make_shared<CudaHandle>(events_, event), mechanism);
@@ -450,8 +450,8 @@ class CudaKvCopier final : public KvCopier {
     size_t attr_index = 0;
     for (size_t i = 0; i < segments.size(); i += kMaxBatch) {
       const size_t n = std::min(kMaxBatch, segments.size() - i);
-      KVTIER_CUDA_RETURN(cudaMemcpyBatchAsync(dsts.data() + i, srcs.data() + i, sizes.data() + i,
-                                              n, &attr, &attr_index, 1, stream),
+      KVTIER_CUDA_RETURN(cudaMemcpyBatchAsync(dsts.data() + i, srcs.data() + i, sizes.data() + i, n,
+                                              &attr, &attr_index, 1, stream),
                          "cudaMemcpyBatchAsync");
     }
     return Status::Ok();
@@ -541,8 +541,8 @@ Result<std::string> DescribeCudaDevice(int device) {
   int driver = 0, runtime = 0;
   (void)cudaDriverGetVersion(&driver);
   (void)cudaRuntimeGetVersion(&runtime);
-  return fmt::format("cuda:{} {}, {} SMs, sm_{}{}, driver {}.{}, runtime {}.{}", device,
-                     prop.name, prop.multiProcessorCount, prop.major, prop.minor, driver / 1000,
+  return fmt::format("cuda:{} {}, {} SMs, sm_{}{}, driver {}.{}, runtime {}.{}", device, prop.name,
+                     prop.multiProcessorCount, prop.major, prop.minor, driver / 1000,
                      (driver % 1000) / 10, runtime / 1000, (runtime % 1000) / 10);
 }
 

@@ -1,14 +1,15 @@
 // GPU copies checked bit-exactly against the host (memcpy) copier on mirrors of the same cache.
 // Needs a CUDA device; skips itself where there is none.
+#include "gpu/cuda_copier.h"
+
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <optional>
-#include <thread>
 #include <random>
+#include <thread>
 
-#include "gpu/cuda_copier.h"
 #include "gpu/random_layout.h"
 #include "kvtier/paged_kv.h"
 
@@ -21,9 +22,9 @@ using gpu::testing::Place;
 using gpu::testing::ReferenceGather;
 using gpu::testing::ShapeKind;
 
-#define ASSERT_CUDA(expr)                                                     \
-  do {                                                                        \
-    const cudaError_t test_err_ = (expr);                                     \
+#define ASSERT_CUDA(expr)                                                                \
+  do {                                                                                   \
+    const cudaError_t test_err_ = (expr);                                                \
     ASSERT_EQ(test_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(test_err_); \
   } while (0)
 

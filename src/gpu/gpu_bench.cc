@@ -17,13 +17,13 @@
 namespace kvtier::gpu {
 namespace {
 
-#define BENCH_CUDA(expr)                                                                \
-  do {                                                                                  \
-    cudaError_t bench_err_ = (expr);                                                    \
-    if (bench_err_ != cudaSuccess) {                                                    \
-      return Status::Internal(fmt::format("{} failed: {}", #expr,                       \
-                                          cudaGetErrorString(bench_err_)));             \
-    }                                                                                   \
+#define BENCH_CUDA(expr)                                                        \
+  do {                                                                          \
+    cudaError_t bench_err_ = (expr);                                            \
+    if (bench_err_ != cudaSuccess) {                                            \
+      return Status::Internal(                                                  \
+          fmt::format("{} failed: {}", #expr, cudaGetErrorString(bench_err_))); \
+    }                                                                           \
   } while (0)
 
 // Owners of CUDA allocations, freed on every exit path.
@@ -95,8 +95,8 @@ Result<bool> ChunkMatchesPages(const PagedKvCache& cache, std::span<const int64_
                                const char* chunk, std::vector<char>& scratch) {
   scratch.resize(cache.chunk_bytes(ids.size() * cache.tokens_per_block()));
   for (const CopySegment& seg : PlanSegments(cache, ids, /*merge=*/false)) {
-    BENCH_CUDA(cudaMemcpy(scratch.data() + seg.chunk_offset, seg.page, seg.bytes,
-                          cudaMemcpyDeviceToHost));
+    BENCH_CUDA(
+        cudaMemcpy(scratch.data() + seg.chunk_offset, seg.page, seg.bytes, cudaMemcpyDeviceToHost));
   }
   return std::memcmp(scratch.data(), chunk, scratch.size()) == 0;
 }
@@ -119,8 +119,7 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   for (uint32_t tpb : o.block_tokens) {
     if (tpb == 0 || o.chunk_tokens % tpb != 0) {
       return Status::InvalidArgument(fmt::format(
-          "bench gpu: block size {} does not divide the chunk of {} tokens", tpb,
-          o.chunk_tokens));
+          "bench gpu: block size {} does not divide the chunk of {} tokens", tpb, o.chunk_tokens));
     }
   }
   int count = 0;
@@ -138,8 +137,9 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   report.chunk_bytes = bytes_per_token * o.chunk_tokens;
   report.batch_bytes = report.chunk_bytes * o.chunks;
   const uint64_t batch = report.batch_bytes;
-  say(fmt::format("{}; chunk {} tokens = {:.1f} MiB, {} chunks per batch = {:.2f} GiB", report.device,
-                  o.chunk_tokens, report.chunk_bytes / 1048576.0, o.chunks, batch / 1073741824.0));
+  say(fmt::format("{}; chunk {} tokens = {:.1f} MiB, {} chunks per batch = {:.2f} GiB",
+                  report.device, o.chunk_tokens, report.chunk_bytes / 1048576.0, o.chunks,
+                  batch / 1073741824.0));
 
   // Buffers: the paged cache and two host pools (gather destination, scatter source).
   DeviceBuffer cache_mem;
@@ -177,7 +177,8 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   KVTIER_ASSIGN_OR_RETURN(report.peak_d2h, TimeBatch(st, 1, o.reps, batch, d2h, nullptr));
   KVTIER_ASSIGN_OR_RETURN(report.peak_h2d, TimeBatch(st, 1, o.reps, batch, nullptr, h2d));
   KVTIER_ASSIGN_OR_RETURN(report.peak_bidir, TimeBatch(st, 1, o.reps, 2 * batch, d2h, h2d));
-  say(fmt::format("peak pinned cudaMemcpy of {:.2f} GiB: d2h {:.1f} GB/s, h2d {:.1f} GB/s, "
+  say(
+      fmt::format("peak pinned cudaMemcpy of {:.2f} GiB: d2h {:.1f} GB/s, h2d {:.1f} GB/s, "
                   "both at once {:.1f} GB/s",
                   batch / 1073741824.0, report.peak_d2h, report.peak_h2d, report.peak_bidir));
 
@@ -194,9 +195,9 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
     const uint64_t nb = o.cache_bytes / block_bytes;
     const uint64_t chunk_blocks = o.chunk_tokens / cfg.tpb;
     if (nb < 2 * o.chunks * chunk_blocks) {
-      return Status::InvalidArgument(fmt::format(
-          "bench gpu: cache of {} blocks cannot hold 2 x {} chunks; raise cache_bytes", nb,
-          o.chunks));
+      return Status::InvalidArgument(
+          fmt::format("bench gpu: cache of {} blocks cannot hold 2 x {} chunks; raise cache_bytes",
+                      nb, o.chunks));
     }
     PagedKvCacheDesc desc;
     desc.memory = MemorySpace::kCuda;
@@ -217,8 +218,8 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     auto ids = [&](bool scatter, uint32_t c) {
-      return std::span<const int64_t>(perm).subspan(
-          ((scatter ? o.chunks : 0) + c) * chunk_blocks, chunk_blocks);
+      return std::span<const int64_t>(perm).subspan(((scatter ? o.chunks : 0) + c) * chunk_blocks,
+                                                    chunk_blocks);
     };
 
     struct Variant {
@@ -255,16 +256,16 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
         CopyOptions opt;
         opt.stream = s;
         opt.mechanism = v.mechanism;
-        KVTIER_ASSIGN_OR_RETURN(CopyHandle h,
-                                copier->Gather(ids(false, c), o.chunk_tokens, gp + c * cb, cb, opt));
+        KVTIER_ASSIGN_OR_RETURN(
+            CopyHandle h, copier->Gather(ids(false, c), o.chunk_tokens, gp + c * cb, cb, opt));
         return Status::Ok();
       };
       IssueFn scatter = [&](uint32_t c, cudaStream_t s) -> Status {
         CopyOptions opt;
         opt.stream = s;
         opt.mechanism = v.mechanism;
-        KVTIER_ASSIGN_OR_RETURN(CopyHandle h,
-                                copier->Scatter(ids(true, c), o.chunk_tokens, sp + c * cb, cb, opt));
+        KVTIER_ASSIGN_OR_RETURN(
+            CopyHandle h, copier->Scatter(ids(true, c), o.chunk_tokens, sp + c * cb, cb, opt));
         return Status::Ok();
       };
       struct Op {
@@ -272,42 +273,45 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
         bool g, s;
         double peak;
       };
-      for (const Op& op : {Op{"gather", true, false, report.peak_d2h},
-                           Op{"scatter", false, true, report.peak_h2d},
-                           Op{"bidir", true, true, report.peak_bidir}}) {
+      for (const Op& op :
+           {Op{"gather", true, false, report.peak_d2h}, Op{"scatter", false, true, report.peak_h2d},
+            Op{"bidir", true, true, report.peak_bidir}}) {
         std::memset(gp, 0xA5, batch);  // poison: a chunk the copy missed cannot verify
         const uint64_t bytes = (op.g ? batch : 0) + (op.s ? batch : 0);
-        KVTIER_ASSIGN_OR_RETURN(double gbps, TimeBatch(st, o.chunks, o.reps, bytes,
-                                                       op.g ? gather : IssueFn(),
-                                                       op.s ? scatter : IssueFn()));
+        KVTIER_ASSIGN_OR_RETURN(double gbps,
+                                TimeBatch(st, o.chunks, o.reps, bytes, op.g ? gather : IssueFn(),
+                                          op.s ? scatter : IssueFn()));
         bool ok = true;
         for (uint32_t c : {0u, o.chunks - 1}) {
           if (op.g) {
-            KVTIER_ASSIGN_OR_RETURN(bool m, ChunkMatchesPages(cache, ids(false, c), gp + c * cb,
-                                                              scratch));
+            KVTIER_ASSIGN_OR_RETURN(bool m,
+                                    ChunkMatchesPages(cache, ids(false, c), gp + c * cb, scratch));
             ok = ok && m;
           }
           if (op.s) {
-            KVTIER_ASSIGN_OR_RETURN(bool m, ChunkMatchesPages(cache, ids(true, c), sp + c * cb,
-                                                              scratch));
+            KVTIER_ASSIGN_OR_RETURN(bool m,
+                                    ChunkMatchesPages(cache, ids(true, c), sp + c * cb, scratch));
             ok = ok && m;
           }
         }
-        GpuBenchRow row{cfg.layout, cfg.tpb, page, name, op.name, gbps, op.peak,
-                        gbps / op.peak, ok};
-        say(fmt::format("{:<11} {:>3} tok/block {:>6} KiB pages  {:<14} {:<7} {:6.1f} GB/s  "
+        GpuBenchRow row{cfg.layout, cfg.tpb, page,           name, op.name,
+                        gbps,       op.peak, gbps / op.peak, ok};
+        say(
+            fmt::format("{:<11} {:>3} tok/block {:>6} KiB pages  {:<14} {:<7} {:6.1f} GB/s  "
                         "{:5.3f} x peak  {}",
                         row.layout, row.block_tokens, row.page_bytes / 1024, row.variant, row.op,
                         row.gbps, row.ratio, ok ? "verified" : "MISMATCH"));
         if (!ok) {
-          return Status::Internal(fmt::format("bench gpu: {} {} {} produced wrong bytes",
-                                              cfg.layout, name, op.name));
+          return Status::Internal(
+              fmt::format("bench gpu: {} {} {} produced wrong bytes", cfg.layout, name, op.name));
         }
         if (v.mechanism == CopyMechanism::kAuto && headline) {
-          double& slot = cfg.layout == "per-layer"
-                             ? (op.g && op.s ? report.bidir : op.g ? report.gather : report.scatter)
-                             : (op.g && op.s ? report.cross_bidir
-                                             : op.g ? report.cross_gather : report.cross_scatter);
+          double& slot = cfg.layout == "per-layer" ? (op.g && op.s ? report.bidir
+                                                      : op.g       ? report.gather
+                                                                   : report.scatter)
+                                                   : (op.g && op.s ? report.cross_bidir
+                                                      : op.g       ? report.cross_gather
+                                                                   : report.cross_scatter);
           slot = gbps;
           (cfg.layout == "per-layer" ? report.auto_mechanism : report.cross_auto_mechanism) =
               CopyMechanismName(copier->AutoMechanism());

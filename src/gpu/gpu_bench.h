@@ -34,15 +34,15 @@ struct GpuBenchOptions {
 };
 
 struct GpuBenchRow {
-  std::string layout;    // "per-layer" or "cross-layer"
+  std::string layout;  // "per-layer" or "cross-layer"
   uint32_t block_tokens = 0;
   uint64_t page_bytes = 0;
-  std::string variant;   // "auto=staged", "kernel", "dma", "staged", "staged/8MiB", ...
-  std::string op;        // "gather", "scatter", "bidir"
+  std::string variant;  // "auto=staged", "kernel", "dma", "staged", "staged/8MiB", ...
+  std::string op;       // "gather", "scatter", "bidir"
   double gbps = 0;
-  double peak_gbps = 0;  // the matching pinned cudaMemcpy peak of the same run
-  double ratio = 0;      // gbps / peak_gbps
-  bool verified = false; // a gathered/scattered chunk matched page-by-page copies
+  double peak_gbps = 0;   // the matching pinned cudaMemcpy peak of the same run
+  double ratio = 0;       // gbps / peak_gbps
+  bool verified = false;  // a gathered/scattered chunk matched page-by-page copies
 };
 
 struct GpuBenchReport {

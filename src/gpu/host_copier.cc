@@ -48,8 +48,8 @@ class HostKvCopier final : public KvCopier {
                    uint64_t chunk_bytes, const CopyOptions& options, bool for_scatter) const {
     if (options.mechanism != CopyMechanism::kAuto &&
         options.mechanism != CopyMechanism::kHostMemcpy) {
-      return Status::InvalidArgument(fmt::format(
-          "host copier cannot use mechanism '{}'", CopyMechanismName(options.mechanism)));
+      return Status::InvalidArgument(fmt::format("host copier cannot use mechanism '{}'",
+                                                 CopyMechanismName(options.mechanism)));
     }
     if (options.stream != nullptr || options.wait_event != nullptr) {
       return Status::InvalidArgument("host copier takes no CUDA stream or event");
@@ -57,8 +57,8 @@ class HostKvCopier final : public KvCopier {
     KVTIER_RETURN_IF_ERROR(cache_.CheckRequest(block_ids, num_tokens, for_scatter));
     if (chunk == nullptr) return Status::InvalidArgument("null chunk buffer");
     if (chunk_bytes < cache_.chunk_bytes(num_tokens)) {
-      return Status::InvalidArgument(fmt::format("chunk buffer of {} bytes, {} needed",
-                                                 chunk_bytes, cache_.chunk_bytes(num_tokens)));
+      return Status::InvalidArgument(fmt::format("chunk buffer of {} bytes, {} needed", chunk_bytes,
+                                                 cache_.chunk_bytes(num_tokens)));
     }
     return Status::Ok();
   }
@@ -68,9 +68,8 @@ class HostKvCopier final : public KvCopier {
 
 Result<std::unique_ptr<KvCopier>> NewHostKvCopier(PagedKvCache cache) {
   if (cache.memory() != MemorySpace::kHost) {
-    return Status::InvalidArgument(
-        fmt::format("host copier needs a cache in host memory, not {}",
-                    MemorySpaceName(cache.memory())));
+    return Status::InvalidArgument(fmt::format("host copier needs a cache in host memory, not {}",
+                                               MemorySpaceName(cache.memory())));
   }
   return std::unique_ptr<KvCopier>(new HostKvCopier(std::move(cache)));
 }

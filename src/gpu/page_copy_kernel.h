@@ -3,9 +3,9 @@
 // Plain C++ interface so that only page_copy_kernel.cu needs nvcc.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace kvtier::gpu {
 
@@ -28,12 +28,12 @@ constexpr uint32_t kMaxBlocksPerLaunch = 512;
 struct PageCopyLaunch {
   const DevicePageStream* streams;  // device memory, num_streams entries
   uint32_t num_streams;
-  char* chunk;                 // device-accessible address of chunk byte `chunk_offset_base`
+  char* chunk;  // device-accessible address of chunk byte `chunk_offset_base`
   uint64_t chunk_offset_base;
-  uint64_t chunk_blocks;       // blocks in the whole chunk (fixes each stream's offset)
+  uint64_t chunk_blocks;  // blocks in the whole chunk (fixes each stream's offset)
   uint64_t tokens_per_block;
-  uint32_t first_block;        // position in the chunk of this launch's first block
-  uint32_t count;              // blocks in this launch, <= kMaxBlocksPerLaunch
+  uint32_t first_block;  // position in the chunk of this launch's first block
+  uint32_t count;        // blocks in this launch, <= kMaxBlocksPerLaunch
   uint32_t block_ids[kMaxBlocksPerLaunch];
 };
 

@@ -74,19 +74,26 @@ bool PagesOverlap(const std::vector<i128>& offsets, uint64_t num_blocks, uint64_
 
 std::string_view MemorySpaceName(MemorySpace space) {
   switch (space) {
-    case MemorySpace::kHost: return "host";
-    case MemorySpace::kCuda: return "cuda";
+    case MemorySpace::kHost:
+      return "host";
+    case MemorySpace::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
 
 std::string_view CopyMechanismName(CopyMechanism mechanism) {
   switch (mechanism) {
-    case CopyMechanism::kAuto: return "auto";
-    case CopyMechanism::kHostMemcpy: return "memcpy";
-    case CopyMechanism::kCopyEngine: return "dma";
-    case CopyMechanism::kSmKernel: return "kernel";
-    case CopyMechanism::kStaged: return "staged";
+    case CopyMechanism::kAuto:
+      return "auto";
+    case CopyMechanism::kHostMemcpy:
+      return "memcpy";
+    case CopyMechanism::kCopyEngine:
+      return "dma";
+    case CopyMechanism::kSmKernel:
+      return "kernel";
+    case CopyMechanism::kStaged:
+      return "staged";
   }
   return "unknown";
 }
@@ -259,8 +266,8 @@ Status PagedKvCache::CheckRequest(std::span<const int64_t> block_ids, uint64_t n
   }
   for (size_t j = 0; j < block_ids.size(); ++j) {
     if (block_ids[j] < 0 || uint64_t(block_ids[j]) >= num_blocks_) {
-      return Status::InvalidArgument(fmt::format(
-          "block id {} (position {}) out of range [0, {})", block_ids[j], j, num_blocks_));
+      return Status::InvalidArgument(fmt::format("block id {} (position {}) out of range [0, {})",
+                                                 block_ids[j], j, num_blocks_));
     }
   }
   if (for_scatter && block_ids.size() > 1) {
@@ -278,16 +285,17 @@ std::string PagedKvCache::ToString() const {
   std::string pages = min_page_bytes_ == max_page_bytes_
                           ? fmt::format("{} B", min_page_bytes_)
                           : fmt::format("{}-{} B", min_page_bytes_, max_page_bytes_);
-  return fmt::format("{}, {} tensors, {} page streams, {} blocks of {} tokens, {} B/token, "
-                     "pages {}",
-                     where, desc_.tensors.size(), streams_.size(), num_blocks_,
-                     desc_.tokens_per_block, bytes_per_token_, pages);
+  return fmt::format(
+      "{}, {} tensors, {} page streams, {} blocks of {} tokens, {} B/token, "
+      "pages {}",
+      where, desc_.tensors.size(), streams_.size(), num_blocks_, desc_.tokens_per_block,
+      bytes_per_token_, pages);
 }
 
 namespace gpu {
 
-std::vector<CopySegment> PlanSegments(const PagedKvCache& cache,
-                                      std::span<const int64_t> block_ids, bool merge) {
+std::vector<CopySegment> PlanSegments(const PagedKvCache& cache, std::span<const int64_t> block_ids,
+                                      bool merge) {
   std::vector<CopySegment> segments;
   const uint64_t nblk = block_ids.size();
   segments.reserve(cache.streams().size() * nblk);

@@ -66,8 +66,8 @@ TEST(PagedKvCacheTest, QwenShapes) {
   d.tokens_per_block = 16;
   // Addresses are never touched by Create: describe a large cache over fake bases.
   for (int l = 0; l < 36; ++l) {
-    d.tensors.push_back(KvPageTensor::SplitKv(reinterpret_cast<void*>((l + 1) * (1ull << 32)),
-                                              1000, 16, 2048));
+    d.tensors.push_back(
+        KvPageTensor::SplitKv(reinterpret_cast<void*>((l + 1) * (1ull << 32)), 1000, 16, 2048));
   }
   auto c = PagedKvCache::Create(d);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -84,8 +84,8 @@ TEST(PagedKvCacheTest, QwenShapes) {
   PagedKvCacheDesc x;
   x.memory = MemorySpace::kHost;
   x.tokens_per_block = 16;
-  x.tensors.push_back(KvPageTensor::CrossLayer(reinterpret_cast<void*>(1ull << 32), 1000, 36,
-                                               16, 2048));
+  x.tensors.push_back(
+      KvPageTensor::CrossLayer(reinterpret_cast<void*>(1ull << 32), 1000, 36, 16, 2048));
   auto cx = PagedKvCache::Create(x);
   ASSERT_TRUE(cx.ok()) << cx.status().ToString();
   EXPECT_EQ(cx->bytes_per_token(), 147456u);
@@ -107,10 +107,8 @@ TEST(PagedKvCacheTest, RefusesBadDescriptions) {
   PagedKvCacheDesc empty;
   empty.tokens_per_block = 16;
   expect_invalid(empty, "no tensors");
-  expect_invalid(OneTensor(base, 0, KvPageTensor::SinglePage(base, 4, 16, 64)),
-                 "tokens_per_block");
-  expect_invalid(OneTensor(nullptr, 16, KvPageTensor::SinglePage(nullptr, 4, 16, 64)),
-                 "null base");
+  expect_invalid(OneTensor(base, 0, KvPageTensor::SinglePage(base, 4, 16, 64)), "tokens_per_block");
+  expect_invalid(OneTensor(nullptr, 16, KvPageTensor::SinglePage(nullptr, 4, 16, 64)), "null base");
   expect_invalid(OneTensor(base, 16, KvPageTensor::SinglePage(base, 0, 16, 64)), "num_blocks");
   expect_invalid(OneTensor(base, 16, KvPageTensor::SinglePage(base, 4, 16, 0)), "token_bytes");
   expect_invalid(OneTensor(base, 16, KvPageTensor::SinglePage(base, (1ull << 31) + 1, 16, 64)),
@@ -193,9 +191,9 @@ TEST(PagedKvCacheTest, HostCopierNeedsHostMemory) {
 }
 
 TEST(PagedKvCacheTest, MechanismNames) {
-  for (CopyMechanism m : {CopyMechanism::kAuto, CopyMechanism::kHostMemcpy,
-                          CopyMechanism::kCopyEngine, CopyMechanism::kSmKernel,
-                          CopyMechanism::kStaged}) {
+  for (CopyMechanism m :
+       {CopyMechanism::kAuto, CopyMechanism::kHostMemcpy, CopyMechanism::kCopyEngine,
+        CopyMechanism::kSmKernel, CopyMechanism::kStaged}) {
     auto parsed = ParseCopyMechanism(CopyMechanismName(m));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, m);
@@ -207,9 +205,9 @@ TEST(PagedKvCacheTest, MechanismNames) {
 // shuffled, non-contiguous id list.
 TEST(HostCopierTest, GatherMatchesDefinition) {
   std::mt19937_64 rng(7);
-  for (ShapeKind kind : {ShapeKind::kSplitKvPerLayer, ShapeKind::kPackedKvPerLayer,
-                         ShapeKind::kCrossLayer, ShapeKind::kMlaPerLayer,
-                         ShapeKind::kMlaCrossLayer}) {
+  for (ShapeKind kind :
+       {ShapeKind::kSplitKvPerLayer, ShapeKind::kPackedKvPerLayer, ShapeKind::kCrossLayer,
+        ShapeKind::kMlaPerLayer, ShapeKind::kMlaCrossLayer}) {
     for (uint32_t tpb : {1u, 4u, 16u}) {
       for (uint64_t pad : {0u, 48u, 7u}) {
         HostCache h = HostCache::Make(kind, 3, tpb, 64 / tpb + 5, 40, pad, rng);

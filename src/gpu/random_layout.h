@@ -101,8 +101,7 @@ inline PagedKvCacheDesc Place(const CacheShape& shape, void* buffer, MemorySpace
 
 // The chunk, byte for byte, as the canonical layout defines it: streams (tensor, layer,
 // component) in order, each holding every token of the chunk in order.
-inline std::vector<char> ReferenceGather(const PagedKvCacheDesc& d,
-                                         std::span<const int64_t> ids) {
+inline std::vector<char> ReferenceGather(const PagedKvCacheDesc& d, std::span<const int64_t> ids) {
   std::vector<char> out;
   const uint64_t tokens = ids.size() * d.tokens_per_block;
   for (const KvPageTensor& t : d.tensors) {

@@ -123,20 +123,27 @@ void AddBenchGpu(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
       "Qwen3-8B-like paged KV cache (per-layer and cross-layer layouts, random block ids), "
       "against the pinned cudaMemcpy peaks of the same run. Needs a CUDA build and a GPU.");
   cmd->add_flag("--json", args->json, "Print the results as JSON on stdout");
-  cmd->add_option("--device", args->device, "CUDA device ordinal")->capture_default_str()
+  cmd->add_option("--device", args->device, "CUDA device ordinal")
+      ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--block-tokens", args->block_tokens,
                   "Tokens per block to run; the first is the headline figure (each must divide "
                   "the 256-token chunk)")
-      ->capture_default_str()->delimiter(',')->check(CLI::Range(1u, 256u));
+      ->capture_default_str()
+      ->delimiter(',')
+      ->check(CLI::Range(1u, 256u));
   cmd->add_option("--chunks", args->chunks, "Chunks per timed batch and direction")
-      ->capture_default_str()->check(CLI::Range(1u, 4096u));
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 4096u));
   cmd->add_option("--reps", args->reps, "Timed batches per figure (the median is reported)")
-      ->capture_default_str()->check(CLI::Range(1, 1000));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   cmd->add_option("--cache-gib", args->cache_gib, "GPU memory for the paged cache, GiB")
-      ->capture_default_str()->check(CLI::Range(0.1, 1024.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 1024.0));
   cmd->add_option("--layers", args->layers, "Model layers (8 KV heads x 128 dims, bf16 each)")
-      ->capture_default_str()->check(CLI::Range(1u, 1024u));
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
   cmd->callback([args, &ctx] { ctx.exit_code = RunBenchGpu(*args); });
 }
 
