@@ -90,6 +90,11 @@ class ServerProcess {
     return status;
   }
 
+  void Signal(int sig) {
+    ::kill(pid_, sig);
+    int status;
+    if (sig == SIGSTOP) waitpid(pid_, &status, WUNTRACED);  // returns once it is stopped
+  }
   ClientOptions Options(const std::string& model = "test-model") const {
     ClientOptions o;
     o.socket_path = socket_;
@@ -484,6 +489,31 @@ TEST_F(ServerTest, DeadServerMeansMissesAndUnavailableNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
   auto again = server.Connect();
   EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
+}
+
+TEST_F(ServerTest, StalledServerTimesOutInsteadOfHangingTheClient) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  ClientOptions o = server.Options();
+  o.rpc_timeout = 300ms;
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok());
+  auto keys = Keys(2, 10);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  server.Signal(SIGSTOP);
+  auto start = std::chrono::steady_clock::now();
+  auto r = (*c)->TryLookup(keys);
+  auto took = std::chrono::steady_clock::now() - start;
+  server.Signal(SIGCONT);
+  EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+  EXPECT_GE(took, 250ms);
+  EXPECT_LT(took, 3s);
+  EXPECT_FALSE((*c)->connected());
+  EXPECT_EQ((*c)->Lookup(keys).total, 0u);  // fails fast from now on
+  // The server, resumed, released the broken connection and serves new clients.
+  auto fresh = server.Connect();
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ((*fresh)->Lookup(keys).total, 2u);
 }
 
 TEST_F(ServerTest, SigtermDrainsAndExitsCleanly) {
