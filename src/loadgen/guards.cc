@@ -51,12 +51,14 @@ Status CheckCacheDirIsCold(const std::string& dir, bool allow_warm,
 Status CheckContextWindow(const WorkloadConfig& c, int64_t max_model_len, double token_scale) {
   if (max_model_len <= 0) return Status::Ok();
   const double scale = std::max(1.0, token_scale);
-  const auto peak = static_cast<int64_t>(static_cast<double>(EstimatePeakPromptTokens(c)) * scale);
+  const auto peak =
+      static_cast<int64_t>(static_cast<double>(EstimatePeakPromptTokens(c)) * scale * 1.05);
   const int64_t needed = peak + c.answer_len;
   if (needed <= max_model_len) return Status::Ok();
   return Status::InvalidArgument(fmt::format(
       "the last round's prompt would be about {} tokens (shared system {} + user {} + {} earlier "
-      "answers of {} + {} questions and chat markup{}), plus {} to generate = {}, over the "
+      "answers of {} + {} questions and chat markup{}, with a 5 % margin), plus {} to generate = "
+      "{}, over the "
       "server's context window of {} tokens: late rounds would fail. Lower --num-rounds, "
       "--answer-len, --user-history-prompt or --shared-system-prompt, or serve a longer context",
       peak, c.system_prompt_len, c.user_history_len, c.num_rounds - 1, c.answer_len, c.num_rounds,
@@ -65,16 +67,28 @@ Status CheckContextWindow(const WorkloadConfig& c, int64_t max_model_len, double
       c.answer_len, needed, max_model_len));
 }
 
-std::string SaturationWarning(const Summary& s, double min_ratio) {
-  const bool slow = s.config_qps > 0 && s.actual_qps < min_ratio * s.config_qps;
+std::string SaturationWarning(const Summary& s, const WorkloadConfig& config, double min_ratio) {
+  const double expected = config.expected_qps();
+  const double gap_s = config.gap_between_requests();
+  const bool slow = expected > 0 && s.actual_qps < min_ratio * expected;
   const bool held = s.sent > 0 && s.held_back * 10 > s.sent;
   if (!slow && !held) return "";
+  std::string why;
+  if (slow) {
+    why = fmt::format(
+        "the server is saturated: actual QPS {:.3f} against {:.3f} that --qps {:.3f} should send, "
+        "so TTFT measures its queue, not its cache",
+        s.actual_qps, expected, config.qps);
+  } else {
+    why = fmt::format(
+        "the pacing did not hold: answers take {:.3f} s (median), longer than a user's gap of "
+        "{:.3f} s between questions, so users wait for answers and more of them pile up",
+        s.median_latency, gap_s);
+  }
   return fmt::format(
-      "the server is saturated: actual QPS {:.3f} against config QPS {:.3f}, {} of {} sends held "
-      "back because the user's previous answer had not arrived. TTFT now measures the server's "
-      "queue, not its cache: lower --qps to about 65 % of the service rate (--find-capacity "
-      "measures it)",
-      s.actual_qps, s.config_qps, s.held_back, s.sent);
+      "{} ({} of {} sends held back behind an unanswered request). Lower --qps to about 65 % of "
+      "the service rate (--find-capacity measures it){}",
+      why, s.held_back, s.sent, held && !slow ? ", or shorten --answer-len / raise --num-users" : "");
 }
 
 }  // namespace kvtier::loadgen

@@ -30,13 +30,16 @@ Status CheckCacheDirIsCold(const std::string& dir, bool allow_warm,
                            std::vector<std::string>* warnings);
 
 // OK when the last round's prompt (estimated, times `token_scale` when the server was seen to
-// count more tokens than estimated) plus `answer_len` fits in `max_model_len`. Fails with
+// count more tokens than estimated, plus a 5 % margin for answers that re-tokenize longer) plus
+// `answer_len` fits in `max_model_len`. Fails with
 // InvalidArgument naming the numbers and what to change. max_model_len 0 = unknown = OK.
 Status CheckContextWindow(const WorkloadConfig& config, int64_t max_model_len, double token_scale);
 
-// A warning when the run could not keep its configured rate: actual QPS under
-// `min_ratio` x config QPS, or more than a tenth of the sends held back behind unanswered
-// requests. Empty when the server kept up.
-std::string SaturationWarning(const Summary& summary, double min_ratio = 0.9);
+// A warning when the run could not keep its configured pacing: actual QPS under `min_ratio` x the
+// rate the pacing should send (config.expected_qps(): the server is saturated), or more than a
+// tenth of the sends held back behind unanswered requests (answers take longer than a user's gap
+// between questions). Empty when the pacing held.
+std::string SaturationWarning(const Summary& summary, const WorkloadConfig& config,
+                              double min_ratio = 0.9);
 
 }  // namespace kvtier::loadgen

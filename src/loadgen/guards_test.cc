@@ -39,28 +39,36 @@ TEST(ContextWindowGuard, ChecksTheLastRoundNotTheAverage) {
   const int64_t peak = EstimatePeakPromptTokens(c);
   EXPECT_GT(peak, 3000 + 9 * 100);
   EXPECT_TRUE(CheckContextWindow(c, 0, 1.0).ok());  // unknown window: nothing to check
-  EXPECT_TRUE(CheckContextWindow(c, peak + c.answer_len, 1.0).ok());
+  const int64_t with_margin = static_cast<int64_t>(static_cast<double>(peak) * 1.05);
+  EXPECT_TRUE(CheckContextWindow(c, with_margin + c.answer_len, 1.0).ok());
   // The first round fits, the last does not.
-  const int64_t window = peak + c.answer_len - 1;
+  const int64_t window = with_margin + c.answer_len - 1;
   EXPECT_LT(EstimatePromptTokens(c, 1), window);
   Status s = CheckContextWindow(c, window, 1.0);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("context window"), std::string::npos);
   // A tokenizer that counts more tokens than estimated tips it over too.
-  EXPECT_FALSE(CheckContextWindow(c, peak + c.answer_len, 1.2).ok());
+  EXPECT_FALSE(CheckContextWindow(c, with_margin + c.answer_len, 1.2).ok());
 }
 
 TEST(SaturationWarning, FiresWhenTheServerCannotKeepUp) {
+  WorkloadConfig c;
+  c.num_users = 4;
+  c.num_rounds = 5;
+  c.qps = 2;  // a user asks every 2 s; the pacing sends 2 x 5 / 4 = 2.5 requests/s
   Summary s;
   s.config_qps = 2;
   s.actual_qps = 2.4;
   s.sent = 100;
-  EXPECT_EQ(SaturationWarning(s), "");
-  s.actual_qps = 1.5;
-  EXPECT_NE(SaturationWarning(s).find("saturated"), std::string::npos);
+  EXPECT_EQ(SaturationWarning(s, c), "");
+  s.actual_qps = 2.2;  // above config QPS, but under 90 % of what the pacing sends
+  EXPECT_NE(SaturationWarning(s, c).find("saturated"), std::string::npos);
   s.actual_qps = 2.4;
   s.held_back = 20;
-  EXPECT_NE(SaturationWarning(s).find("held"), std::string::npos);
+  s.median_latency = 3.5;
+  const std::string held = SaturationWarning(s, c);
+  EXPECT_NE(held.find("20 of 100 sends held back"), std::string::npos) << held;
+  EXPECT_NE(held.find("longer than a user's gap of 2.000 s"), std::string::npos) << held;
 }
 
 }  // namespace

@@ -166,6 +166,13 @@ int PollTimeoutMs(double now, double until) {
   return static_cast<int>(std::clamp(std::ceil(ms), 0.0, 50.0));
 }
 
+// The best finished rate of all stages but the last (0 when there is only one).
+double best_before_last(const std::vector<CapacityStage>& stages) {
+  double best = 0;
+  for (size_t i = 0; i + 1 < stages.size(); ++i) best = std::max(best, stages[i].finished_rps);
+  return best;
+}
+
 std::string CapacityTable(const std::vector<CapacityStage>& stages) {
   std::string out = "  streams  finished/s  median TTFT  failed\n";
   for (const auto& s : stages) {
@@ -382,17 +389,23 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
                         : Status::Unavailable("no request finished during the capacity probe");
     }
     result.service_rate_rps = best;
-    result.recommended_qps = o.capacity_target * best;
+    // The flag value whose pacing sends capacity_target x the service rate.
+    result.recommended_qps = o.capacity_target * best * w.qps / w.expected_qps();
     result.summary = Summarize(result.records, {}, {}, 0, std::numeric_limits<double>::max(), 0, 0);
     console.Print(fmt::format(
         "==================== Capacity ====================\n{}"
         "  Service rate:       {:.3f} finished requests/s\n"
-        "  Recommended --qps:  {:.3f} ({:.0f} % of the service rate)\n",
-        CapacityTable(result.stages), best, result.recommended_qps, o.capacity_target * 100));
-    if (result.stages.back().streams == result.stages.front().streams * 1 &&
-        result.stages.size() == 1 && !Stopped(o)) {
-      result.warnings.push_back("only one capacity stage ran; raise --capacity-max-streams");
+        "  Recommended --qps:  {:.3f} (with --num-rounds {}, it sends {:.3f} requests/s, {:.0f} % "
+        "of the service rate)\n",
+        CapacityTable(result.stages), best, result.recommended_qps, w.num_rounds,
+        o.capacity_target * best, o.capacity_target * 100));
+    if (!Stopped(o) && result.stages.back().finished_rps >= 1.1 * best_before_last(result.stages)) {
+      result.warnings.push_back(fmt::format(
+          "the finished rate was still growing at {} streams, the most --capacity-max-streams "
+          "allows: the service rate is at least {:.3f} requests/s; raise --capacity-max-streams",
+          result.stages.back().streams, best));
     }
+    for (const auto& warning : result.warnings) console.Log("WARNING: " + warning);
     return result;
   }
 
@@ -428,10 +441,11 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
     if (now - last_log >= o.log_interval_s) {
       Summary s = Summarize(st.records, st.launches, st.failures, last_log, now,
                             static_cast<int64_t>(client->in_flight()), w.qps);
+      s.expected_qps = w.expected_qps();
       s.held_back = manager.held_back() - held_at_last_log;
       s.peak_in_flight = interval_peak;
       console.Print(FormatSummary(s, fmt::format("Summary of the last {:.0f} s", now - last_log)));
-      if (auto warning = SaturationWarning(s); !warning.empty()) console.Log("WARNING: " + warning);
+      if (auto warning = SaturationWarning(s, w); !warning.empty()) console.Log("WARNING: " + warning);
       last_log = now;
       held_at_last_log = manager.held_back();
       interval_peak = 0;
@@ -444,6 +458,7 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
 
   result.records = std::move(st.records);
   result.summary = Summarize(result.records, st.launches, st.failures, start, stop_time, unfinished, w.qps);
+  result.summary.expected_qps = w.expected_qps();
   result.summary.held_back = manager.held_back();
   result.summary.peak_in_flight = st.peak_in_flight;
   if (result.records.empty()) {
@@ -458,7 +473,7 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
         "the server did not report token usage in the stream (stream_options.include_usage): "
         "prompt_tokens are 0 and generation_tokens count streamed chunks");
   }
-  if (auto warning = SaturationWarning(result.summary); !warning.empty()) {
+  if (auto warning = SaturationWarning(result.summary, w); !warning.empty()) {
     result.saturated = true;
     result.warnings.push_back(warning);
   }

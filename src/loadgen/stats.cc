@@ -30,7 +30,7 @@ Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<d
   s.config_qps = config_qps;
   s.on_the_fly = on_the_fly;
   for (double t : launches) s.sent += (t >= start && t <= end) ? 1 : 0;
-  std::vector<double> ttfts;
+  std::vector<double> ttfts, latencies;
   double prompt = 0, generated = 0, per_request_rate = 0;
   int64_t rated = 0;
   for (const auto& r : records) {
@@ -39,6 +39,7 @@ Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<d
     prompt += static_cast<double>(r.prompt_tokens);
     generated += static_cast<double>(r.generation_tokens);
     ttfts.push_back(r.ttft);
+    latencies.push_back(r.finish_time - r.launch_time);
     if (r.generation_time > 0) {
       per_request_rate += static_cast<double>(r.generation_tokens) / r.generation_time;
       ++rated;
@@ -60,6 +61,7 @@ Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<d
     s.mean_ttft = sum / static_cast<double>(ttfts.size());
     s.median_ttft = Quantile(ttfts, 0.5);
     s.p90_ttft = Quantile(ttfts, 0.9);
+    s.median_latency = Quantile(latencies, 0.5);
   }
   return s;
 }
@@ -95,6 +97,9 @@ std::string FormatSummary(const Summary& s, const std::string& title) {
   std::string out;
   out += fmt::format("==================== {} ====================\n", title);
   out += fmt::format("  Config QPS:                       {:.4f} reqs/s\n", s.config_qps);
+  if (s.expected_qps > 0) {
+    out += fmt::format("  Expected QPS (pacing):            {:.4f} reqs/s\n", s.expected_qps);
+  }
   out += fmt::format("  Actual QPS:                       {:.4f} reqs/s ({} sent)\n", s.actual_qps,
                      s.sent);
   out += fmt::format("  Processing speed:                 {:.4f} reqs/s ({} finished)\n",
@@ -107,6 +112,7 @@ std::string FormatSummary(const Summary& s, const std::string& title) {
   out += fmt::format("  Average TTFT:                     {:.4f} s\n", s.mean_ttft);
   out += fmt::format("  Median TTFT:                      {:.4f} s\n", s.median_ttft);
   out += fmt::format("  P90 TTFT:                         {:.4f} s\n", s.p90_ttft);
+  out += fmt::format("  Median request time:              {:.4f} s\n", s.median_latency);
   if (s.failed > 0) {
     std::string kinds;
     for (const auto& [kind, n] : s.failures) {
@@ -128,6 +134,7 @@ std::string SummaryToJson(const Summary& s) {
       {"window_end", s.end},
       {"window_seconds", s.seconds},
       {"config_qps", s.config_qps},
+      {"expected_qps", s.expected_qps},
       {"actual_qps", s.actual_qps},
       {"processing_speed_rps", s.processing_speed},
       {"requests_on_the_fly", s.on_the_fly},
@@ -141,6 +148,7 @@ std::string SummaryToJson(const Summary& s) {
       {"mean_ttft_s", s.mean_ttft},
       {"median_ttft_s", s.median_ttft},
       {"p90_ttft_s", s.p90_ttft},
+      {"median_request_time_s", s.median_latency},
       {"held_back_sends", s.held_back},
       {"peak_concurrent_streams", s.peak_in_flight},
   };

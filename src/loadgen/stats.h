@@ -42,6 +42,7 @@ struct FailureRecord {
 struct Summary {
   double start = 0, end = 0, seconds = 0;
   double config_qps = 0;
+  double expected_qps = 0;      // what the pacing sends when the server keeps up (0: not shown)
   double actual_qps = 0;
   double processing_speed = 0;
   int64_t on_the_fly = 0;
@@ -53,6 +54,7 @@ struct Summary {
   double output_tokens_per_s = 0;
   double generation_tokens_per_request_s = 0;
   double mean_ttft = 0, median_ttft = 0, p90_ttft = 0;
+  double median_latency = 0;    // launch -> end of stream
   int64_t held_back = 0;        // sends delayed because the user's previous answer was pending
   int64_t peak_in_flight = 0;   // most concurrent streams seen in the window
 };

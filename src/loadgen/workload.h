@@ -42,6 +42,11 @@ struct WorkloadConfig {
 
   double gap_between_requests() const { return num_users / qps; }
   double gap_between_users() const { return (num_rounds > 1 ? num_rounds - 1 : 1) / qps; }
+  // Requests per second this pacing sends when the server keeps up: a user asks num_rounds
+  // questions over num_rounds - 1 gaps, so qps x R / (R - 1) (as in the LMCache benchmark).
+  double expected_qps() const {
+    return num_rounds > 1 ? qps * num_rounds / (num_rounds - 1) : qps;
+  }
 };
 
 struct ChatMessage {

@@ -157,6 +157,7 @@ TEST(SessionManager, StartsInSteadyStateAndKeepsAboutNumUsersActive) {
   // join every (num_rounds - 1) / qps seconds: qps x num_rounds / (num_rounds - 1) = 3 per s.
   const double rate = static_cast<double>(l.launches.size()) / 200.0;
   EXPECT_NEAR(rate, 3.0, 0.1);
+  EXPECT_DOUBLE_EQ(c.expected_qps(), 3.0);
   EXPECT_EQ(m.held_back(), 0);
 }
 
