@@ -67,7 +67,7 @@ std::string ArmText(const char* title, const SimResult& r,
                        FormatBytes(r.tier_peak_bytes[t]), FormatBytes(tiers[t].capacity_bytes));
   }
   out += fmt::format(
-      "    GPU: peak working set {:.0f} of {:.0f} tokens, {} admission waits, {} recomputed "
+      "    GPU: peak in-flight reservation {:.0f} of {:.0f} tokens, {} admission waits, {} recomputed "
       "after eviction; engine {} steps, busy {}, {:.3f} req/s over {}; simulated in {}\n",
       r.peak_working_set_tokens, r.gpu_capacity_tokens, r.admission_waits,
       r.evicted_recompute_tokens, r.steps, FormatSeconds(r.engine_busy_s), r.throughput_rps,
