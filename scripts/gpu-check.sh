@@ -159,7 +159,10 @@ stamp "bench: $status_bench"
 import json, sys
 j = json.load(open(sys.argv[1]))
 print(j["device"])
-print(f'peaks: d2h {j["peak_d2h_GBps"]:.1f}  h2d {j["peak_h2d_GBps"]:.1f}  bidir {j["peak_bidir_GBps"]:.1f} GB/s')
+m = j["peaks_measured"]
+print(f'peaks: d2h {j["peak_d2h_GBps"]:.1f}  h2d {j["peak_h2d_GBps"]:.1f}  bidir {j["peak_bidir_GBps"]:.1f} GB/s'
+      f'  (start {m["start"]["d2h"]:.1f}/{m["start"]["h2d"]:.1f}/{m["start"]["bidir"]:.1f},'
+      f' end {m["end"]["d2h"]:.1f}/{m["end"]["h2d"]:.1f}/{m["end"]["bidir"]:.1f})')
 print(f'per-layer/{j["block_tokens"]} auto={j["mechanism"]}: gather {j["gather_GBps"]:.1f} ({j["gather_vs_peak_d2h"]:.3f})  '
       f'scatter {j["scatter_GBps"]:.1f} ({j["scatter_vs_peak_h2d"]:.3f})  bidir {j["bidir_GBps"]:.1f} ({j["bidir_vs_peak_bidir"]:.3f})')
 c = j["cross_layer"]

@@ -40,7 +40,8 @@ struct GpuBenchRow {
   std::string variant;  // "auto=staged", "kernel", "dma", "staged", "staged/8MiB", ...
   std::string op;       // "gather", "scatter", "bidir"
   double gbps = 0;
-  double peak_gbps = 0;   // the matching pinned cudaMemcpy peak of the same run
+  double peak_gbps = 0;   // the matching pinned cudaMemcpy peak of the same run (the larger of
+                          // the start and end measurements)
   double ratio = 0;       // gbps / peak_gbps
   bool verified = false;  // a gathered/scattered chunk matched page-by-page copies
 };
@@ -49,6 +50,12 @@ struct GpuBenchReport {
   std::string device;
   uint64_t chunk_bytes = 0;
   uint64_t batch_bytes = 0;  // bytes per direction in one timed batch
+  // Pinned cudaMemcpy of one batch: d2h, h2d and both at once on two streams, measured before
+  // and after the copies. peak_* (and every ratio) use the larger of the two.
+  struct Peaks {
+    double d2h = 0, h2d = 0, bidir = 0;
+  };
+  Peaks peaks_start, peaks_end;
   double peak_d2h = 0, peak_h2d = 0, peak_bidir = 0;
   // The headline figures: per-layer layout, first block size, mechanism kAuto.
   std::string auto_mechanism;
