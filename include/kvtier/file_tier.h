@@ -50,7 +50,8 @@ struct FileTierOptions {
   size_t max_queued_reads = 64, max_queued_writes = 64;  // bounded queues: full -> kRejected
   IoEngineKind io_engine = IoEngineKind::kAuto;  // used when env is null
   int io_queue_depth = 8;                       // requests in flight per chunk (env null)
-  size_t io_request_bytes = 4u << 20;           // size of each of those requests (env null)
+  size_t io_request_bytes = 4u << 20;           // size of each of those read requests (env null)
+  size_t io_write_request_bytes = 64u << 20;    // and of write requests (env null)
   bool use_o_direct = true;  // falls back to buffered I/O (logged once, in stats) where refused
   std::chrono::milliseconds negative_cache_ttl{500};  // re-check the disk on a miss after this
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open

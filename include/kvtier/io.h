@@ -195,6 +195,9 @@ struct PosixEnvOptions {
   // Requests in flight per Submit call, and the size a large op is split into.
   int queue_depth = 8;
   size_t max_request_bytes = 4u << 20;
+  // Writes are split more coarsely: one large O_DIRECT write already puts every block of it in
+  // flight in the kernel, and each extra request costs CPU (and, on ext4, may be serialized).
+  size_t max_write_request_bytes = 64u << 20;
   // Worker threads of the thread-pool engine (shared by every caller of this Env).
   int pool_threads = 8;
 };

@@ -16,11 +16,14 @@
 
 namespace kvtier::io {
 
-std::vector<IoPiece> SplitOps(std::span<const IoOp> ops, size_t max_request_bytes) {
+std::vector<IoPiece> SplitOps(std::span<const IoOp> ops, size_t max_read_bytes,
+                              size_t max_write_bytes) {
   std::vector<IoPiece> pieces;
   for (size_t i = 0; i < ops.size(); ++i) {
     const IoOp& op = ops[i];
     if (op.len == 0) continue;
+    const size_t max_request_bytes =
+        op.kind == IoOp::Kind::kRead ? max_read_bytes : max_write_bytes;
     for (size_t done = 0; done < op.len; done += max_request_bytes) {
       size_t n = std::min(max_request_bytes, op.len - done);
       pieces.push_back({i, op.offset + done, op.buf + done, n, 0});
@@ -74,9 +77,10 @@ thread_local ThreadRing tls_ring;
 
 class IoUringEngine final : public IoEngine {
  public:
-  IoUringEngine(int queue_depth, size_t max_request_bytes)
+  IoUringEngine(int queue_depth, size_t max_read_bytes, size_t max_write_bytes)
       : depth_(std::clamp(queue_depth, 1, static_cast<int>(kRingEntries))),
-        max_request_bytes_(max_request_bytes) {}
+        max_read_bytes_(max_read_bytes),
+        max_write_bytes_(max_write_bytes) {}
 
   std::string name() const override { return "io_uring"; }
 
@@ -85,7 +89,7 @@ class IoUringEngine final : public IoEngine {
     if (ring == nullptr) {
       return Status::FromErrno(tls_ring.init_error, "io_uring_queue_init on this thread");
     }
-    std::vector<IoPiece> pieces = SplitOps(ops, max_request_bytes_);
+    std::vector<IoPiece> pieces = SplitOps(ops, max_read_bytes_, max_write_bytes_);
     // Progress reporting: pieces of an op are consecutive in `pieces`; an op's leading bytes are
     // done when its pieces up to there completed in full.
     std::vector<bool> complete(observer ? pieces.size() : 0, false);
@@ -161,7 +165,7 @@ class IoUringEngine final : public IoEngine {
 
  private:
   const int depth_;
-  const size_t max_request_bytes_;
+  const size_t max_read_bytes_, max_write_bytes_;
 };
 
 int64_t DoPieceSync(int fd, bool read, const IoPiece& p) {
@@ -175,15 +179,16 @@ int64_t DoPieceSync(int fd, bool read, const IoPiece& p) {
 
 class ThreadPoolEngine final : public IoEngine {
  public:
-  ThreadPoolEngine(int threads, int queue_depth, size_t max_request_bytes)
+  ThreadPoolEngine(int threads, int queue_depth, size_t max_read_bytes, size_t max_write_bytes)
       : pool_("kvtier-io", threads, 0),
         depth_(std::max(queue_depth, 1)),
-        max_request_bytes_(max_request_bytes) {}
+        max_read_bytes_(max_read_bytes),
+        max_write_bytes_(max_write_bytes) {}
 
   std::string name() const override { return "threads"; }
 
   Status Execute(int fd, std::span<IoOp> ops, IoObserver* observer) override {
-    std::vector<IoPiece> pieces = SplitOps(ops, max_request_bytes_);
+    std::vector<IoPiece> pieces = SplitOps(ops, max_read_bytes_, max_write_bytes_);
     if (pieces.empty()) {
       if (observer) observer->Submitted();
       GatherResults(ops, pieces);
@@ -232,23 +237,26 @@ class ThreadPoolEngine final : public IoEngine {
  private:
   WorkerPool pool_;
   const int depth_;
-  const size_t max_request_bytes_;
+  const size_t max_read_bytes_, max_write_bytes_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<IoEngine>> NewIoUringEngine(int queue_depth, size_t max_request_bytes) {
+Result<std::unique_ptr<IoEngine>> NewIoUringEngine(int queue_depth, size_t max_read_bytes,
+                                                   size_t max_write_bytes) {
   // Probe on this thread: if io_uring is refused here, it will be everywhere in this process.
   if (tls_ring.Get() == nullptr) {
     return Status::FromErrno(tls_ring.init_error, "io_uring is unavailable")
         .WithContext("io engine");
   }
-  return std::unique_ptr<IoEngine>(new IoUringEngine(queue_depth, max_request_bytes));
+  return std::unique_ptr<IoEngine>(new IoUringEngine(queue_depth, max_read_bytes,
+                                                     max_write_bytes));
 }
 
-std::unique_ptr<IoEngine> NewThreadPoolEngine(int threads, int queue_depth,
-                                              size_t max_request_bytes) {
-  return std::make_unique<ThreadPoolEngine>(threads, queue_depth, max_request_bytes);
+std::unique_ptr<IoEngine> NewThreadPoolEngine(int threads, int queue_depth, size_t max_read_bytes,
+                                              size_t max_write_bytes) {
+  return std::make_unique<ThreadPoolEngine>(threads, queue_depth, max_read_bytes,
+                                            max_write_bytes);
 }
 
 }  // namespace kvtier::io

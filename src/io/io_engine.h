@@ -21,9 +21,10 @@ class IoEngine {
 };
 
 // Fails if io_uring cannot be set up here (old kernel, seccomp, container policy).
-Result<std::unique_ptr<IoEngine>> NewIoUringEngine(int queue_depth, size_t max_request_bytes);
-std::unique_ptr<IoEngine> NewThreadPoolEngine(int threads, int queue_depth,
-                                              size_t max_request_bytes);
+Result<std::unique_ptr<IoEngine>> NewIoUringEngine(int queue_depth, size_t max_read_bytes,
+                                                   size_t max_write_bytes);
+std::unique_ptr<IoEngine> NewThreadPoolEngine(int threads, int queue_depth, size_t max_read_bytes,
+                                              size_t max_write_bytes);
 
 // A piece of an op, as the engines issue it.
 struct IoPiece {
@@ -33,7 +34,8 @@ struct IoPiece {
   size_t len;
   int64_t result;
 };
-std::vector<IoPiece> SplitOps(std::span<const IoOp> ops, size_t max_request_bytes);
+std::vector<IoPiece> SplitOps(std::span<const IoOp> ops, size_t max_read_bytes,
+                              size_t max_write_bytes);
 // Folds piece results back into the ops: an op's result is the bytes of its leading full pieces
 // plus the first short piece's bytes; -errno if its first piece failed.
 void GatherResults(std::span<IoOp> ops, std::span<const IoPiece> pieces);

@@ -25,6 +25,7 @@ std::unique_ptr<Env> MakeEnv(IoEngineKind kind, size_t max_request = 1 << 20) {
   PosixEnvOptions o;
   o.engine = kind;
   o.max_request_bytes = max_request;
+  o.max_write_request_bytes = max_request;
   o.queue_depth = 4;
   auto env = NewPosixEnv(o);
   EXPECT_TRUE(env.ok()) << env.status().ToString();

@@ -235,13 +235,14 @@ Status PosixFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
 }
 
 Result<std::unique_ptr<io::IoEngine>> MakeEngine(const PosixEnvOptions& o) {
+  const size_t r = o.max_request_bytes, w = o.max_write_request_bytes;
   if (o.engine == IoEngineKind::kThreadPool) {
-    return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, o.max_request_bytes);
+    return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, r, w);
   }
-  auto uring = io::NewIoUringEngine(o.queue_depth, o.max_request_bytes);
+  auto uring = io::NewIoUringEngine(o.queue_depth, r, w);
   if (uring.ok() || o.engine == IoEngineKind::kIoUring) return uring;
   spdlog::warn("{}; using the thread-pool I/O engine", uring.status().message());
-  return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, o.max_request_bytes);
+  return io::NewThreadPoolEngine(o.pool_threads, o.queue_depth, r, w);
 }
 
 // Loops until every op is complete; `reads` selects the end-of-file rule.
@@ -299,11 +300,12 @@ Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options) {
     return Status::InvalidArgument(
         fmt::format("queue_depth must be in [1, 64], got {}", options.queue_depth));
   }
-  if (options.max_request_bytes < kDirectIoAlignment ||
-      options.max_request_bytes % kDirectIoAlignment != 0 ||
-      options.max_request_bytes > (1u << 30)) {
-    return Status::InvalidArgument(
-        "max_request_bytes must be a multiple of 4096 between 4 KiB and 1 GiB");
+  for (size_t bytes : {options.max_request_bytes, options.max_write_request_bytes}) {
+    if (bytes < kDirectIoAlignment || bytes % kDirectIoAlignment != 0 || bytes > (1u << 30)) {
+      return Status::InvalidArgument(
+          "max_request_bytes and max_write_request_bytes must be multiples of 4096 between 4 KiB "
+          "and 1 GiB");
+    }
   }
   if (options.pool_threads < 1 || options.pool_threads > 1024) {
     return Status::InvalidArgument("pool_threads must be in [1, 1024]");

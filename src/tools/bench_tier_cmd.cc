@@ -35,10 +35,11 @@ struct BenchTierArgs {
   uint32_t chunks = 32;
   int readers = 4;
   int writers = 4;
-  int repeats = 2;
+  int repeats = 4;
   std::string io_engine = "auto";
   int io_depth = 8;
   uint64_t request_kib = 4096;
+  uint64_t write_request_kib = 65536;
   bool keep = false;
   bool json = false;
 };
@@ -280,6 +281,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     o.io_engine = *engine;
     o.io_queue_depth = a.io_depth;
     o.io_request_bytes = a.request_kib << 10;
+    o.io_write_request_bytes = a.write_request_kib << 10;
     auto opened = FileTier::Open(o);
     if (!opened.ok()) return fail(opened.status().ToString());
     FileTier& tier = **opened;
@@ -441,7 +443,10 @@ void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--io-depth", args->io_depth, "Tier requests in flight per chunk")
       ->capture_default_str();
-  cmd->add_option("--request-kib", args->request_kib, "Tier request size in KiB")
+  cmd->add_option("--request-kib", args->request_kib, "Tier read request size in KiB")
+      ->capture_default_str();
+  cmd->add_option("--write-request-kib", args->write_request_kib,
+                  "Tier write request size in KiB")
       ->capture_default_str();
   cmd->add_flag("--keep", args->keep, "Leave the tier's chunk files in --dir");
   cmd->add_flag("--json", args->json, "Print the result as JSON on stdout");

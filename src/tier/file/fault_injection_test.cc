@@ -22,6 +22,7 @@ constexpr uint64_t kChunk = 64 << 10;
 std::unique_ptr<Env> SmallRequestEnv() {
   PosixEnvOptions eo;
   eo.max_request_bytes = 16 << 10;  // four requests per payload: more places for faults
+  eo.max_write_request_bytes = 16 << 10;
   return NewPosixEnv(eo).value();
 }
 

@@ -264,6 +264,7 @@ Status FileTier::Impl::Init() {
     eo.engine = options_.io_engine;
     eo.queue_depth = options_.io_queue_depth;
     eo.max_request_bytes = options_.io_request_bytes;
+    eo.max_write_request_bytes = options_.io_write_request_bytes;
     KVTIER_ASSIGN_OR_RETURN(owned_env_, NewPosixEnv(eo));
     env_ = owned_env_.get();
   }

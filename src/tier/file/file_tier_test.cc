@@ -77,6 +77,7 @@ TEST_P(FileTierEngineTest, WriteThenReadEveryBufferShape) {
     FileTierOptions o = Options(dir.Sub(std::to_string(chunk)), chunk);
     o.io_engine = GetParam();
     o.io_request_bytes = 64 << 10;  // several requests in flight per chunk
+    o.io_write_request_bytes = 64 << 10;
     auto tier = OpenTier(o);
     ASSERT_NE(tier, nullptr);
     FileTierStats st = tier->Stats();
