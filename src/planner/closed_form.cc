@@ -19,8 +19,7 @@ double EvictionOnsetPeakTokens(double gpu_kv_bytes, uint64_t kv_bytes_per_token,
   return gpu_kv_bytes / (static_cast<double>(users) * kv_bytes_per_token);
 }
 
-uint64_t EvictionOnsetContext(double gpu_kv_bytes, uint64_t kv_bytes_per_token,
-                              const Workload& w) {
+uint64_t EvictionOnsetContext(double gpu_kv_bytes, uint64_t kv_bytes_per_token, const Workload& w) {
   const double capacity = gpu_kv_bytes / kv_bytes_per_token;
   const double growth = static_cast<double>(w.rounds) * (w.question_tokens + w.answer_tokens);
   const double per_user = (capacity - w.system_prompt_tokens) / w.users - growth;

@@ -40,8 +40,7 @@ std::optional<uint64_t> PayoffTokens(const PrefillCost& prefill, uint64_t kv_byt
                                      double read_bytes_per_s, uint64_t max_tokens = 1u << 21);
 
 // The read bandwidth at which reading `tokens` costs exactly as much as recomputing them.
-double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_token,
-                          uint64_t tokens);
+double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_token, uint64_t tokens);
 
 // The closed-form TTFT estimate (`kvtier plan --fast`) for one arm: each user's conversation
 // keeps min(1, capacity / working set) of its prefix in each level (GPU, then each tier in
@@ -50,7 +49,7 @@ double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_toke
 // hit-rate-weighted mix over rounds, plus one engine step overhead. Queueing is ignored.
 struct FastArm {
   double mean_ttft_s = 0, median_ttft_s = 0, p90_ttft_s = 0;
-  std::vector<double> hit_rate;  // gpu, each tier, recompute (fractions of requests)
+  std::vector<double> hit_rate;                // gpu, each tier, recompute (fractions of requests)
   std::vector<double> bytes_read_per_request;  // per tier
   std::vector<double> bytes_written_per_request;
 };

@@ -66,8 +66,7 @@ const std::vector<FlagInfo>& Flags() {
        "8k,16k,24k)",
        &F::context},
       {"question-tokens", "Tokens per question", &F::question_tokens},
-      {"answer-tokens", "Tokens per answer (each answer joins the next prompt)",
-       &F::answer_tokens},
+      {"answer-tokens", "Tokens per answer (each answer joins the next prompt)", &F::answer_tokens},
       {"duration", "How long users keep sending (e.g. 1200, 1200s, 20m, 1h)", &F::duration},
       {"tier",
        "Offload tier NAME:CAPACITY:READ_BW[:WRITE_BW], repeatable, fastest first (e.g. "
@@ -122,15 +121,35 @@ Result<double> ParseGb(const std::string& text) {
 
 const char* TypeName(std::string_view flag) {
   static const std::pair<std::string_view, const char*> kTypes[] = {
-      {"model", "NAME|PATH"}, {"dtype", "DTYPE"}, {"weight-dtype", "DTYPE"}, {"tp", "N"},
-      {"gpu", "NAME"}, {"gpu-kv-gb", "GB"}, {"gpu-memory-utilization", "FRACTION"},
-      {"reserve-gb", "GB"}, {"prefill-table", "TOKENS:S,..."}, {"efficiency", "FRACTION"},
-      {"users", "N"}, {"rounds", "N"}, {"qps", "REQ/S"}, {"load", "FRACTION"},
-      {"system-prompt", "TOKENS"}, {"context", "TOKENS,..."}, {"question-tokens", "TOKENS"},
-      {"answer-tokens", "TOKENS"}, {"duration", "TIME"}, {"tier", "NAME:SIZE:BW[:BW]"},
-      {"write-policy", "POLICY"}, {"step-overhead-ms", "MS"}, {"calibrate", "TOKENS:S"},
-      {"max-batched-tokens", "TOKENS"}, {"block-tokens", "TOKENS"}, {"chunk-tokens", "TOKENS"},
-      {"save-copy-bw", "BW"}, {"save-blocking", "FRACTION"}, {"plot", "FILE"}};
+      {"model", "NAME|PATH"},
+      {"dtype", "DTYPE"},
+      {"weight-dtype", "DTYPE"},
+      {"tp", "N"},
+      {"gpu", "NAME"},
+      {"gpu-kv-gb", "GB"},
+      {"gpu-memory-utilization", "FRACTION"},
+      {"reserve-gb", "GB"},
+      {"prefill-table", "TOKENS:S,..."},
+      {"efficiency", "FRACTION"},
+      {"users", "N"},
+      {"rounds", "N"},
+      {"qps", "REQ/S"},
+      {"load", "FRACTION"},
+      {"system-prompt", "TOKENS"},
+      {"context", "TOKENS,..."},
+      {"question-tokens", "TOKENS"},
+      {"answer-tokens", "TOKENS"},
+      {"duration", "TIME"},
+      {"tier", "NAME:SIZE:BW[:BW]"},
+      {"write-policy", "POLICY"},
+      {"step-overhead-ms", "MS"},
+      {"calibrate", "TOKENS:S"},
+      {"max-batched-tokens", "TOKENS"},
+      {"block-tokens", "TOKENS"},
+      {"chunk-tokens", "TOKENS"},
+      {"save-copy-bw", "BW"},
+      {"save-blocking", "FRACTION"},
+      {"plot", "FILE"}};
   for (const auto& [name, type] : kTypes) {
     if (name == flag) return type;
   }
@@ -145,8 +164,9 @@ void AddPlannerFlags(CLI::App* cmd, PlannerFlags* flags) {
   for (const FlagInfo& f : Flags()) {
     std::string name = std::string("--") + f.name;
     if (f.text) {
-      cmd->add_option(name, flags->*(f.text), f.help)->capture_default_str()->type_name(
-          TypeName(f.name));
+      cmd->add_option(name, flags->*(f.text), f.help)
+          ->capture_default_str()
+          ->type_name(TypeName(f.name));
     } else if (f.list) {
       cmd->add_option(name, flags->*(f.list), f.help)
           ->allow_extra_args(false)
@@ -165,7 +185,8 @@ Status MergeConfigFile(const CLI::App& cmd, PlannerFlags* flags) {
   text << in.rdbuf();
   nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
-    return Status::InvalidArgument(fmt::format("--config '{}' is not a JSON object", flags->config));
+    return Status::InvalidArgument(
+        fmt::format("--config '{}' is not a JSON object", flags->config));
   }
   auto scalar = [](const nlohmann::json& v) -> std::string {
     return v.is_string() ? v.get<std::string>() : v.dump();
@@ -259,7 +280,8 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     KVTIER_ASSIGN_OR_RETURN(double eff, ParseNumber(f.efficiency, "--efficiency"));
     KVTIER_ASSIGN_OR_RETURN(e.prefill, PrefillCost::FromFlops(in.model, gpu.peak_flops, eff));
   }
-  KVTIER_ASSIGN_OR_RETURN(double overhead_ms, ParseNumber(f.step_overhead_ms, "--step-overhead-ms"));
+  KVTIER_ASSIGN_OR_RETURN(double overhead_ms,
+                          ParseNumber(f.step_overhead_ms, "--step-overhead-ms"));
   e.step_overhead_s = overhead_ms / 1e3;
   const double hbm = gpu.hbm_bytes_per_s * tp;
   e.decode_weights_s = in.model.active_params * in.model.weight_bytes_per_param / hbm;
@@ -268,7 +290,8 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   KVTIER_ASSIGN_OR_RETURN(uint64_t bt, ParseCount(f.block_tokens, "block-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(uint64_t ct, ParseCount(f.chunk_tokens, "chunk-tokens", 1));
   if (mbt > (1u << 24) || bt > (1u << 20) || ct > (1u << 20)) {
-    return Status::InvalidArgument("--max-batched-tokens, --block-tokens or --chunk-tokens too large");
+    return Status::InvalidArgument(
+        "--max-batched-tokens, --block-tokens or --chunk-tokens too large");
   }
   e.max_batched_tokens = static_cast<uint32_t>(mbt);
   e.block_tokens = static_cast<uint32_t>(bt);

@@ -3,10 +3,9 @@
 // so a flag and the same key in a --config JSON file are checked by the same code.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "kvtier/status.h"
 #include "planner/plan.h"

@@ -47,10 +47,11 @@ TEST(OptionsTest, DefaultsAreQwenOnH200WithTheMeasuredTable) {
 
 TEST(OptionsTest, FlagsAreParsed) {
   Parsed p;
-  auto in = p.Build({"--model", "llama-3.1-70b", "--tp", "4", "--gpu", "h100", "--gpu-kv-gb", "19",
-                     "--tier", "cpu:8GiB:20GB/s", "--tier", "nfs:200GiB:3.55GB/s", "--context",
-                     "8k,16k", "--qps", "0.5", "--write-policy", "write_back", "--duration",
-                     "10m"});
+  auto in =
+      p.Build({"--model", "llama-3.1-70b",       "--tp",       "4",          "--gpu",
+               "h100",    "--gpu-kv-gb",         "19",         "--tier",     "cpu:8GiB:20GB/s",
+               "--tier",  "nfs:200GiB:3.55GB/s", "--context",  "8k,16k",     "--qps",
+               "0.5",     "--write-policy",      "write_back", "--duration", "10m"});
   ASSERT_TRUE(in.ok()) << in.status().ToString();
   EXPECT_DOUBLE_EQ(in->engine.gpu_kv_bytes, 4 * 19e9);
   EXPECT_EQ(in->tiers.size(), 2u);

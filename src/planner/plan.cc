@@ -1,11 +1,11 @@
 #include "planner/plan.h"
 
 #include <fmt/format.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <sys/wait.h>
 
 #include "planner/units.h"
 
@@ -145,8 +145,8 @@ Status Planner::SimulatePoint(const EngineModel& engine, Workload w, PointReport
     KVTIER_ASSIGN_OR_RETURN(p->baseline.service_rate_rps, Capacity(engine, w, false));
     KVTIER_ASSIGN_OR_RETURN(p->offload.service_rate_rps, Capacity(engine, w, true));
   }
-  p->regime = ClassifyRegime(p->baseline.evicted_recompute_fraction, MeanPrompt(w),
-                             report_.payoff_tokens);
+  p->regime =
+      ClassifyRegime(p->baseline.evicted_recompute_fraction, MeanPrompt(w), report_.payoff_tokens);
   if (in_.sensitivity) {
     // Near the eviction threshold hit rates move steeply: show how far.
     EngineModel small = engine, large = engine;
@@ -204,12 +204,14 @@ Result<PlanReport> Planner::Run() {
   for (const TierSpec& t : in_.tiers) {
     rep.tier_names.push_back(t.name);
     rep.tier_read_bytes_per_s.push_back(t.read_bytes_per_s);
-    rep.payoff_tokens.push_back(PayoffTokens(e0.prefill, e0.kv_bytes_per_token, t.read_bytes_per_s));
+    rep.payoff_tokens.push_back(
+        PayoffTokens(e0.prefill, e0.kv_bytes_per_token, t.read_bytes_per_s));
   }
 
   EngineModel engine = e0;
   if (in_.calibrate && !in_.fast) {
-    Say(fmt::format("calibrating the engine step overhead to a measured mean TTFT of {} at {} "
+    Say(
+        fmt::format("calibrating the engine step overhead to a measured mean TTFT of {} at {} "
                     "tokens",
                     FormatSeconds(in_.calibrate->second), in_.calibrate->first));
     KVTIER_ASSIGN_OR_RETURN(engine.step_overhead_s, CalibrateStepOverhead());
@@ -245,8 +247,7 @@ Result<PlanReport> Planner::Run() {
       p.offload = to_arm(FastEstimate(engine, w, in_.tiers, in_.write_policy));
       p.regime = ClassifyRegime(ratio > 1 ? 1 : 0, MeanPrompt(w), rep.payoff_tokens);
     } else {
-      Say(fmt::format("simulating context {} tokens ({}/{})", contexts[i], i + 1,
-                      contexts.size()));
+      Say(fmt::format("simulating context {} tokens ({}/{})", contexts[i], i + 1, contexts.size()));
       Status s = SimulatePoint(engine, w, &p);
       if (!s.ok()) return s.WithContext(fmt::format("context {}", contexts[i]));
     }
@@ -262,15 +263,14 @@ Result<PlanReport> Planner::Run() {
       break;
     }
   }
-  rec += fmt::format("The GPU starts evicting at about {} tokens of context per user ({} users, "
-                     "{} of KV memory). ",
-                     WithCommas(rep.eviction_onset_tokens), in_.workload.users,
-                     FormatBytes(e0.gpu_kv_bytes));
+  rec += fmt::format(
+      "The GPU starts evicting at about {} tokens of context per user ({} users, "
+      "{} of KV memory). ",
+      WithCommas(rep.eviction_onset_tokens), in_.workload.users, FormatBytes(e0.gpu_kv_bytes));
   if (pays) {
-    rec += fmt::format(
-        "Offload pays from {} tokens: mean TTFT {} instead of {} (regime {}).",
-        WithCommas(pays->context_tokens), FormatSeconds(pays->offload.mean_ttft_s),
-        FormatSeconds(pays->baseline.mean_ttft_s), pays->regime);
+    rec += fmt::format("Offload pays from {} tokens: mean TTFT {} instead of {} (regime {}).",
+                       WithCommas(pays->context_tokens), FormatSeconds(pays->offload.mean_ttft_s),
+                       FormatSeconds(pays->baseline.mean_ttft_s), pays->regime);
   } else {
     rec += "Offload does not cut mean TTFT by 10% at any of these context lengths.";
   }
@@ -311,9 +311,9 @@ Result<PlanReport> RunPlan(const PlanInputs& inputs, const ProgressFn& progress)
 std::string FormatReport(const PlanReport& r) {
   std::string out;
   const Workload& w = r.workload;
-  out += fmt::format("Model {} on {}: {} B of KV per token, {} of GPU KV memory\n", r.model_name,
-                     r.gpu_description, WithCommas(r.kv_bytes_per_token),
-                     FormatBytes(r.gpu_kv_bytes));
+  out +=
+      fmt::format("Model {} on {}: {} B of KV per token, {} of GPU KV memory\n", r.model_name,
+                  r.gpu_description, WithCommas(r.kv_bytes_per_token), FormatBytes(r.gpu_kv_bytes));
   out += fmt::format("Prefill: {}; engine step overhead {}{}\n", r.prefill_description,
                      FormatSeconds(r.step_overhead_s), r.calibrated ? " (calibrated)" : "");
   out += fmt::format(
@@ -324,8 +324,9 @@ std::string FormatReport(const PlanReport& r) {
   out += "Tiers:";
   if (r.tier_names.empty()) out += " none";
   for (size_t t = 0; t < r.tier_names.size(); ++t) {
-    out += fmt::format(" {} (read {}){}", r.tier_names[t], FormatBandwidth(r.tier_read_bytes_per_s[t]),
-                       t + 1 < r.tier_names.size() ? "," : "");
+    out +=
+        fmt::format(" {} (read {}){}", r.tier_names[t], FormatBandwidth(r.tier_read_bytes_per_s[t]),
+                    t + 1 < r.tier_names.size() ? "," : "");
   }
   out += fmt::format("; write policy {}\n\n", WritePolicyName(r.write_policy));
 
@@ -353,9 +354,8 @@ std::string FormatReport(const PlanReport& r) {
                      "context", "regime", "qps", "base mean", "median", "p90", "offl mean",
                      "median", "p90", "change");
   for (const PointReport& p : r.points) {
-    double change = p.baseline.mean_ttft_s > 0
-                        ? (p.offload.mean_ttft_s / p.baseline.mean_ttft_s - 1) * 100
-                        : 0;
+    double change =
+        p.baseline.mean_ttft_s > 0 ? (p.offload.mean_ttft_s / p.baseline.mean_ttft_s - 1) * 100 : 0;
     out += fmt::format("{:>8} {:>6} {:>7} | {} | {} | {:>+6.0f}%\n", p.context_tokens, p.regime,
                        r.fast ? std::string("-") : fmt::format("{:.3f}", p.qps),
                        ArmCells(p.baseline), ArmCells(p.offload), change);
@@ -375,14 +375,16 @@ std::string FormatReport(const PlanReport& r) {
   for (const PointReport& p : r.points) {
     for (int arm = 0; arm < 2; ++arm) {
       const ArmReport& a = arm == 0 ? p.baseline : p.offload;
-      std::string line = fmt::format("{:>8} {:>9} {:>5}", arm == 0 ? std::to_string(p.context_tokens) : "",
-                                     arm == 0 ? "no-offl" : "offload", Percent(a.hit_rate.front()));
+      std::string line =
+          fmt::format("{:>8} {:>9} {:>5}", arm == 0 ? std::to_string(p.context_tokens) : "",
+                      arm == 0 ? "no-offl" : "offload", Percent(a.hit_rate.front()));
       for (size_t t = 0; t < r.tier_names.size(); ++t) {
         line += fmt::format(" {:>6}", Percent(a.hit_rate[t + 1]));
       }
       line += fmt::format(" {:>9}", Percent(a.hit_rate.back()));
       for (size_t t = 0; t < r.tier_names.size(); ++t) {
-        line += fmt::format(" {:>10}", a.bytes_written.empty() ? "0" : FormatBytes(a.bytes_written[t]));
+        line +=
+            fmt::format(" {:>10}", a.bytes_written.empty() ? "0" : FormatBytes(a.bytes_written[t]));
       }
       for (size_t t = 0; t < r.tier_names.size(); ++t) {
         line += fmt::format(" {:>10}", a.bytes_read.empty() ? "0" : FormatBytes(a.bytes_read[t]));
@@ -445,12 +447,9 @@ nlohmann::json ReportToJson(const PlanReport& r) {
       written[r.tier_names[t]] = a.bytes_written.empty() ? 0.0 : a.bytes_written[t];
       read[r.tier_names[t]] = a.bytes_read.empty() ? 0.0 : a.bytes_read[t];
     }
-    return json{{"mean_ttft_s", a.mean_ttft_s},
-                {"median_ttft_s", a.median_ttft_s},
-                {"p90_ttft_s", a.p90_ttft_s},
-                {"hit_rate", hit},
-                {"bytes_written", written},
-                {"bytes_read", read}};
+    return json{{"mean_ttft_s", a.mean_ttft_s}, {"median_ttft_s", a.median_ttft_s},
+                {"p90_ttft_s", a.p90_ttft_s},   {"hit_rate", hit},
+                {"bytes_written", written},     {"bytes_read", read}};
   };
   for (const PointReport& p : r.points) {
     points.push_back(json{{"context_tokens", p.context_tokens},
@@ -494,8 +493,9 @@ std::string PlotScript(const PlanReport& r, const std::string& path) {
   s += fmt::format("set xrange [{}:{}]\n", lo - pad, hi + pad);
   s += "$data << EOD\n";
   for (const PointReport& p : r.points) {
-    s += fmt::format("{} {:.6f} {:.6f} {:.6f} {:.6f} {}\n", p.context_tokens, p.baseline.mean_ttft_s,
-                     p.baseline.p90_ttft_s, p.offload.mean_ttft_s, p.offload.p90_ttft_s, p.regime);
+    s +=
+        fmt::format("{} {:.6f} {:.6f} {:.6f} {:.6f} {}\n", p.context_tokens, p.baseline.mean_ttft_s,
+                    p.baseline.p90_ttft_s, p.offload.mean_ttft_s, p.offload.p90_ttft_s, p.regime);
   }
   s += "EOD\n";
   int n = 0;
@@ -504,9 +504,10 @@ std::string PlotScript(const PlanReport& r, const std::string& path) {
     ++n;
     s += fmt::format("set arrow {} from {},graph 0 to {},graph 1 nohead dt 2 lw 1.5 lc rgb '{}'\n",
                      n, x, x, color);
-    s += fmt::format("set label {} \"{}\" at {},graph {:.2f} left offset 0.5,0 tc rgb '{}' "
-                     "noenhanced\n",
-                     n, label, x, 0.96 - 0.05 * (n - 1), color);
+    s += fmt::format(
+        "set label {} \"{}\" at {},graph {:.2f} left offset 0.5,0 tc rgb '{}' "
+        "noenhanced\n",
+        n, label, x, 0.96 - 0.05 * (n - 1), color);
   };
   vline(static_cast<double>(r.eviction_onset_tokens),
         fmt::format("GPU evicts from {}", r.eviction_onset_tokens), "#c0392b");
@@ -529,7 +530,8 @@ std::string PlotScript(const PlanReport& r, const std::string& path) {
 
 Status WritePlot(const PlanReport& r, const std::string& path) {
   if (!path.ends_with(".svg") && !path.ends_with(".png")) {
-    return Status::InvalidArgument(fmt::format("--plot '{}': the file must end in .svg or .png", path));
+    return Status::InvalidArgument(
+        fmt::format("--plot '{}': the file must end in .svg or .png", path));
   }
   if (r.points.empty()) return Status::InvalidArgument("nothing to plot");
   std::string script = PlotScript(r, path);

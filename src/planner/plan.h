@@ -6,11 +6,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "kvtier/status.h"
 #include "planner/closed_form.h"
@@ -43,7 +42,7 @@ struct ArmReport {
   std::vector<double> hit_rate;       // gpu, each tier, recompute
   std::vector<double> bytes_written;  // per tier, whole run
   std::vector<double> bytes_read;
-  double service_rate_rps = 0;        // capacity probe; 0 when not measured
+  double service_rate_rps = 0;  // capacity probe; 0 when not measured
   uint64_t requests = 0;
   double evicted_recompute_fraction = 0;  // of prompt tokens
   double sim_wall_s = 0;

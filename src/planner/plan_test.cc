@@ -88,7 +88,8 @@ TEST(PlanTest, JsonHasExactlyTheIssueFields) {
   for (const char* arm : {"baseline", "offload"}) {
     const auto& a = p[arm];
     EXPECT_EQ(a.size(), 6u);
-    for (const char* f : {"mean_ttft_s", "median_ttft_s", "p90_ttft_s"}) EXPECT_TRUE(a[f].is_number());
+    for (const char* f : {"mean_ttft_s", "median_ttft_s", "p90_ttft_s"})
+      EXPECT_TRUE(a[f].is_number());
     EXPECT_EQ(a["hit_rate"].size(), 4u);  // gpu, cpu, nfs, recompute
     EXPECT_TRUE(a["hit_rate"].contains("recompute"));
     EXPECT_TRUE(a["bytes_written"].contains("cpu"));

@@ -20,9 +20,9 @@ Result<PrefillCost> PrefillCost::FromTable(std::vector<std::pair<uint64_t, doubl
       return Status::InvalidArgument(fmt::format("prefill table lists {} tokens twice", tokens));
     }
     if (i > 0 && seconds < points[i - 1].second) {
-      return Status::InvalidArgument(fmt::format(
-          "prefill table is not monotone: {} tokens take {} s but {} tokens take {} s", tokens,
-          seconds, points[i - 1].first, points[i - 1].second));
+      return Status::InvalidArgument(
+          fmt::format("prefill table is not monotone: {} tokens take {} s but {} tokens take {} s",
+                      tokens, seconds, points[i - 1].first, points[i - 1].second));
     }
   }
   PrefillCost c;

@@ -47,8 +47,8 @@ class PrefillCost {
   double Cumulative(uint64_t tokens) const;
 
   std::vector<std::pair<uint64_t, double>> table_;  // empty for the FLOP model
-  double fit_linear_ = 0;                            // seconds per token
-  double fit_quadratic_ = 0;                         // seconds per token^2
+  double fit_linear_ = 0;                           // seconds per token
+  double fit_quadratic_ = 0;                        // seconds per token^2
   // FLOP model
   double flops_linear_ = 0;     // FLOPs per token
   double flops_quadratic_ = 0;  // FLOPs per query-key pair

@@ -95,10 +95,10 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string na
   const uint64_t inter = GetU64(j, "intermediate_size", 0);
   const uint64_t vocab = GetU64(j, "vocab_size", 0);
   if (hidden == 0 || layers == 0 || heads == 0 || inter == 0) {
-    return Status::InvalidArgument(fmt::format(
-        "{}: config needs hidden_size, num_hidden_layers, num_attention_heads and "
-        "intermediate_size to estimate prefill cost",
-        m.name));
+    return Status::InvalidArgument(
+        fmt::format("{}: config needs hidden_size, num_hidden_layers, num_attention_heads and "
+                    "intermediate_size to estimate prefill cost",
+                    m.name));
   }
   const uint64_t head_dim = GetU64(j, "head_dim", hidden / heads);
   m.num_layers = static_cast<uint32_t>(layers);
@@ -112,10 +112,11 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string na
     const uint64_t nope = GetU64(j, "qk_nope_head_dim", head_dim);
     const uint64_t rope = GetU64(j, "qk_rope_head_dim", 0);
     const uint64_t v_dim = GetU64(j, "v_head_dim", head_dim);
-    const double q_proj = q_lora > 0 ? double(hidden) * q_lora + double(q_lora) * heads * (nope + rope)
-                                     : double(hidden) * heads * (nope + rope);
-    attn_params = q_proj + double(hidden) * (kv_lora + rope) + double(kv_lora) * heads * (nope + v_dim) +
-                  double(heads) * v_dim * hidden;
+    const double q_proj = q_lora > 0
+                              ? double(hidden) * q_lora + double(q_lora) * heads * (nope + rope)
+                              : double(hidden) * heads * (nope + rope);
+    attn_params = q_proj + double(hidden) * (kv_lora + rope) +
+                  double(kv_lora) * heads * (nope + v_dim) + double(heads) * v_dim * hidden;
     m.qk_head_dim = static_cast<uint32_t>(nope + rope);
     m.v_head_dim = static_cast<uint32_t>(v_dim);
   } else {
@@ -133,8 +134,10 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string na
     const double expert = 3.0 * hidden * moe_inter;
     const double dense = 3.0 * hidden * inter;
     const double router = double(hidden) * experts;
-    total_mlp = dense_layers * dense + (layers - dense_layers) * ((experts + shared) * expert + router);
-    active_mlp = dense_layers * dense + (layers - dense_layers) * ((per_tok + shared) * expert + router);
+    total_mlp =
+        dense_layers * dense + (layers - dense_layers) * ((experts + shared) * expert + router);
+    active_mlp =
+        dense_layers * dense + (layers - dense_layers) * ((per_tok + shared) * expert + router);
   } else {
     total_mlp = active_mlp = layers * 3.0 * hidden * inter;
   }
@@ -152,9 +155,9 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string na
   m.weight_bytes_per_param = DTypeSize(weight_type);
 
   if (kv_lora == 0 && (kv_heads % tensor_parallel != 0 && tensor_parallel % kv_heads != 0)) {
-    return Status::InvalidArgument(fmt::format(
-        "{}: {} KV heads cannot be split evenly over tensor-parallel size {}", m.name, kv_heads,
-        tensor_parallel));
+    return Status::InvalidArgument(
+        fmt::format("{}: {} KV heads cannot be split evenly over tensor-parallel size {}", m.name,
+                    kv_heads, tensor_parallel));
   }
   return m;
 }

@@ -18,7 +18,7 @@ namespace kvtier::planner {
 
 struct ModelSpec {
   std::string name;
-  std::string layout;             // one tensor-parallel rank's KV layout, as Layout::ToString
+  std::string layout;  // one tensor-parallel rank's KV layout, as Layout::ToString
   uint64_t rank_kv_bytes_per_token = 0;
   DType kv_dtype = DType::kBFloat16;
   uint32_t tensor_parallel = 1;  // ranks the model is split over

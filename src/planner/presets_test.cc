@@ -8,8 +8,8 @@ namespace kvtier::planner {
 namespace {
 
 TEST(PresetsTest, KvBytesPerToken) {
-  EXPECT_EQ(LoadModel("qwen3-8b", 1)->kv_bytes_per_token(), 147456u);     // 36 x 8 x 128 x 2 x 2
-  EXPECT_EQ(LoadModel("llama-3.1-8b", 1)->kv_bytes_per_token(), 131072u); // 32 x 8 x 128 x 2 x 2
+  EXPECT_EQ(LoadModel("qwen3-8b", 1)->kv_bytes_per_token(), 147456u);      // 36 x 8 x 128 x 2 x 2
+  EXPECT_EQ(LoadModel("llama-3.1-8b", 1)->kv_bytes_per_token(), 131072u);  // 32 x 8 x 128 x 2 x 2
   EXPECT_EQ(LoadModel("llama-3.1-70b", 1)->kv_bytes_per_token(), 327680u);
   // MLA: 61 layers x (512 + 64) latent x 2 bytes.
   EXPECT_EQ(LoadModel("deepseek-v3", 1)->kv_bytes_per_token(), 70272u);

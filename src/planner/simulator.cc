@@ -24,9 +24,12 @@ Result<WritePolicy> ParseWritePolicy(std::string_view name) {
 
 std::string_view WritePolicyName(WritePolicy policy) {
   switch (policy) {
-    case WritePolicy::kWriteThrough: return "write_through";
-    case WritePolicy::kWriteBack: return "write_back";
-    case WritePolicy::kNone: return "none";
+    case WritePolicy::kWriteThrough:
+      return "write_through";
+    case WritePolicy::kWriteBack:
+      return "write_back";
+    case WritePolicy::kNone:
+      return "none";
   }
   return "?";
 }
@@ -52,10 +55,12 @@ Result<TierSpec> ParseTierSpec(std::string_view text) {
         fmt::format("tier name '{}' is reserved for the hit-rate report", tier.name));
   }
   auto capacity = ParseBytes(parts[1]);
-  if (!capacity.ok()) return capacity.status().WithContext(fmt::format("tier {} capacity", tier.name));
+  if (!capacity.ok())
+    return capacity.status().WithContext(fmt::format("tier {} capacity", tier.name));
   tier.capacity_bytes = *capacity;
   auto read = ParseBandwidth(parts[2]);
-  if (!read.ok()) return read.status().WithContext(fmt::format("tier {} read bandwidth", tier.name));
+  if (!read.ok())
+    return read.status().WithContext(fmt::format("tier {} read bandwidth", tier.name));
   tier.read_bytes_per_s = *read;
   tier.write_bytes_per_s = tier.read_bytes_per_s;
   if (parts.size() == 4) {
@@ -193,8 +198,8 @@ struct Request {
   uint32_t round = 0;
   double sent = 0;
   uint64_t prompt = 0;
-  uint64_t computed = 0;   // prompt tokens whose KV is on the GPU
-  uint64_t generated = 0;  // answer tokens so far
+  uint64_t computed = 0;    // prompt tokens whose KV is on the GPU
+  uint64_t generated = 0;   // answer tokens so far
   uint64_t step_chunk = 0;  // prefill tokens scheduled in the current step
   Phase phase = Phase::kWaiting;
   RequestLog log;
@@ -203,9 +208,9 @@ struct Request {
 struct Conversation {
   uint32_t rounds_sent = 0;
   double last_sent = 0;
-  bool busy = false;       // a request of this conversation is in the engine
-  uint64_t gpu_end = 0;    // cached prefix on the GPU, in tokens (block aligned, absolute)
-  double freed_at = 0;     // when its blocks were last released (LRU key)
+  bool busy = false;             // a request of this conversation is in the engine
+  uint64_t gpu_end = 0;          // cached prefix on the GPU, in tokens (block aligned, absolute)
+  double freed_at = 0;           // when its blocks were last released (LRU key)
   uint64_t computed_before = 0;  // block-aligned tokens computed in earlier rounds
 };
 
@@ -225,9 +230,7 @@ class Simulation {
   Result<SimResult> Run();
 
  private:
-  void Push(double t, EventType type, uint32_t id) {
-    events_.push(Event{t, seq_++, type, id});
-  }
+  void Push(double t, EventType type, uint32_t id) { events_.push(Event{t, seq_++, type, id}); }
   void StartConversation(double now);
   void Send(uint32_t conv, double now);
   void Admit(double now);
@@ -302,8 +305,8 @@ bool Simulation::EvictGpu(uint64_t need, uint32_t keep) {
       uint32_t victim = it->second;
       Conversation& v = convs_[victim];
       uint64_t private_tokens = v.gpu_end - shared_end_;
-      uint64_t take = std::min(private_tokens, CeilTo(need - (capacity_tokens_ - GpuUsed()),
-                                                      e_.block_tokens));
+      uint64_t take =
+          std::min(private_tokens, CeilTo(need - (capacity_tokens_ - GpuUsed()), e_.block_tokens));
       // Tail first: the conversation keeps its beginning.
       v.gpu_end -= take;
       private_used_ -= take;
@@ -314,8 +317,8 @@ bool Simulation::EvictGpu(uint64_t need, uint32_t keep) {
       continue;
     }
     if (shared_pins_ == 0 && shared_cached_ > 0) {
-      uint64_t take = std::min(shared_cached_, CeilTo(need - (capacity_tokens_ - GpuUsed()),
-                                                      e_.block_tokens));
+      uint64_t take =
+          std::min(shared_cached_, CeilTo(need - (capacity_tokens_ - GpuUsed()), e_.block_tokens));
       shared_cached_ -= take;
       continue;
     }
@@ -343,7 +346,8 @@ bool Simulation::TryAdmit(Request& r, double now) {
   uint64_t gpu_hit = std::min(reachable, FloorTo(r.prompt - 1, bt));
   uint64_t total = CeilTo(r.prompt + w_.answer_tokens, bt);
   // Resident blocks that become this request's: the shared part and its private prefix.
-  uint64_t resident = (shared_cached_ < shared_end_ ? shared_cached_ : shared_end_) + private_cached;
+  uint64_t resident =
+      (shared_cached_ < shared_end_ ? shared_cached_ : shared_end_) + private_cached;
   uint64_t need = total > resident ? total - resident : 0;
   ++shared_pins_;
   if (!EvictGpu(need, r.conv)) {
@@ -373,7 +377,7 @@ bool Simulation::TryAdmit(Request& r, double now) {
   if (!tiers_.empty()) {
     const size_t chunk = e_.chunk_tokens;
     const size_t usable = (r.prompt - 1) / chunk;  // full chunks before the last token
-    std::vector<int> from;                          // tier of each chunk from first_chunk on
+    std::vector<int> from;                         // tier of each chunk from first_chunk on
     size_t first_chunk = gpu_hit / chunk;
     for (size_t i = first_chunk; i < usable; ++i) {
       int found = -1;
@@ -643,14 +647,20 @@ Result<SimResult> Simulation::Run() {
     events_.pop();
     const double now = ev.t;
     switch (ev.type) {
-      case EventType::kJoin: StartConversation(now); break;
-      case EventType::kSend: Send(ev.id, now); break;
+      case EventType::kJoin:
+        StartConversation(now);
+        break;
+      case EventType::kSend:
+        Send(ev.id, now);
+        break;
       case EventType::kLoadDone: {
         Request& r = requests_[ev.id];
         if (r.phase == Phase::kLoading) r.phase = Phase::kPrefill;
         break;
       }
-      case EventType::kStepEnd: EndStep(now); break;
+      case EventType::kStepEnd:
+        EndStep(now);
+        break;
     }
     // Only an idle engine schedules: a request arriving mid-step waits for the step to end.
     if (!engine_busy_) MaybeStartStep(now);

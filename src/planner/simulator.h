@@ -79,12 +79,12 @@ struct EngineModel {
   double gpu_kv_bytes = 0;          // KV memory of all GPUs of the instance together
   uint64_t kv_bytes_per_token = 0;  // all ranks together
   PrefillCost prefill;
-  double step_overhead_s = 0.004;      // fixed cost of every engine step
-  double decode_weights_s = 0;         // reading the weights once per decode step
-  double decode_s_per_kv_token = 0;    // reading one cached token's KV per decode step
-  uint32_t max_batched_tokens = 8192;  // tokens per step (decode + prefill chunks)
-  uint32_t block_tokens = 16;          // GPU prefix-cache block
-  uint32_t chunk_tokens = 256;         // offload chunk
+  double step_overhead_s = 0.004;       // fixed cost of every engine step
+  double decode_weights_s = 0;          // reading the weights once per decode step
+  double decode_s_per_kv_token = 0;     // reading one cached token's KV per decode step
+  uint32_t max_batched_tokens = 8192;   // tokens per step (decode + prefill chunks)
+  uint32_t block_tokens = 16;           // GPU prefix-cache block
+  uint32_t chunk_tokens = 256;          // offload chunk
   double save_copy_bytes_per_s = 50e9;  // device->host copy of KV being saved
   double save_blocking = 1.0;           // fraction of that copy the engine waits for
 };

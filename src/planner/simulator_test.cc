@@ -171,10 +171,10 @@ TEST(SimulatorTest, ParsesTiersAndPolicies) {
   EXPECT_DOUBLE_EQ(t->read_bytes_per_s, 3.55e9);
   EXPECT_DOUBLE_EQ(t->write_bytes_per_s, 1.5e9);
   EXPECT_DOUBLE_EQ(ParseTierSpec("cpu:8GiB:20GB/s")->write_bytes_per_s, 20e9);
-  EXPECT_FALSE(ParseTierSpec("cpu:8:20GB/s").ok());        // capacity without unit
-  EXPECT_FALSE(ParseTierSpec("cpu:8GiB:-20GB/s").ok());    // negative bandwidth
+  EXPECT_FALSE(ParseTierSpec("cpu:8:20GB/s").ok());      // capacity without unit
+  EXPECT_FALSE(ParseTierSpec("cpu:8GiB:-20GB/s").ok());  // negative bandwidth
   EXPECT_FALSE(ParseTierSpec("cpu:8GiB").ok());
-  EXPECT_FALSE(ParseTierSpec("gpu:8GiB:20GB/s").ok());     // reserved name
+  EXPECT_FALSE(ParseTierSpec("gpu:8GiB:20GB/s").ok());  // reserved name
   EXPECT_EQ(*ParseWritePolicy("write_back"), WritePolicy::kWriteBack);
   EXPECT_FALSE(ParseWritePolicy("sometimes").ok());
 }

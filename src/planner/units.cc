@@ -46,12 +46,23 @@ Result<Unit> ParseByteUnit(std::string_view unit, std::string_view text) {
     int power = 0;
     switch (p) {
       case 'k':
-      case 'K': power = 1; break;
-      case 'M': power = 2; break;
-      case 'G': power = 3; break;
-      case 'T': power = 4; break;
-      case 'P': power = 5; break;
-      default: power = 0;
+      case 'K':
+        power = 1;
+        break;
+      case 'M':
+        power = 2;
+        break;
+      case 'G':
+        power = 3;
+        break;
+      case 'T':
+        power = 4;
+        break;
+      case 'P':
+        power = 5;
+        break;
+      default:
+        power = 0;
     }
     if (power > 0) {
       i = 1;
@@ -87,9 +98,8 @@ Result<double> ParseBandwidth(std::string_view text) {
   } else if (unit.ends_with("ps")) {  // Gbps, MBps
     unit.remove_suffix(2);
   } else {
-    return Status::InvalidArgument(
-        fmt::format("bandwidth '{}' needs a unit per second, e.g. 3.55GB/s, 20GiB/s, 25Gbit/s",
-                    text));
+    return Status::InvalidArgument(fmt::format(
+        "bandwidth '{}' needs a unit per second, e.g. 3.55GB/s, 20GiB/s, 25Gbit/s", text));
   }
   KVTIER_ASSIGN_OR_RETURN(Unit u, ParseByteUnit(unit, text));
   double value = parsed.first * u.multiplier / (u.bits ? 8.0 : 1.0);

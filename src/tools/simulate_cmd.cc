@@ -50,10 +50,10 @@ nlohmann::json ArmJson(const SimResult& r, const std::vector<planner::TierSpec>&
 
 std::string ArmText(const char* title, const SimResult& r,
                     const std::vector<planner::TierSpec>& tiers) {
-  std::string out = fmt::format(
-      "  {}: {} requests, TTFT mean {} / median {} / p90 {} / p99 {}\n", title, r.requests,
-      FormatSeconds(r.mean_ttft_s), FormatSeconds(r.median_ttft_s), FormatSeconds(r.p90_ttft_s),
-      FormatSeconds(r.p99_ttft_s));
+  std::string out =
+      fmt::format("  {}: {} requests, TTFT mean {} / median {} / p90 {} / p99 {}\n", title,
+                  r.requests, FormatSeconds(r.mean_ttft_s), FormatSeconds(r.median_ttft_s),
+                  FormatSeconds(r.p90_ttft_s), FormatSeconds(r.p99_ttft_s));
   out += "    prompts from:";
   for (size_t s = 0; s < r.source_names.size(); ++s) {
     out += fmt::format(" {} {:.0f}% of requests ({:.0f}% of tokens){}", r.source_names[s],
@@ -67,7 +67,8 @@ std::string ArmText(const char* title, const SimResult& r,
                        FormatBytes(r.tier_peak_bytes[t]), FormatBytes(tiers[t].capacity_bytes));
   }
   out += fmt::format(
-      "    GPU: peak in-flight reservation {:.0f} of {:.0f} tokens, {} admission waits, {} recomputed "
+      "    GPU: peak in-flight reservation {:.0f} of {:.0f} tokens, {} admission waits, {} "
+      "recomputed "
       "after eviction; engine {} steps, busy {}, {:.3f} req/s over {}; simulated in {}\n",
       r.peak_working_set_tokens, r.gpu_capacity_tokens, r.admission_waits,
       r.evicted_recompute_tokens, r.steps, FormatSeconds(r.engine_busy_s), r.throughput_rps,
