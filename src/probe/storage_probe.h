@@ -9,9 +9,9 @@
 //     deduplicate or compress) and every read can prove it returned this run's bytes;
 //  2. checks O_DIRECT: that open() accepts it, that the flag stays set, whether misaligned I/O is
 //     refused, and (with mincore) that reads left no pages in the page cache;
-//  3. reads the control files once with a single O_DIRECT stream (files never read before);
-//  4. for each reader count R, reads the whole pool with R threads, each on its own files
+//  3. for each reader count R, reads the whole pool with R threads, each on its own files
 //     (reader r takes files r, r+R, r+2R, ...), one pread of `block_size` at a time;
+//  4. reads the control files once with a single O_DIRECT stream (files never read before);
 //  5. re-reads the control files: much faster than the first read means a cache below the page
 //     cache (hypervisor, storage server, array) is serving repeated reads;
 //  6. reads the pool with buffered I/O, first after dropping it from the page cache (cold), then

@@ -107,7 +107,7 @@ TEST(StorageProbe, DetectsBytesItDidNotWrite) {
   testing::TempDir dir("probe");
   auto options = SmallOptions(dir.path());
   options.progress = [&](const std::string& line) {
-    if (line.rfind("control:", 0) != 0) return;
+    if (line.rfind("reading", 0) != 0) return;
     // Something else rewrites a pool file behind the probe's back.
     const std::string victim = RunDir(dir.path()) + "/pool-00001";
     int fd = ::open(victim.c_str(), O_WRONLY);
