@@ -13,6 +13,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcurl4-openssl-dev libcpp-httplib-dev prometheus-cpp-dev
   fio gnuplot-nox curl python3 python3-pip
+  python3-venv                      # scripts/vllm-cpu-server.sh (optional real server)
 )
 
 SUDO=""
