@@ -96,7 +96,7 @@ uint64_t Reader::U64() {
 }
 
 void Reader::Raw(void* dst, size_t n) {
-  if (!Need(n, "field")) return;
+  if (!Need(n, "field") || n == 0) return;
   std::memcpy(dst, in_.data() + pos_, n);
   pos_ += n;
 }
@@ -138,7 +138,7 @@ std::vector<SlotId> Reader::Slots(uint32_t max) {
   }
   if (!Need(static_cast<size_t>(n) * sizeof(SlotId), "slots")) return slots;
   slots.resize(n);
-  std::memcpy(slots.data(), in_.data() + pos_, n * sizeof(SlotId));
+  if (n > 0) std::memcpy(slots.data(), in_.data() + pos_, n * sizeof(SlotId));
   pos_ += n * sizeof(SlotId);
   return slots;
 }
