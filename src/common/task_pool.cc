@@ -22,7 +22,7 @@ Status TaskPool::TrySubmit(std::vector<std::function<void()>> tasks) {
   {
     std::lock_guard lock(mu_);
     if (stopping_) return Status::Aborted(fmt::format("{} is shutting down", name_));
-    if (queue_.size() + tasks.size() > max_queued_) {
+    if (max_queued_ != 0 && queue_.size() + tasks.size() > max_queued_) {
       ++rejections_;
       return Status::Rejected(fmt::format("{} queue full ({} queued, limit {})", name_,
                                           queue_.size(), max_queued_));

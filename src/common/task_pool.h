@@ -21,7 +21,7 @@ namespace kvtier {
 
 class TaskPool {
  public:
-  // REQUIRES: threads >= 1, max_queued >= 1.
+  // REQUIRES: threads >= 1. max_queued == 0 means unbounded.
   TaskPool(int threads, size_t max_queued, std::string name);
   ~TaskPool();  // runs every queued task, then joins
   TaskPool(const TaskPool&) = delete;

@@ -42,3 +42,18 @@ TEST(TaskPoolTest, RejectsWholeBatchWhenFull) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+TEST(TaskPoolTest, ZeroLimitMeansUnbounded) {
+  TaskPool pool(1, 0, "unbounded pool");
+  std::atomic<int> n{0};
+  std::vector<std::function<void()>> batch(5000, [&] { n++; });
+  EXPECT_TRUE(pool.TrySubmit(batch).ok());
+  pool.Drain();
+  EXPECT_EQ(n.load(), 5000);
+}
+
+}  // namespace
+}  // namespace kvtier

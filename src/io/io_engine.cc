@@ -12,7 +12,7 @@
 
 #include <fmt/format.h>
 
-#include "io/worker_pool.h"
+#include "common/task_pool.h"
 
 namespace kvtier::io {
 
@@ -180,7 +180,7 @@ int64_t DoPieceSync(int fd, bool read, const IoPiece& p) {
 class ThreadPoolEngine final : public IoEngine {
  public:
   ThreadPoolEngine(int threads, int queue_depth, size_t max_read_bytes, size_t max_write_bytes)
-      : pool_("kvtier-io", threads, 0),
+      : pool_(threads, /*max_queued=*/0, "kvtier-io"),
         depth_(std::max(queue_depth, 1)),
         max_read_bytes_(max_read_bytes),
         max_write_bytes_(max_write_bytes) {}
@@ -219,7 +219,7 @@ class ThreadPoolEngine final : public IoEngine {
         work();
         std::lock_guard<std::mutex> lock(shared.mu);
         if (--shared.helpers_left == 0) shared.cv.notify_all();
-      });
+      }).ok();
       if (!queued) {
         std::lock_guard<std::mutex> lock(shared.mu);
         --shared.helpers_left;
@@ -235,7 +235,7 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
  private:
-  WorkerPool pool_;
+  TaskPool pool_;
   const int depth_;
   const size_t max_read_bytes_, max_write_bytes_;
 };

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "io/worker_pool.h"
+#include "common/task_pool.h"
 #include "tier/file/chunk_file.h"
 
 namespace kvtier {
@@ -91,8 +91,8 @@ class FileTier::Impl {
   Status Write(const ChunkKey& key, std::span<const uint8_t> src);
   Status Submit(bool write, std::function<void()> task);
   void Drain() {
-    write_pool_->WaitIdle();
-    read_pool_->WaitIdle();
+    write_pool_->Drain();
+    read_pool_->Drain();
   }
   FileTierStats Stats() const;
   std::string ChunkPath(const ChunkKey& key) const {
@@ -253,7 +253,7 @@ class FileTier::Impl {
       disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0};
   std::atomic<bool> all_direct_{true};
 
-  std::unique_ptr<io::WorkerPool> read_pool_, write_pool_;
+  std::unique_ptr<TaskPool> read_pool_, write_pool_;
 };
 
 Status FileTier::Impl::Init() {
@@ -298,10 +298,10 @@ Status FileTier::Impl::Init() {
                         {"tenant_salted", !ns.tenant_salt.empty()}};
   KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(env_, ns_dir_, kNamespaceFileName, nsj.dump(2) + "\n"));
   KVTIER_RETURN_IF_ERROR(ScanNamespace());
-  read_pool_ = std::make_unique<io::WorkerPool>("kvtier-l2-read", options_.read_threads,
-                                                options_.max_queued_reads);
-  write_pool_ = std::make_unique<io::WorkerPool>("kvtier-l2-write", options_.write_threads,
-                                                 options_.max_queued_writes);
+  read_pool_ = std::make_unique<TaskPool>(options_.read_threads, options_.max_queued_reads,
+                                          "file tier read queue");
+  write_pool_ = std::make_unique<TaskPool>(options_.write_threads, options_.max_queued_writes,
+                                           "file tier write queue");
   return Status::Ok();
 }
 
@@ -732,8 +732,8 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
 }
 
 Status FileTier::Impl::Submit(bool write, std::function<void()> task) {
-  io::WorkerPool& pool = write ? *write_pool_ : *read_pool_;
-  if (!pool.TrySubmit(std::move(task))) {
+  TaskPool& pool = write ? *write_pool_ : *read_pool_;
+  if (!pool.TrySubmit(std::move(task)).ok()) {
     rejections_.fetch_add(1);
     return Status::Rejected(fmt::format("file tier {} queue is full", write ? "write" : "read"));
   }
