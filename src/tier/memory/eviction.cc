@@ -15,6 +15,7 @@ class SlotList {
                                          linked_(capacity, false) {}
   bool Contains(SlotId s) const { return linked_[s]; }
   void PushFront(SlotId s) {
+    Remove(s);  // never link a slot twice: that would close the list into a cycle
     prev_[s] = kNoSlot;
     next_[s] = head_;
     if (head_ != kNoSlot) prev_[head_] = s;
@@ -23,6 +24,7 @@ class SlotList {
     linked_[s] = true;
   }
   void PushBack(SlotId s) {
+    Remove(s);
     next_[s] = kNoSlot;
     prev_[s] = tail_;
     if (tail_ != kNoSlot) next_[tail_] = s;
@@ -71,12 +73,14 @@ class LruPolicy final : public EvictionPolicy {
 class PrefixAwarePolicy final : public EvictionPolicy {
  public:
   explicit PrefixAwarePolicy(uint32_t capacity)
-      : leaves_(capacity), parent_(capacity, kNoSlot), children_(capacity, 0) {}
+      : leaves_(capacity), parent_(capacity, kNoSlot), children_(capacity, 0),
+        inserted_(capacity, false) {}
 
   void OnInsert(SlotId slot, SlotId parent) override {
     // A parent may still be reserved (being filled) when its child commits: the child is linked
     // already, and the parent joins the leaves only if no child came first.
     parent_[slot] = parent;
+    inserted_[slot] = true;
     if (parent != kNoSlot) {
       if (children_[parent]++ == 0) leaves_.Remove(parent);
     }
@@ -90,8 +94,12 @@ class PrefixAwarePolicy final : public EvictionPolicy {
   }
   void OnRemove(SlotId slot) override {
     leaves_.Remove(slot);
+    inserted_[slot] = false;
     SlotId parent = parent_[slot];
-    if (parent != kNoSlot && --children_[parent] == 0) leaves_.PushBack(parent);
+    // A parent still reserved (not inserted yet) joins the leaves when it is inserted.
+    if (parent != kNoSlot && --children_[parent] == 0 && inserted_[parent]) {
+      leaves_.PushBack(parent);
+    }
     parent_[slot] = kNoSlot;
     // A slot removed while it still had children (an explicit removal, not an eviction):
     // orphan them so they stay accounted as leaves.
@@ -115,6 +123,7 @@ class PrefixAwarePolicy final : public EvictionPolicy {
   SlotList leaves_;
   std::vector<SlotId> parent_;
   std::vector<uint32_t> children_;
+  std::vector<bool> inserted_;  // OnInsert seen and no OnRemove since
 };
 
 }  // namespace

@@ -95,6 +95,23 @@ TEST(PrefixAwarePolicyTest, RemovingAParentWithChildrenOrphansThem) {
   EXPECT_EQ(p->PickVictim(kAll), 0u);
 }
 
+// A child may commit while its parent is still being filled. If the child goes before the
+// parent is inserted, the parent must not be listed twice (a cycle in the leaf list).
+TEST(PrefixAwarePolicyTest, ChildEvictedBeforeItsReservedParentIsInserted) {
+  auto p = MakeEvictionPolicy(EvictionPolicyKind::kPrefixAware, 4);
+  p->OnInsert(1, 0);  // slot 0 is reserved, not inserted
+  p->OnRemove(1);     // the child is evicted first
+  p->OnInsert(0, kNoSlot);
+  p->OnInsert(2, kNoSlot);
+  std::vector<SlotId> order;
+  for (SlotId v; (v = p->PickVictim(kAll)) != kNoSlot;) {
+    ASSERT_LT(order.size(), 4u) << "victim list loops";
+    order.push_back(v);
+    p->OnRemove(v);
+  }
+  EXPECT_EQ(order, (std::vector<SlotId>{0, 2}));
+}
+
 TEST(EvictionPolicyTest, ParseNames) {
   EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicyKind::kLru);
   EXPECT_EQ(*ParseEvictionPolicy("prefix-aware"), EvictionPolicyKind::kPrefixAware);
