@@ -150,6 +150,7 @@ class Engine {
   explicit Engine(const EngineOptions& options);
 
   bool StoresDirty() const;
+  void PublishStored(SlotId slot, const ChunkKey& key);
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys, std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);
   // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.

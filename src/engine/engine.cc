@@ -132,6 +132,27 @@ std::optional<OpResult> OpHandle::WaitFor(std::chrono::nanoseconds timeout) cons
   return state_->result;
 }
 
+namespace {
+
+// One buffer of exactly chunk_bytes per key, for Store ("source") and Load ("destination").
+template <typename Byte>
+Status CheckChunkBuffers(std::string_view op, std::string_view kind, size_t keys,
+                         std::span<const std::span<Byte>> buffers, uint64_t chunk_bytes) {
+  if (keys != buffers.size()) {
+    return Status::InvalidArgument(
+        fmt::format("{}: {} keys but {} {} buffers", op, keys, buffers.size(), kind));
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i].size() != chunk_bytes) {
+      return Status::InvalidArgument(fmt::format("{}: buffer {} holds {} bytes, a chunk is {}", op,
+                                                 i, buffers[i].size(), chunk_bytes));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 struct Engine::Impl {
   explicit Impl(const EngineOptions& o)
       : pool(o.worker_threads, o.max_queued_chunks, "engine copy queue") {}
@@ -202,6 +223,13 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   return engine;
 }
 
+// A filled L1 slot becomes visible, and the write policy takes it from there.
+void Engine::PublishStored(SlotId slot, const ChunkKey& key) {
+  memory_->Commit(slot, StoresDirty());
+  memory_->AddBytesIn(options_.chunk_bytes);
+  if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
+}
+
 bool Engine::StoresDirty() const {
   return file_ && options_.write_policy != WritePolicy::kNone;
 }
@@ -251,16 +279,7 @@ LookupResult Engine::Lookup(std::span<const ChunkKey> keys) {
 
 Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
                                std::span<const std::span<const uint8_t>> src) {
-  if (keys.size() != src.size()) {
-    return Status::InvalidArgument(
-        fmt::format("store: {} keys but {} source buffers", keys.size(), src.size()));
-  }
-  for (size_t i = 0; i < src.size(); ++i) {
-    if (src[i].size() != options_.chunk_bytes) {
-      return Status::InvalidArgument(fmt::format("store: buffer {} holds {} bytes, a chunk is {}",
-                                                 i, src[i].size(), options_.chunk_bytes));
-    }
-  }
+  KVTIER_RETURN_IF_ERROR(CheckChunkBuffers("store", "source", keys.size(), src, options_.chunk_bytes));
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kStore, keys.size());
   if (keys.empty()) {
     std::lock_guard lock(state->mu);
@@ -279,11 +298,7 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
       }
       if (!r->already_present) {
         std::memcpy(memory_->SlotData(r->slot).data(), data.data(), data.size());
-        memory_->Commit(r->slot, StoresDirty());
-        memory_->AddBytesIn(data.size());
-        if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) {
-          WriteThrough(key);
-        }
+        PublishStored(r->slot, key);
       }
       state->ChunkDone(i, Status::Ok());
     });
@@ -374,16 +389,8 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state,
 
 Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
                               std::span<const std::span<uint8_t>> dst) {
-  if (keys.size() != dst.size()) {
-    return Status::InvalidArgument(
-        fmt::format("load: {} keys but {} destination buffers", keys.size(), dst.size()));
-  }
-  for (size_t i = 0; i < dst.size(); ++i) {
-    if (dst[i].size() != options_.chunk_bytes) {
-      return Status::InvalidArgument(fmt::format("load: buffer {} holds {} bytes, a chunk is {}",
-                                                 i, dst[i].size(), options_.chunk_bytes));
-    }
-  }
+  KVTIER_RETURN_IF_ERROR(
+      CheckChunkBuffers("load", "destination", keys.size(), dst, options_.chunk_bytes));
   return StartLoad(keys, dst);
 }
 
@@ -453,11 +460,12 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
     tasks.reserve(from_memory.size());
     for (size_t i : from_memory) {
       tasks.push_back([this, state, i, slot = pinned[i], out = dst[i]] {
+        // Counted before the caller can see the chunk delivered, so stats never lag a Wait().
         state->ChunkDone(i, Status::Ok(), [&] {
           std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
+          memory_->AddBytesOut(out.size());
         });
         memory_->Unpin(slot);
-        memory_->AddBytesOut(out.size());
       });
     }
     Status submitted = impl_->pool.TrySubmit(std::move(tasks));
@@ -485,12 +493,7 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
 
 void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) {
   for (size_t i = 0; i < slots.size() && i < keys.size(); ++i) {
-    if (slots[i] == kNoSlot) continue;
-    memory_->Commit(slots[i], StoresDirty());
-    memory_->AddBytesIn(options_.chunk_bytes);
-    if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) {
-      WriteThrough(keys[i]);
-    }
+    if (slots[i] != kNoSlot) PublishStored(slots[i], keys[i]);
   }
 }
 

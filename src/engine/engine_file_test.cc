@@ -44,6 +44,9 @@ EngineOptions Options(const std::string& dir, uint32_t l1_slots, WritePolicy pol
   o.chunk_bytes = kChunk;
   o.memory.capacity_bytes = l1_slots * kChunk;
   o.write_policy = policy;
+  // One copy thread: these tests store more chunks than L1 has slots, and parallel stores may
+  // find every slot reserved by another in-flight store (a rejection, tested in engine_test).
+  o.worker_threads = 1;
   FileTierOptions f;
   f.root = dir;
   o.file = f;
