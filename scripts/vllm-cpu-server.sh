@@ -23,7 +23,8 @@ install() {
   local start=$SECONDS
   [ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
   local pip="$VLLM_VENV/bin/pip"
-  "$pip" install -q --upgrade pip
+  # `packaging` reads the wheel's requirements below; a fresh virtualenv does not have it.
+  "$pip" install -q --upgrade pip packaging
   local work
   work=$(mktemp -d)
   trap 'rm -rf "$work"' RETURN

@@ -119,7 +119,7 @@ class PagedKvCache {
   // Checks one chunk request: `num_tokens` a positive multiple of tokens_per_block (a partial last
   // block is refused), exactly num_tokens / tokens_per_block ids, each in [0, num_blocks()).
   // Duplicate ids are allowed for gathers; `for_scatter` refuses them (two chunk parts would race
-  // for one page).
+  // for one page) and accepts kSkipBlock.
   Status CheckRequest(std::span<const int64_t> block_ids, uint64_t num_tokens,
                       bool for_scatter) const;
 
@@ -147,6 +147,11 @@ class PagedKvCache {
   uint64_t min_page_bytes_ = 0;
   uint64_t max_page_bytes_ = 0;
 };
+
+// A scatter's block id that leaves its part of the chunk uncopied: for a chunk whose leading
+// blocks the engine already holds (e.g. from its own prefix cache, possibly shared with running
+// requests, so they must not be rewritten).
+inline constexpr int64_t kSkipBlock = -1;
 
 // How a copy is carried out.
 enum class CopyMechanism : uint8_t {
@@ -223,7 +228,8 @@ class KvCopier {
                                     void* chunk, uint64_t chunk_capacity,
                                     const CopyOptions& options = {}) = 0;
   // Scatters `chunk` (exactly cache().chunk_bytes(num_tokens) bytes) into blocks `block_ids`.
-  // Same rules as Gather; duplicate block ids are refused.
+  // Same rules as Gather; duplicate block ids are refused; a kSkipBlock id copies nothing for its
+  // block (a CUDA copier then uses the copy engines).
   virtual Result<CopyHandle> Scatter(std::span<const int64_t> block_ids, uint64_t num_tokens,
                                      const void* chunk, uint64_t chunk_bytes,
                                      const CopyOptions& options = {}) = 0;

@@ -19,7 +19,8 @@ struct CopySegment {
 
 // Segments of one chunk in chunk order (streams, then blocks). With `merge`, runs that are
 // contiguous both in the cache and in the chunk (consecutive block ids whose pages are adjacent)
-// become one segment. REQUIRES: cache.CheckRequest(block_ids, ...) passed.
+// become one segment. kSkipBlock ids get no segment. REQUIRES: cache.CheckRequest(block_ids, ...)
+// passed.
 std::vector<CopySegment> PlanSegments(const PagedKvCache& cache, std::span<const int64_t> block_ids,
                                       bool merge);
 

@@ -265,6 +265,13 @@ class CudaKvCopier final : public KvCopier {
   Result<CopyHandle> Copy(std::span<const int64_t> block_ids, uint64_t num_tokens, void* chunk,
                           const CopyOptions& options, bool gather) {
     CopyMechanism mechanism = options.mechanism;
+    // Skipped blocks are served by the segment plan only; the kernels take every block.
+    const bool skips = !gather && std::find(block_ids.begin(), block_ids.end(), kSkipBlock) !=
+                                      block_ids.end();
+    if (skips && mechanism == CopyMechanism::kAuto) mechanism = CopyMechanism::kCopyEngine;
+    if (skips && mechanism != CopyMechanism::kCopyEngine) {
+      return Status::InvalidArgument("a scatter with skipped blocks needs the copy engines");
+    }
     if (mechanism == CopyMechanism::kAuto) {
       mechanism = AutoMechanism();
       if (mechanism == CopyMechanism::kSmKernel &&

@@ -265,15 +265,18 @@ Status PagedKvCache::CheckRequest(std::span<const int64_t> block_ids, uint64_t n
                     num_tokens, num_tokens / tpb, tpb, block_ids.size()));
   }
   for (size_t j = 0; j < block_ids.size(); ++j) {
+    if (for_scatter && block_ids[j] == kSkipBlock) continue;
     if (block_ids[j] < 0 || uint64_t(block_ids[j]) >= num_blocks_) {
       return Status::InvalidArgument(fmt::format("block id {} (position {}) out of range [0, {})",
                                                  block_ids[j], j, num_blocks_));
     }
   }
   if (for_scatter && block_ids.size() > 1) {
-    std::unordered_set<int64_t> seen(block_ids.begin(), block_ids.end());
-    if (seen.size() != block_ids.size()) {
-      return Status::InvalidArgument("scatter into duplicate block ids refused");
+    std::unordered_set<int64_t> seen;
+    for (int64_t id : block_ids) {
+      if (id != kSkipBlock && !seen.insert(id).second) {
+        return Status::InvalidArgument("scatter into duplicate block ids refused");
+      }
     }
   }
   return Status::Ok();
@@ -302,6 +305,7 @@ std::vector<CopySegment> PlanSegments(const PagedKvCache& cache, std::span<const
   for (size_t s = 0; s < cache.streams().size(); ++s) {
     const uint64_t page = cache.streams()[s].page_bytes;
     for (uint64_t j = 0; j < nblk; ++j) {
+      if (block_ids[j] == kSkipBlock) continue;
       char* addr = cache.PageAddress(s, block_ids[j]);
       const uint64_t off = cache.ChunkOffset(s, nblk, j);
       if (merge && !segments.empty()) {

@@ -270,6 +270,36 @@ TEST(HostCopierTest, RoundTripAcrossBlockSizesAndLayouts) {
   EXPECT_EQ(a.Gather(ids_a), chunk);
 }
 
+// kSkipBlock: a scatter leaves the skipped blocks untouched and fills the others; gathers and
+// duplicate checks still refuse it where it makes no sense.
+TEST(HostCopierTest, ScatterSkipsBlocks) {
+  std::mt19937_64 rng(13);
+  HostCache h = HostCache::Make(ShapeKind::kSplitKvPerLayer, 3, 16, 12, 64, 0, rng);
+  const std::vector<int64_t> ids = {5, 2, 9, 0};
+  const std::vector<char> chunk = h.Gather(ids);
+  HostCache dst = HostCache::Make(ShapeKind::kSplitKvPerLayer, 3, 16, 12, 64, 0, rng);
+  const std::vector<char> before = dst.mem;
+  const std::vector<int64_t> skip_two = {kSkipBlock, kSkipBlock, 7, 3};
+  EXPECT_FALSE(dst.cache.CheckRequest(skip_two, 64, /*for_scatter=*/false).ok());
+  const std::vector<int64_t> dup_after_skip = {kSkipBlock, 7, 7, 3};
+  EXPECT_FALSE(dst.cache.CheckRequest(dup_after_skip, 64, true).ok());
+  dst.Scatter(skip_two, chunk);
+  // Blocks 7 and 3 hold the chunk's blocks 2 and 3; everything else is as it was.
+  const std::vector<int64_t> tail = {9, 0};
+  const std::vector<int64_t> tail_dst = {7, 3};
+  const std::vector<char> expected_tail = h.Gather(tail);
+  EXPECT_EQ(dst.Gather(tail_dst), expected_tail);
+  std::vector<bool> touched(dst.mem.size(), false);
+  for (const auto& seg : gpu::PlanSegments(dst.cache, skip_two, false)) {
+    const uint64_t off = seg.page - dst.mem.data();
+    for (uint64_t i = 0; i < seg.bytes; ++i) touched[off + i] = true;
+  }
+  uint64_t stray = 0;
+  for (uint64_t i = 0; i < dst.mem.size(); ++i) stray += !touched[i] && dst.mem[i] != before[i];
+  EXPECT_EQ(stray, 0u);
+  EXPECT_EQ(gpu::PlanSegments(dst.cache, skip_two, false).size(), 3u * 2 * 2);
+}
+
 TEST(HostCopierTest, MlaRoundTrip) {
   std::mt19937_64 rng(5);
   // DeepSeek-like latent: 576 bf16 values per token and layer.
