@@ -1,0 +1,129 @@
+"""The connector's settings: `kv_connector_extra_config` keys, validated once.
+
+Every key starts with ``kvtier.``; unknown keys are refused with the list of known ones, so a
+typo never silently falls back to a default. docs/vllm.md documents each key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+_PREFIX = "kvtier."
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    # Server mode when set: every vLLM instance on the node shares one `kvtier serve`.
+    socket: str | None = None
+    token: str = ""
+    # Separates tenants (or deployments) that share one server or directory: chunk keys of two
+    # namespaces never match.
+    namespace: str = ""
+    chunk_tokens: int = 256
+    # Names the model in chunk keys; defaults to vLLM's model name. Two instances must agree on it
+    # to share chunks.
+    model_id: str | None = None
+    # In-process mode: the engine lives in vLLM's worker process.
+    l1_size_gb: float = 4.0
+    l2: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    write_policy: str = "write_back"
+    eviction_policy: str = "prefix-aware"
+    load_deadline_ms: int = 2000
+    worker_threads: int = 2
+    # Both modes.
+    rpc_timeout_ms: int = 10000
+    save_decode_tokens: bool = True  # also save chunks of generated tokens (preemption, next turns)
+
+    @property
+    def server_mode(self) -> bool:
+        return self.socket is not None
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
+_SERVER_ONLY = {"socket", "token"}
+_IN_PROCESS_ONLY = {"l1_size_gb", "l2", "write_policy", "eviction_policy", "load_deadline_ms",
+                    "worker_threads"}
+
+
+class ConfigError(ValueError):
+    """A bad `kv_connector_extra_config`: the message names the key and what is accepted."""
+
+
+def _coerce(name: str, value: Any) -> Any:
+    field_type = _FIELDS[name].type
+    try:
+        if name == "l2":
+            if isinstance(value, str):
+                value = json.loads(value)
+            if isinstance(value, dict):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ValueError("expected a JSON object (or a list of them)")
+            if len(value) > 1:
+                raise ValueError("one L2 tier is supported")
+            return value
+        if name == "socket" and value == "":
+            # An empty socket means the server's default path.
+            from kvtier import default_socket_path
+            return default_socket_path()
+        if "bool" in field_type:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError("expected true or false")
+            return bool(value)
+        if "int" in field_type and "float" not in field_type:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("expected an integer")
+            return int(value)
+        if "float" in field_type:
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+    except (TypeError, ValueError, json.JSONDecodeError) as e:
+        raise ConfigError(f"kv_connector_extra_config: bad value {value!r} for "
+                          f"'{_PREFIX}{name}': {e}") from None
+
+
+def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """Builds the config from vLLM's `kv_connector_extra_config` dict."""
+    values: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        if not key.startswith(_PREFIX):
+            raise ConfigError(f"kv_connector_extra_config: unknown key '{key}' (kvtier's keys "
+                              f"start with '{_PREFIX}': {', '.join(_known())})")
+        name = key[len(_PREFIX):].replace("-", "_")
+        if name not in _FIELDS:
+            raise ConfigError(f"kv_connector_extra_config: unknown key '{key}'; known keys: "
+                              f"{', '.join(_known())}")
+        values[name] = _coerce(name, value)
+    token_file = os.environ.get("KVTIER_TOKEN_FILE")
+    if "token" not in values and token_file:
+        with open(token_file, encoding="utf-8") as f:
+            values["token"] = f.read().strip()
+    config = ConnectorConfig(**values)
+    mode_keys = _IN_PROCESS_ONLY if config.server_mode else _SERVER_ONLY
+    wrong = sorted(k for k in values if k in mode_keys)
+    if wrong:
+        mode = "server mode (kvtier.socket is set)" if config.server_mode else "in-process mode"
+        raise ConfigError(f"kv_connector_extra_config: {', '.join(_PREFIX + k for k in wrong)} "
+                          f"do not apply in {mode}")
+    if not 1 <= config.chunk_tokens <= 1 << 20:
+        raise ConfigError(f"'{_PREFIX}chunk_tokens' must be in [1, 1048576], got "
+                          f"{config.chunk_tokens}")
+    if config.l1_size_gb <= 0:
+        raise ConfigError(f"'{_PREFIX}l1_size_gb' must be positive, got {config.l1_size_gb}")
+    if config.write_policy not in ("write_back", "write_through", "none"):
+        raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
+                          f"got {config.write_policy!r}")
+    return config
+
+
+def _known() -> list[str]:
+    return [_PREFIX + name for name in _FIELDS]

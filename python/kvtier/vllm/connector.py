@@ -1,0 +1,122 @@
+"""KvtierConnector: vLLM's KV connector (v1 API) backed by kvtier.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvtierConnector",
+        "kv_connector_module_path":"kvtier.vllm","kv_role":"kv_both",
+        "kv_connector_extra_config":{"kvtier.socket":"/run/kvtier.sock"}}'
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one in each worker (role WORKER);
+this class only dispatches to SchedulerSide or WorkerSide. docs/vllm.md describes both modes and
+every setting.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from .config import parse_config
+from .metadata import KvtierConnectorMetadata
+from .stats import KvtierConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = init_logger("vllm.kvtier")
+
+
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerSide
+
+            # kvtier is a cache: a chunk that cannot be loaded is recomputed, never an error
+            # for the request. vLLM's default policy fails the request instead.
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a chunk kvtier "
+                            "cannot deliver is recomputed)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg,
+                                            self._block_ids_of)
+        else:
+            from .worker import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, nothing more
+
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
+        return self._kv_cache_manager.get_block_ids(req_id)
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KvtierConnectorMetadata):
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only once its blocks are filled
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # saves are queued once per step, in wait_for_save
+
+    def wait_for_save(self):
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving, _ = self._worker.transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self):
+        return self._worker.get_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KvtierConnectorStats(data=dict(data)) if data is not None else KvtierConnectorStats()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # --- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KvtierConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]):
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self._scheduler.request_finished(request)

@@ -1,0 +1,32 @@
+"""What the scheduler-side connector tells the workers each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+# A block id that the copier leaves untouched (kvtier's kSkipBlock): the engine's own prefix
+# cache already holds that block, possibly shared with running requests.
+SKIP_BLOCK = -1
+
+
+@dataclass
+class ChunkJob:
+    """Chunks of one request to load or save.
+
+    keys[i] is chunk i's key (the same on every tensor-parallel rank: each rank's store scopes it
+    by the rank's namespace); block_ids[i][group] lists the vLLM blocks holding chunk i's tokens in
+    KV cache group `group` (SKIP_BLOCK: leave as is)."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[list[list[int]]]
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: list[ChunkJob] = field(default_factory=list)
+    saves: list[ChunkJob] = field(default_factory=list)
+    # Requests preempted this step: their blocks are freed, so pending saves must finish first.
+    preempted_req_ids: set[str] = field(default_factory=set)

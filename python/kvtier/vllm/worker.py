@@ -1,0 +1,308 @@
+"""Worker side of the connector: moves chunks between vLLM's paged KV cache and kvtier.
+
+Zero-copy in both modes: a save reserves chunk slots in kvtier's L1 pool (the server's shared
+pool, or the in-process engine's arena) and the copier gathers the request's blocks straight into
+them; a load pins the chunks' slots and scatters them straight into the blocks. Both run on
+background threads (the copier and the store release the GIL), off the forward pass:
+  * loads are asynchronous in vLLM's sense: the request waits (WAITING_FOR_REMOTE_KVS) while
+    other requests run, and is reported in finished_recving when its blocks are filled; chunks
+    that could not be loaded (evicted meanwhile, past the load deadline, server gone, corrupt)
+    are reported as failed blocks, which vLLM recomputes;
+  * saves of a step are queued after its forward pass; a finished request's blocks stay
+    allocated until its saves are done (finished_sending); a preempted request's blocks are
+    freed by vLLM, so handle_preemptions waits for the queued saves before they can be reused.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+import kvtier
+
+from .config import ConnectorConfig
+from .layout import describe_group, layout_fingerprint, supported_groups
+from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
+from .stats import KvtierConnectorStats
+from .store import ServerConnection, close_in_process, open_in_process, store_namespace
+
+logger = init_logger("vllm.kvtier")
+
+
+class _JobThread:
+    """One background thread running jobs in order; join() waits for the queue to empty."""
+
+    def __init__(self, name: str, run: Callable[[Any], None]):
+        self._queue: queue.Queue = queue.Queue()
+        self._run = run
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job) -> None:
+        self._queue.put(job)
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._run(job)
+            except Exception:  # a job must never kill the thread (vLLM would hang on it)
+                logger.exception("kvtier: background job failed")
+            finally:
+                self._queue.task_done()
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
+        self.groups = supported_groups(kv_cache_config)
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        tp, pp = get_tp_group(), get_pp_group()
+        self.rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        self.world_size = tp.world_size * pp.world_size
+        model_id = cfg.model_id or vllm_config.model_config.model
+        fingerprint = layout_fingerprint(vllm_config, kv_cache_config, cfg.chunk_tokens)
+        self.ns = store_namespace(cfg, model_id, fingerprint, self.rank, self.world_size)
+        self._copiers: list[kvtier.KvCopier] = []
+        self._part_offsets: list[int] = []
+        self._part_bytes: list[int] = []
+        self._kernel_ratio = 1
+        self.chunk_bytes = 0
+        self._device: torch.device | None = None
+        self._store: kvtier.ChunkStore | None = None
+        self._server: ServerConnection | None = None
+        self._registered_pools: set[int] = set()
+
+        self._lock = threading.Lock()
+        self._stats = KvtierConnectorStats()
+        self._pending_saves: dict[str, int] = {}  # queued save jobs per request
+        self._had_saves: set[str] = set()
+        self._finished: set[str] = set()  # finished requests waiting for their saves
+        self._loaded: set[str] = set()  # loads done since the last get_finished
+        self._failed_blocks: set[int] = set()  # one KV cache group: vLLM keeps the valid prefix
+        self._failed_reqs: set[str] = set()  # several groups: block ids are ambiguous
+        self._loader: _JobThread | None = None
+        self._saver: _JobThread | None = None
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        first = next(iter(kv_caches.values()))
+        self._device = first.device
+        device = (first.device.index or 0) if first.device.type == "cuda" else -1
+        offset = 0
+        for g in self.groups:
+            names = self.kv_cache_config.kv_cache_groups[g].layer_names
+            tensors, ratio = describe_group(names, kv_caches, num_blocks, self.block_size)
+            self._kernel_ratio = ratio
+            copier = kvtier.KvCopier([kvtier.KvPageTensor(**t) for t in tensors],
+                                     self.block_size // ratio, device=device)
+            self._copiers.append(copier)
+            self._part_offsets.append(offset)
+            self._part_bytes.append(copier.chunk_bytes(self.cfg.chunk_tokens))
+            offset += self._part_bytes[-1]
+            logger.info("kvtier: KV cache group %d: %s", g, copier.describe())
+        self.chunk_bytes = offset
+        if self.cfg.server_mode:
+            self._server = ServerConnection(self.cfg, self.ns, self.chunk_bytes,
+                                            f"vllm-worker-{self.rank}")
+            self._server.get()  # connect now if the server is up; a bad config raises here
+        else:
+            self._store = open_in_process(self.cfg, self.ns, self.chunk_bytes)
+        logger.info("kvtier: %s mode, %d-byte chunks of %d tokens, rank %d of %d",
+                    "server" if self.cfg.server_mode else "in-process", self.chunk_bytes,
+                    self.cfg.chunk_tokens, self.rank, self.world_size)
+        self._loader = _JobThread("kvtier-load", self._load)
+        self._saver = _JobThread("kvtier-save", self._save)
+
+    def _get_store(self) -> kvtier.ChunkStore | None:
+        store = self._store if self._server is None else self._server.get()
+        if store is not None and self._device is not None and self._device.type == "cuda":
+            self._pin_pool(store)
+        return store
+
+    def _pin_pool(self, store: kvtier.ChunkStore) -> None:
+        # The copier's DMA needs the pool page-locked and mapped for the device.
+        base = store.pool_base
+        if base in self._registered_pools:
+            return
+        torch.cuda.set_device(self._device)
+        err = torch.cuda.cudart().cudaHostRegister(base, store.pool_bytes, 0x2 | 0x1)
+        if int(err) != 0:
+            raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
+        self._registered_pools.add(base)
+
+    def _kernel_ids(self, block_ids: list[int]) -> list[int]:
+        r = self._kernel_ratio
+        if r == 1:
+            return block_ids
+        return [SKIP_BLOCK if b == SKIP_BLOCK else b * r + i for b in block_ids for i in range(r)]
+
+    # --- per step ----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+        for job in meta.loads:
+            self._loader.put(job)
+
+    def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        ready = None
+        if self._device is not None and self._device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # the forward pass's writes to the blocks come before this
+        with self._lock:
+            for job in meta.saves:
+                self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
+                self._had_saves.add(job.req_id)
+        for job in meta.saves:
+            self._saver.put((job, ready))
+
+    def handle_preemptions(self, meta: KvtierConnectorMetadata) -> None:
+        if meta.preempted_req_ids and self._saver is not None:
+            self._saver.join()  # the preempted requests' blocks are about to be reused
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished saves, finished loads, failed loads), in one snapshot."""
+        with self._lock:
+            self._finished.update(r for r in finished_req_ids if r in self._had_saves)
+            sending = {r for r in self._finished if not self._pending_saves.get(r)}
+            for r in sending:
+                self._finished.discard(r)
+                self._had_saves.discard(r)
+                self._pending_saves.pop(r, None)
+            recving, self._loaded = self._loaded, set()
+            failed, self._failed_reqs = self._failed_reqs, set()
+        return sending, recving, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_stats(self) -> KvtierConnectorStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KvtierConnectorStats()
+        return stats
+
+    def shutdown(self) -> None:
+        for thread in (self._loader, self._saver):
+            if thread is not None:
+                thread.stop()
+        self._loader = self._saver = None
+        if self._server is not None:
+            self._server.close()
+        elif self._store is not None:
+            close_in_process(self.ns)
+            self._store = None
+
+    # --- background jobs ---------------------------------------------------------------------
+
+    def _copy(self, gather: bool, block_ids: list[list[int]], address: int) -> None:
+        handles = []
+        for g, copier in enumerate(self._copiers):
+            ids = self._kernel_ids(block_ids[g])
+            where = address + self._part_offsets[g]
+            if gather:
+                handles.append(copier.gather(ids, self.cfg.chunk_tokens, where,
+                                             self._part_bytes[g]))
+            else:
+                handles.append(copier.scatter(ids, self.cfg.chunk_tokens, where,
+                                              self._part_bytes[g]))
+        for h in handles:
+            h.wait()
+
+    def _save(self, item) -> None:
+        job, ready = item
+        saved = skipped = errors = 0
+        try:
+            store = self._get_store()
+            if store is None:
+                skipped = len(job.keys)
+                return
+            if ready is not None:
+                ready.synchronize()
+            slots = store.reserve_slots(job.keys)
+            skipped = len(job.keys) - len(slots)  # the pool is full of pinned chunks
+            commit = list(slots)
+            for i, slot in enumerate(slots):
+                if slot < 0:
+                    continue  # already stored
+                try:
+                    self._copy(True, job.block_ids[i], store.slot_address(slot))
+                    saved += 1
+                except kvtier.KvtierError as e:
+                    logger.warning("kvtier: saving a chunk of %s failed: %s", job.req_id, e)
+                    store.abort_slots([slot])
+                    commit[i] = -1
+                    errors += 1
+            store.commit_slots(job.keys[:len(slots)], commit)
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: saving %d chunks of %s failed: %s", len(job.keys),
+                           job.req_id, e)
+            errors += len(job.keys) - saved
+            saved = 0
+        finally:
+            with self._lock:
+                self._pending_saves[job.req_id] -= 1
+                self._stats.add("chunks_saved", saved)
+                self._stats.add("tokens_saved", saved * self.cfg.chunk_tokens)
+                self._stats.add("saves_skipped", skipped)
+                self._stats.add("save_errors", errors)
+
+    def _load(self, job: ChunkJob) -> None:
+        loaded = 0
+        start = time.monotonic()
+        try:
+            store = self._get_store()
+            if store is not None:
+                result = store.prepare_load(job.keys).wait()
+                slots = list(result.slots)
+                try:
+                    for i, slot in enumerate(slots):
+                        self._copy(False, job.block_ids[i], store.slot_address(slot))
+                        loaded += 1
+                finally:
+                    if slots:
+                        store.unpin(slots)
+                if loaded < len(job.keys):
+                    logger.info("kvtier: %d of %d chunks of %s could not be loaded (%s); "
+                                "vLLM recomputes them", len(job.keys) - loaded, len(job.keys),
+                                job.req_id, result.message or "no longer stored")
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: loading %s failed after %d chunks: %s", job.req_id, loaded, e)
+        finally:
+            failed = {b for chunk in job.block_ids[loaded:] for b in chunk[0] if b != SKIP_BLOCK}
+            tokens = sum(1 for chunk in job.block_ids[:loaded] for b in chunk[0]
+                         if b != SKIP_BLOCK) * self.block_size
+            with self._lock:
+                if len(self._copiers) == 1:
+                    self._failed_blocks |= failed
+                elif loaded < len(job.keys):
+                    self._failed_reqs.add(job.req_id)
+                self._loaded.add(job.req_id)
+                self._stats.add("chunks_loaded", loaded)
+                self._stats.add("tokens_loaded", tokens)
+                self._stats.add("load_errors", len(job.keys) - loaded)
+            logger.debug("kvtier: loaded %d chunks of %s in %.1f ms", loaded, job.req_id,
+                         (time.monotonic() - start) * 1e3)

@@ -1,0 +1,180 @@
+"""Real processes for the connector tests: vLLM's CPU build serving a tiny local model, and
+`kvtier serve`. Nothing is mocked: requests go over HTTP to vLLM, which runs the connector.
+
+Environment:
+  KVTIER_VLLM_PYTHON  the Python of the virtualenv vLLM is installed in (default: this one)
+  KVTIER_VLLM_MODEL   the tiny model directory (scripts/vllm-cpu-server.sh model writes it)
+  KVTIER_BINARY       the `kvtier` CLI (default: the one on PATH)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", sys.executable)
+MODEL_DIR = os.environ.get("KVTIER_VLLM_MODEL", "/tmp/kvtier-tiny-model")
+START_TIMEOUT = float(os.environ.get("KVTIER_VLLM_START_TIMEOUT", "600"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 300) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read().decode()
+    return json.loads(text) if text.strip() else {}
+
+
+def random_prompt(seed: int, n_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n_tokens)]
+
+
+class Vllm:
+    """One `vllm serve` process; its log is kept for assertions and failure reports."""
+
+    def __init__(self, workdir: Path, name: str, kv_transfer_config: dict | None,
+                 extra_args: list[str] = (), env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"vllm-{name}.log"
+        args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_DIR,
+                "--load-format", "dummy", "--dtype", "bfloat16", "--served-model-name", "tiny",
+                "--max-model-len", "4096", "--port", str(self.port), "--host", "127.0.0.1",
+                "--disable-log-stats" if kv_transfer_config is None else "--enable-log-requests",
+                *extra_args]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_LOGGING_LEVEL="INFO", KVTIER_LOG_LEVEL="info",
+                        **(env or {}))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM {name} exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM {name} did not start in {START_TIMEOUT} s:\n" + self.log_tail())
+
+    def complete(self, prompt: list[int], max_tokens: int = 12) -> list[int]:
+        """Greedy completion; returns the generated token ids."""
+        out = http_json(self.url + "/v1/completions",
+                        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                         "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        choice = out["choices"][0]
+        return choice.get("token_ids") or choice["text"]
+
+    def reset_prefix_cache(self) -> None:
+        http_json(self.url + "/reset_prefix_cache", {})
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+class KvtierServer:
+    """`kvtier serve` with its own socket, HTTP port and file tier."""
+
+    def __init__(self, workdir: Path, l2_dir: Path | None, l1_size_gb: float = 0.25,
+                 load_deadline_args: list[str] = ()):
+        binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier")
+        assert binary, "the kvtier CLI is not on PATH (pip install . puts it there)"
+        self.socket = str(workdir / "kvtier.sock")
+        self.http_port = free_port()
+        self.l2_dir = l2_dir
+        self.log_path = workdir / "kvtier-serve.log"
+        args = [binary, "serve", "--socket", self.socket, "--http-port", str(self.http_port),
+                "--l1-size-gb", str(l1_size_gb), "--model", str(Path(MODEL_DIR) / "config.json"),
+                *load_deadline_args]
+        if l2_dir is None:
+            args.append("--no-l2")
+        else:
+            args += ["--l2", json.dumps({"type": "fs", "path": str(l2_dir), "max_size_gb": 1})]
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvtier serve did not start:\n" + self.log_path.read_text())
+            time.sleep(0.05)
+
+    def stats(self) -> dict:
+        return http_json(f"http://127.0.0.1:{self.http_port}/stats")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def connector_config(**extra) -> dict:
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    if not (Path(MODEL_DIR) / "config.json").exists():
+        pytest.fail(f"no model in {MODEL_DIR}: run scripts/vllm-cpu-server.sh model")
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def baseline(workdir):
+    """vLLM without a connector: the reference answers."""
+    server = Vllm(workdir, "baseline", None)
+    yield server
+    server.stop()

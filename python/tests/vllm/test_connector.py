@@ -1,0 +1,163 @@
+"""KvtierConnector inside real vLLM (CPU build): answers, reuse, faults and preemption.
+
+Every vLLM here serves the same tiny model with the same dummy weights (vLLM seeds them), so a
+prefix cached by one instance is valid in another, and greedy answers can be compared with a
+vLLM that runs without any connector.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import KvtierServer, Vllm, connector_config, random_prompt
+
+LONG = random_prompt(1, 2000)
+PROMPTS = [random_prompt(100 + i, n) for i, n in enumerate((300, 700, 1030, 1500, 260, 2100))]
+
+
+def transfer_metric(vllm: Vllm, name: str, timeout: float = 25.0) -> int:
+    """Sum of a connector counter over vLLM's periodic "KV Transfer metrics" log lines."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total = sum(int(m) for m in re.findall(rf"KV Transfer metrics:.*?\b{name}=(\d+)",
+                                                vllm.log()))
+        if total > 0 or time.monotonic() > deadline:
+            return total
+        time.sleep(1)
+
+
+def kvtier_hits(server: KvtierServer) -> int:
+    """Chunks kvtier serve found, over its tiers."""
+    return sum(t.get("hits", 0) for t in server.stats()["tiers"].values())
+
+
+@pytest.fixture(scope="module")
+def expected(baseline):
+    answers = {i: baseline.complete(p) for i, p in enumerate(PROMPTS)}
+    answers["long"] = baseline.complete(LONG)
+    answers["long2"] = baseline.complete(LONG[:1500] + random_prompt(7, 400))
+    return answers
+
+
+def test_server_mode_two_instances_and_faults(workdir: Path, expected):
+    l2 = workdir / "server-l2"
+    server = KvtierServer(workdir, l2)
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.rpc_timeout_ms": 2000})
+    a = Vllm(workdir, "server-a", cfg)
+    b = None
+    try:
+        # Identical greedy answers with the connector, for a batch sent at once.
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(a.complete, PROMPTS))
+        assert got == [expected[i] for i in range(len(PROMPTS))]
+
+        # Same prompt after vLLM dropped its own prefix cache: the prefix comes from kvtier.
+        assert a.complete(LONG) == expected["long"]
+        a.reset_prefix_cache()
+        hits_before = kvtier_hits(server)
+        assert a.complete(LONG) == expected["long"]
+        assert kvtier_hits(server) >= hits_before + 1999 // 256
+        assert transfer_metric(a, "tokens_loaded") >= 1792
+
+        # A second instance on the same server reuses the first one's prefix.
+        b = Vllm(workdir, "server-b", cfg)
+        hits_before = kvtier_hits(server)
+        assert b.complete(LONG) == expected["long"]
+        assert kvtier_hits(server) >= hits_before + 1999 // 256
+        assert transfer_metric(b, "tokens_loaded") >= 1792
+        b.stop()
+        b = None
+
+        # Restart the server: its L1 is empty, the chunks are read from the file tier...
+        server.stop()
+        server = KvtierServer(workdir, l2)
+        a.reset_prefix_cache()
+        assert a.complete(LONG) == expected["long"]
+        # ...and once every chunk file is corrupt, loads fail their checksum and vLLM recomputes.
+        server.stop()
+        corrupted = 0
+        for f in l2.rglob("*"):
+            if f.is_file() and f.stat().st_size > 8192:
+                with open(f, "r+b") as fh:
+                    fh.seek(f.stat().st_size - 100)
+                    fh.write(b"\xff" * 64)
+                corrupted += 1
+        assert corrupted > 0
+        server = KvtierServer(workdir, l2)
+        a.reset_prefix_cache()
+        assert a.complete(LONG) == expected["long"]
+        assert a.alive()
+
+        # The server stalls (stopped, not dead): the client's deadline turns it into misses.
+        server.proc.send_signal(signal.SIGSTOP)
+        a.reset_prefix_cache()
+        t0 = time.monotonic()
+        assert a.complete(LONG) == expected["long"]
+        assert time.monotonic() - t0 < 60
+        server.proc.send_signal(signal.SIGCONT)
+
+        # The server dies mid-run: vLLM keeps answering, correctly, by recomputing.
+        server.kill()
+        a.reset_prefix_cache()
+        assert a.complete(LONG) == expected["long"]
+        assert a.complete(PROMPTS[2]) == expected[2]
+        assert a.alive()
+        assert "Traceback" not in a.log()
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+        server.stop()
+
+
+def test_in_process_mode_survives_restart(workdir: Path, expected):
+    l2 = workdir / "in-process-l2"
+    cfg = connector_config(**{"kvtier.l1_size_gb": 0.25, "kvtier.l2": {"type": "fs",
+                                                                     "path": str(l2)}})
+    c = Vllm(workdir, "in-process-1", cfg)
+    try:
+        assert c.complete(LONG) == expected["long"]
+        c.reset_prefix_cache()
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_loaded") >= 1792
+    finally:
+        c.stop()  # write-back: the engine flushes its chunks to the file tier on shutdown
+    assert any(f.is_file() for f in l2.rglob("*"))
+    c = Vllm(workdir, "in-process-2", cfg)
+    try:
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_loaded") >= 1792
+        # A prompt sharing 1,500 tokens: the shared full chunks come back, the rest is computed.
+        assert c.complete(LONG[:1500] + random_prompt(7, 400)) == expected["long2"]
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+
+
+def test_preempted_requests_resume_from_kvtier(workdir: Path, baseline):
+    prompts = [random_prompt(300 + i, 1100) for i in range(6)]
+    want = [baseline.complete(p, max_tokens=200) for p in prompts]
+    server = KvtierServer(workdir, None, l1_size_gb=0.5)
+    # 48 blocks of 128 tokens: room for about four of the six requests at once.
+    d = Vllm(workdir, "preempt", connector_config(**{"kvtier.socket": server.socket}),
+             extra_args=["--num-gpu-blocks-override", "48", "--block-size", "128",
+                         "--max-num-seqs", "6"])
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: d.complete(p, max_tokens=200), prompts))
+        log = d.log()
+        preemptions = len(re.findall(r"preempt", log, re.IGNORECASE))
+        resumed = re.findall(r"preempted request \S+ resumes with (\d+) tokens from kvtier", log)
+        assert got == want
+        assert resumed, f"no preempted request resumed from kvtier ({preemptions} preemption " \
+                        f"mentions in the log)"
+    finally:
+        d.stop()
+        server.stop()
