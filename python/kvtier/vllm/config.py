@@ -31,8 +31,8 @@ class ConnectorConfig:
     l2: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     write_policy: str = "write_back"
     eviction_policy: str = "prefix-aware"
-    load_deadline_ms: int = 2000
     worker_threads: int = 2
+    http_port: int = -1  # Prometheus /metrics and /stats of the in-process engine; -1: none
     # Both modes.
     rpc_timeout_ms: int = 10000
     save_decode_tokens: bool = True  # also save chunks of generated tokens (preemption, next turns)
@@ -44,8 +44,8 @@ class ConnectorConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _SERVER_ONLY = {"socket", "token"}
-_IN_PROCESS_ONLY = {"l1_size_gb", "l2", "write_policy", "eviction_policy", "load_deadline_ms",
-                    "worker_threads"}
+_IN_PROCESS_ONLY = {"l1_size_gb", "l2", "write_policy", "eviction_policy", "worker_threads",
+                    "http_port"}
 
 
 class ConfigError(ValueError):

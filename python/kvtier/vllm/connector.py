@@ -11,9 +11,9 @@ every setting.
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
 from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,

@@ -10,16 +10,18 @@ kvtier or already handed to the workers to save (`saved`), so that no chunk is s
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from vllm.logger import init_logger
 
 import kvtier
 
 from .config import ConfigError, ConnectorConfig
 from .layout import layout_fingerprint, supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
-from .store import ServerConnection, key_namespace, registered_engine, store_namespace
+from .store import ServerConnection, in_process_socket, key_namespace, store_namespace
 
 logger = init_logger("vllm.kvtier")
 
@@ -55,10 +57,12 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[ChunkJob] = []
         self._roots: dict[str, bytes] = {}
+        # One client per rank: a prefix is a hit only if every rank has its shard.
+        socket = cfg.socket if cfg.server_mode else in_process_socket(os.getpid())
         self._servers = [
-            ServerConnection(cfg, store_namespace(cfg, self.model_id, self.fingerprint, r,
-                                                  self.world_size), 0, "vllm-scheduler")
-            for r in range(self.world_size)] if cfg.server_mode else []
+            ServerConnection(cfg, socket, store_namespace(cfg, self.model_id, self.fingerprint, r,
+                                                          self.world_size), 0, "vllm-scheduler")
+            for r in range(self.world_size)]
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
 
     # --- lookups -----------------------------------------------------------------------------
@@ -67,14 +71,6 @@ class SchedulerSide:
         """Leading chunks every rank has; 0 when the store is unreachable."""
         if not keys:
             return 0
-        if not self.cfg.server_mode:
-            ns = store_namespace(self.cfg, self.model_id, self.fingerprint, 0, 1)
-            store = registered_engine(ns)
-            if store is None:
-                logger.warning("kvtier: no in-process engine in the scheduler's process (is "
-                               "vLLM running workers in other processes? use server mode)")
-                return 0
-            return store.lookup(keys)[0]
         hits = len(keys)
         for server in self._servers:
             client = server.get()

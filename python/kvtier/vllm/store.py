@@ -1,17 +1,28 @@
-"""Opening kvtier's chunk store for the connector, in either mode, and keeping it open.
+"""Reaching kvtier's chunk store from the connector, in either mode.
 
-Server mode connects to `kvtier serve`; a server that is down or dies is retried at most every
-`RETRY_SECONDS`, and meanwhile every lookup is a miss, so vLLM keeps serving by recomputing.
-In-process mode opens an Engine in the worker process and registers it here, so that the
-scheduler-side connector (same process with vLLM's single-process executor) answers lookups
-from the same index.
+Server mode: every process connects to a `kvtier serve` shared by the node.
+
+In-process mode: the worker runs kvtier's server inside its own process (the engine, its L1 pool
+and its file tier live in vLLM's worker, as LMCache's in-process mode does), on a private
+owner-only socket. The worker and the scheduler then reach it exactly as in server mode, which
+matters because vLLM runs its scheduler and its workers in different processes: the scheduler's
+lookups must see the worker's L1. The socket is named after the engine-core process (the
+scheduler's), which is the workers' parent under vLLM's multiprocessing executor and the
+workers' own process under its single-process one, so both sides find it without talking.
+
+A server that is down or dies is retried at most every RETRY_SECONDS; meanwhile every lookup is a
+miss, so vLLM keeps serving by recomputing.
 """
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+import json
+import os
+import tempfile
 import threading
 import time
+
+from vllm.logger import init_logger
 
 import kvtier
 
@@ -20,10 +31,6 @@ from .config import ConfigError, ConnectorConfig
 logger = init_logger("vllm.kvtier")
 
 RETRY_SECONDS = 2.0
-
-# In-process engines of this process, by store namespace id.
-_ENGINES: dict[str, kvtier.ChunkStore] = {}
-_ENGINES_LOCK = threading.Lock()
 
 
 def key_namespace(cfg: ConnectorConfig, model_id: str, fingerprint: int, world_size: int,
@@ -36,45 +43,53 @@ def key_namespace(cfg: ConnectorConfig, model_id: str, fingerprint: int, world_s
 
 def store_namespace(cfg: ConnectorConfig, model_id: str, fingerprint: int, rank: int,
                     world_size: int) -> kvtier.KeyNamespace:
-    """The namespace a rank's store is opened with: separates the ranks' shards."""
+    """The namespace a rank's client declares: the server keeps the ranks' shards apart."""
     return kvtier.KeyNamespace(model_id, fingerprint, cfg.chunk_tokens, rank, world_size,
                                cfg.namespace)
 
 
-def open_in_process(cfg: ConnectorConfig, ns: kvtier.KeyNamespace,
-                    chunk_bytes: int) -> kvtier.ChunkStore:
-    with _ENGINES_LOCK:
-        store = _ENGINES.get(ns.id())
-        if store is None:
-            store = kvtier.open_engine(
-                ns, chunk_bytes, l1_size_gb=cfg.l1_size_gb, l2=cfg.l2[0] if cfg.l2 else None,
-                write_policy=cfg.write_policy, eviction_policy=cfg.eviction_policy,
-                load_deadline_ms=cfg.load_deadline_ms, worker_threads=cfg.worker_threads)
-            _ENGINES[ns.id()] = store
-        elif store.chunk_bytes != chunk_bytes:
-            raise ConfigError(f"an in-process kvtier engine for this namespace already uses "
-                              f"{store.chunk_bytes}-byte chunks, not {chunk_bytes}")
-        return store
+def in_process_socket(engine_core_pid: int) -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"kvtier-vllm-{os.getuid()}-{engine_core_pid}.sock")
 
 
-def registered_engine(ns: kvtier.KeyNamespace) -> kvtier.ChunkStore | None:
-    with _ENGINES_LOCK:
-        return _ENGINES.get(ns.id())
+def engine_core_pid(vllm_config) -> int:
+    """The scheduler's process id, seen from a worker."""
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend in (None, "uni", "external_launcher") or isinstance(backend, type):
+        return os.getpid()
+    if backend == "mp":
+        return os.getppid()
+    raise ConfigError(f"kvtier in-process mode cannot run with vLLM's '{backend}' executor "
+                      "(its workers are not local to the scheduler); use server mode")
 
 
-def close_in_process(ns: kvtier.KeyNamespace) -> None:
-    with _ENGINES_LOCK:
-        store = _ENGINES.pop(ns.id(), None)
-    if store is not None:
-        store.close()  # writes back dirty chunks to L2 (write_back)
+def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path: str):
+    settings = {"chunk_bytes": chunk_bytes, "chunk_size": cfg.chunk_tokens,
+                "l1_size_gb": cfg.l1_size_gb, "write_policy": cfg.write_policy,
+                "eviction_policy": cfg.eviction_policy, "worker_threads": cfg.worker_threads,
+                "socket": socket_path, "http_port": cfg.http_port}
+    if cfg.l2:
+        settings["l2"] = cfg.l2
+    else:
+        settings["no_l2"] = True
+    try:
+        server = kvtier.start_server(json.dumps(settings))
+    except kvtier.InvalidArgumentError as e:
+        raise ConfigError(f"kvtier in-process settings refused: {e}") from None
+    logger.info("kvtier: in-process engine serving this vLLM instance on %s%s", socket_path,
+                f", metrics on http://127.0.0.1:{server.http_port}/metrics"
+                if server.http_port > 0 else "")
+    return server
 
 
 class ServerConnection:
-    """A `kvtier serve` client that reconnects when the server comes back."""
+    """A kvtier client that reconnects when the server comes back."""
 
-    def __init__(self, cfg: ConnectorConfig, ns: kvtier.KeyNamespace, chunk_bytes: int,
-                 client_name: str):
-        self._cfg, self._ns, self._chunk_bytes, self._name = cfg, ns, chunk_bytes, client_name
+    def __init__(self, cfg: ConnectorConfig, socket_path: str, ns: kvtier.KeyNamespace,
+                 chunk_bytes: int, client_name: str):
+        self._cfg, self._socket, self._ns = cfg, socket_path, ns
+        self._chunk_bytes, self._name = chunk_bytes, client_name
         self._lock = threading.Lock()
         self._client: kvtier.ServerClient | None = None
         self._next_attempt = 0.0
@@ -88,8 +103,9 @@ class ServerConnection:
                 return self._client
             if self._client is not None:
                 logger.warning("kvtier: lost the server at %s; recomputing until it is back",
-                               self._cfg.socket)
-                self._client = None
+                               self._socket)
+                old, self._client = self._client, None
+                old.close()
                 self._logged_down = True
             now = time.monotonic()
             if now < self._next_attempt:
@@ -97,24 +113,24 @@ class ServerConnection:
             self._next_attempt = now + RETRY_SECONDS
             try:
                 self._client = kvtier.connect(
-                    self._ns, self._chunk_bytes, socket_path=self._cfg.socket,
-                    token=self._cfg.token, client_name=self._name,
-                    connect_timeout_ms=min(2000, self._cfg.rpc_timeout_ms),
+                    self._ns, self._chunk_bytes, socket_path=self._socket, token=self._cfg.token,
+                    client_name=self._name, connect_timeout_ms=min(2000, self._cfg.rpc_timeout_ms),
                     rpc_timeout_ms=self._cfg.rpc_timeout_ms)
             except kvtier.InvalidArgumentError as e:
-                # A configuration mismatch will not heal by retrying: say what to change.
-                raise ConfigError(f"kvtier serve at {self._cfg.socket} refused this model: {e} "
-                                  f"(this model needs {self._chunk_bytes}-byte chunks of "
-                                  f"{self._cfg.chunk_tokens} tokens: start kvtier serve with "
-                                  f"--chunk-bytes {self._chunk_bytes})") from None
+                # A configuration mismatch does not heal by retrying: say what to change.
+                raise ConfigError(
+                    f"kvtier serve at {self._socket} refused this model: {e} (this model needs "
+                    f"{self._chunk_bytes}-byte chunks of {self._cfg.chunk_tokens} tokens: start "
+                    f"kvtier serve with --chunk-bytes {self._chunk_bytes} --chunk-size "
+                    f"{self._cfg.chunk_tokens})") from None
             except kvtier.KvtierError as e:
                 if not self._logged_down:
                     logger.warning("kvtier: no server at %s (%s); recomputing until it is up",
-                                   self._cfg.socket, e)
+                                   self._socket, e)
                     self._logged_down = True
                 return None
             if self._logged_down:
-                logger.info("kvtier: connected to the server at %s", self._cfg.socket)
+                logger.info("kvtier: connected to the server at %s", self._socket)
                 self._logged_down = False
             return self._client
 

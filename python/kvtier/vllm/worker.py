@@ -15,7 +15,6 @@ background threads (the copier and the store release the GIL), off the forward p
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
 import queue
 import threading
 import time
@@ -23,13 +22,16 @@ from typing import Any, Callable
 
 import torch
 
+from vllm.logger import init_logger
+
 import kvtier
 
 from .config import ConnectorConfig
 from .layout import describe_group, layout_fingerprint, supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
 from .stats import KvtierConnectorStats
-from .store import ServerConnection, close_in_process, open_in_process, store_namespace
+from .store import (ServerConnection, engine_core_pid, in_process_socket, start_in_process_server,
+                    store_namespace)
 
 logger = init_logger("vllm.kvtier")
 
@@ -80,13 +82,15 @@ class WorkerSide:
         model_id = cfg.model_id or vllm_config.model_config.model
         fingerprint = layout_fingerprint(vllm_config, kv_cache_config, cfg.chunk_tokens)
         self.ns = store_namespace(cfg, model_id, fingerprint, self.rank, self.world_size)
+        self._socket = cfg.socket if cfg.server_mode else in_process_socket(
+            engine_core_pid(vllm_config))
         self._copiers: list[kvtier.KvCopier] = []
         self._part_offsets: list[int] = []
         self._part_bytes: list[int] = []
         self._kernel_ratio = 1
         self.chunk_bytes = 0
         self._device: torch.device | None = None
-        self._store: kvtier.ChunkStore | None = None
+        self._embedded_server = None  # in-process mode: the engine's server, in this process
         self._server: ServerConnection | None = None
         self._registered_pools: set[int] = set()
 
@@ -121,12 +125,12 @@ class WorkerSide:
             offset += self._part_bytes[-1]
             logger.info("kvtier: KV cache group %d: %s", g, copier.describe())
         self.chunk_bytes = offset
-        if self.cfg.server_mode:
-            self._server = ServerConnection(self.cfg, self.ns, self.chunk_bytes,
-                                            f"vllm-worker-{self.rank}")
-            self._server.get()  # connect now if the server is up; a bad config raises here
-        else:
-            self._store = open_in_process(self.cfg, self.ns, self.chunk_bytes)
+        if not self.cfg.server_mode:
+            self._embedded_server = start_in_process_server(self.cfg, self.chunk_bytes,
+                                                            self._socket)
+        self._server = ServerConnection(self.cfg, self._socket, self.ns, self.chunk_bytes,
+                                        f"vllm-worker-{self.rank}")
+        self._server.get()  # connect now if the server is up; a bad config raises here
         logger.info("kvtier: %s mode, %d-byte chunks of %d tokens, rank %d of %d",
                     "server" if self.cfg.server_mode else "in-process", self.chunk_bytes,
                     self.cfg.chunk_tokens, self.rank, self.world_size)
@@ -134,7 +138,7 @@ class WorkerSide:
         self._saver = _JobThread("kvtier-save", self._save)
 
     def _get_store(self) -> kvtier.ChunkStore | None:
-        store = self._store if self._server is None else self._server.get()
+        store = self._server.get()
         if store is not None and self._device is not None and self._device.type == "cuda":
             self._pin_pool(store)
         return store
@@ -212,9 +216,9 @@ class WorkerSide:
         self._loader = self._saver = None
         if self._server is not None:
             self._server.close()
-        elif self._store is not None:
-            close_in_process(self.ns)
-            self._store = None
+        if self._embedded_server is not None:
+            self._embedded_server.stop()  # write-back: flushes L1's chunks to the file tier
+            self._embedded_server = None
 
     # --- background jobs ---------------------------------------------------------------------
 

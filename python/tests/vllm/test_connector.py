@@ -7,7 +7,6 @@ vLLM that runs without any connector.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
