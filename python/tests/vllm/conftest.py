@@ -1,6 +1,11 @@
 """Real processes for the connector tests: vLLM's CPU build serving a tiny local model, and
 `kvtier serve`. Nothing is mocked: requests go over HTTP to vLLM, which runs the connector.
 
+The model is scripts/vllm-cpu-server.sh's tiny Llama with seeded random weights written here
+(std 0.2): vLLM's own dummy weights are so small that every prompt gets the same answer, which
+would let a wrong KV cache pass unnoticed; with these, changing one prompt token changes the
+answer.
+
 Environment:
   KVTIER_VLLM_PYTHON  the Python of the virtualenv vLLM is installed in (default: this one)
   KVTIER_VLLM_MODEL   the tiny model directory (scripts/vllm-cpu-server.sh model writes it)
@@ -54,11 +59,12 @@ class Vllm:
 
     def __init__(self, workdir: Path, name: str, kv_transfer_config: dict | None,
                  extra_args: list[str] = (), env: dict | None = None):
+        model_dir = str(workdir / "model")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"vllm-{name}.log"
-        args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_DIR,
-                "--load-format", "dummy", "--dtype", "bfloat16", "--served-model-name", "tiny",
+        args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--enforce-eager", "--dtype", "bfloat16", "--served-model-name", "tiny",
                 "--max-model-len", "4096", "--port", str(self.port), "--host", "127.0.0.1",
                 "--disable-log-stats" if kv_transfer_config is None else "--enable-log-requests",
                 *extra_args]
@@ -127,7 +133,7 @@ class KvtierServer:
         self.l2_dir = l2_dir
         self.log_path = workdir / "kvtier-serve.log"
         args = [binary, "serve", "--socket", self.socket, "--http-port", str(self.http_port),
-                "--l1-size-gb", str(l1_size_gb), "--model", str(Path(MODEL_DIR) / "config.json"),
+                "--l1-size-gb", str(l1_size_gb), "--model", str(workdir / "model" / "config.json"),
                 *load_deadline_args]
         if l2_dir is None:
             args.append("--no-l2")
@@ -165,11 +171,25 @@ def connector_config(**extra) -> dict:
             "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
+WRITE_WEIGHTS = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = json.load(open(sys.argv[1] + "/config.json"))
+config["initializer_range"] = 0.2
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).save_pretrained(sys.argv[1])
+"""
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
     if not (Path(MODEL_DIR) / "config.json").exists():
         pytest.fail(f"no model in {MODEL_DIR}: run scripts/vllm-cpu-server.sh model")
-    return tmp_path_factory.mktemp("vllm")
+    work = tmp_path_factory.mktemp("vllm")
+    shutil.copytree(MODEL_DIR, work / "model")
+    subprocess.run([VLLM_PYTHON, "-c", WRITE_WEIGHTS, str(work / "model")], check=True,
+                   capture_output=True)
+    return work
 
 
 @pytest.fixture(scope="session")
