@@ -165,7 +165,8 @@ def test_l2_write_through_survives_reopening(ns, tmp_path):
         assert [bytes(o) for o in out] == [d.tobytes() for d in data]
         st = store.stats()
         assert st["file_detail"]["chunks"] == 5 and st["promotions"] == 5
-        assert store.lookup(keys) == (5, 5)  # promoted into L1
+        # Promoted into L1 (the engine commits a promoted slot just after the load reports it).
+        assert wait_until(lambda: store.lookup(keys) == (5, 5))
         # Zero-copy reads of chunks that come from L2.
         other = kvtier.open_engine(ns, CHUNK, l1_size_gb=0.0625, l2=l2)
         r = other.prepare_load(keys).wait()

@@ -168,6 +168,13 @@ std::string TakePythonErrorText() {
 
 std::string TypeName(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
+// str(obj). (nb::str(o) of an object that is no str yet would not convert it.)
+std::string StrOf(nb::handle obj) {
+  nb::object s = nb::steal(PyObject_Str(obj.ptr()));
+  if (!s.is_valid()) throw nb::python_error();
+  return nb::cast<std::string>(s);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The reaper: destroys objects whose destructors may block, off the caller's thread.
 
@@ -314,7 +321,7 @@ class HeldBuffer {
               .c_str());
     }
     // A torch tensor: no buffer protocol, but data_ptr() and friends say where its bytes are.
-    std::string device = nb::cast<std::string>(nb::str(obj.attr("device").attr("type")));
+    std::string device = StrOf(obj.attr("device").attr("type"));
     if (device != "cpu") {
       ThrowInvalid(fmt::format("{} is a tensor on {}, not in host memory", what, device));
     }
@@ -324,7 +331,7 @@ class HeldBuffer {
     b.data_ = reinterpret_cast<uint8_t*>(nb::cast<uintptr_t>(obj.attr("data_ptr")()));
     b.itemsize_ = nb::cast<size_t>(obj.attr("element_size")());
     b.size_ = nb::cast<size_t>(obj.attr("numel")()) * b.itemsize_;
-    b.format_ = TensorFormat(nb::cast<std::string>(nb::str(obj.attr("dtype"))));
+    b.format_ = TensorFormat(StrOf(obj.attr("dtype")));
     b.owner_ = obj.ptr();
     Py_INCREF(b.owner_);
     return b;
