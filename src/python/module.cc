@@ -699,8 +699,9 @@ class PyAsyncOp {
 
   ~PyAsyncOp() {
     if (result_) {
-      // Done: buffers are back already. A remote PrepareLoad op may still hold pins nobody took
-      // (it releases them with an RPC), and the core may be the store's last reference.
+      // Done and taken: the buffers are back and any pins are the caller's. What is left may
+      // still block: a remote op's destructor takes the connection's lock, and the core may be
+      // the store's last reference.
       Reaper::Reap([op = std::move(op_), core = std::move(core_)]() mutable {
         op.reset();
         core.reset();
@@ -926,7 +927,7 @@ class PyChunkStore {
     keys.resize(slots.size());
     Check(Run([&](StoreCore& c) {
       KVTIER_RETURN_IF_ERROR(c.ledger.TakeReserved(&keys, slots));
-      return c.store->CommitSlots(keys, slots);
+      return slots.empty() ? Status::Ok() : c.store->CommitSlots(keys, slots);
     }));
   }
 
@@ -934,7 +935,7 @@ class PyChunkStore {
     std::vector<SlotId> slots = DropNoSlot(ParseSlots(slots_obj, /*allow_no_slot=*/true));
     Check(Run([&](StoreCore& c) {
       KVTIER_RETURN_IF_ERROR(c.ledger.TakeReserved(nullptr, slots));
-      return c.store->AbortSlots(slots);
+      return slots.empty() ? Status::Ok() : c.store->AbortSlots(slots);
     }));
   }
 
@@ -949,7 +950,7 @@ class PyChunkStore {
     std::vector<SlotId> slots = ParseSlots(slots_obj, /*allow_no_slot=*/false);
     Check(Run([&](StoreCore& c) {
       KVTIER_RETURN_IF_ERROR(c.ledger.TakePins(slots));
-      return c.store->Unpin(slots);
+      return slots.empty() ? Status::Ok() : c.store->Unpin(slots);
     }));
   }
 
