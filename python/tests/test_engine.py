@@ -382,3 +382,41 @@ def test_fork_child_gets_its_own_reaper():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"
+
+
+def test_threads_race_with_close(ns):
+    # Several threads store, load and pin through one store while another closes it: each call
+    # either works or raises KvtierError("closed"); nothing hangs or crashes.
+    store = kvtier.open_engine(ns, CHUNK, l1_size_gb=0.0625, worker_threads=2)
+    errors = []
+    counts = [0] * 4
+
+    def worker(t):
+        rng = np.random.default_rng(t)
+        buf = [bytearray(CHUNK) for _ in range(4)]
+        try:
+            while True:
+                keys = keys_for(ns, 4, seed=int(rng.integers(0, 8)))
+                store.store(keys, chunks(4, seed=t)).wait()
+                store.load(keys, buf).wait(timeout=5)
+                r = store.prepare_load(keys).wait()
+                store.unpin(r.slots)
+                slots = store.reserve_slots(keys_for(ns, 2, seed=100 + t))
+                store.abort_slots(slots)
+                store.lookup(keys)
+                counts[t] += 1
+        except kvtier.KvtierError as e:
+            if e.code != "closed":
+                errors.append(e)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: min(counts) >= 3)
+    store.close()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert not errors, errors
