@@ -329,7 +329,8 @@ def test_waits_release_the_gil(ns):
 def test_torch_tensors_as_buffers(ns, engine):
     torch = pytest.importorskip("torch")
     keys = keys_for(ns, 2)
-    src = [torch.arange(CHUNK // 2, dtype=torch.int16), torch.ones(CHUNK // 2, dtype=torch.bfloat16)]
+    src = [torch.arange(CHUNK // 2, dtype=torch.int16),
+           torch.ones(CHUNK // 2, dtype=torch.bfloat16)]
     assert engine.store(keys, src).wait().ok
     dst = [torch.zeros(CHUNK, dtype=torch.uint8), torch.zeros(CHUNK // 4, dtype=torch.float32)]
     assert engine.load(keys, dst).wait().chunks == 2
