@@ -29,12 +29,14 @@ class ConnectorConfig:
     # In-process mode: the engine lives in vLLM's worker process.
     l1_size_gb: float = 4.0
     l2: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    write_policy: str = "write_back"
+    # write_through: the engine dies with vLLM's worker, and a killed worker never flushes.
+    write_policy: str = "write_through"
     eviction_policy: str = "prefix-aware"
     worker_threads: int = 2
     http_port: int = -1  # Prometheus /metrics and /stats of the in-process engine; -1: none
     # Both modes.
-    rpc_timeout_ms: int = 10000
+    # Longer than the server's load deadline: a load's reply waits for file-tier reads.
+    rpc_timeout_ms: int = 5000
     save_decode_tokens: bool = True  # also save chunks of generated tokens (preemption, next turns)
 
     @property

@@ -58,24 +58,27 @@ def _describe_layer(name: str, t: torch.Tensor, num_blocks: int,
                           "block")
     kernel_tokens = tokens_per_block // ratio
     dims = [(s, st) for s, st in zip(shape[1:], stride[1:]) if s != 1]  # size-1 axes: no stride
-    token_dim = max((i for i, (s, _) in enumerate(dims) if s == kernel_tokens), default=None)
-    if token_dim is None:
-        if kernel_tokens != 1:
-            raise LayoutError(f"{where}: no axis of {kernel_tokens} tokens")
-        token_dim = len(dims)
+    if kernel_tokens == 1:
         dims.append((1, 0))
-    # Everything inside the token axis must be one dense run: one token's bytes.
-    token_elems = 1
-    for s, st in sorted(dims[token_dim + 1:], key=lambda d: d[1]):
-        if st != token_elems:
-            raise LayoutError(f"{where}: a token's bytes are not contiguous")
-        token_elems *= s
-    if dims[token_dim][0] > 1 and dims[token_dim][1] != token_elems:
-        raise LayoutError(f"{where}: the tokens of a block are not adjacent")
-    outer = dims[:token_dim]
-    if len(outer) + (kv_axis is not None) > 1:
-        raise LayoutError(f"{where}: more than one axis between block and token")
-    components, component_stride = outer[0] if outer else (1, 0)
+    # The token axis has kernel_tokens entries, a dense run (one token's bytes) inside it, and at
+    # most one axis (heads, or K/V) between it and the block axis. Another axis may have the same
+    # size (e.g. 128 tokens of 128 elements): the outermost axis that fits is the token axis.
+    found = None
+    for token_dim, (n, n_stride) in enumerate(dims):
+        if n != kernel_tokens or token_dim + (kv_axis is not None) > 1:
+            continue
+        token_elems, dense = 1, True
+        for s, st in sorted(dims[token_dim + 1:], key=lambda d: d[1]):
+            dense = dense and st == token_elems
+            token_elems *= s
+        if dense and (n == 1 or n_stride == token_elems):
+            found = token_dim, token_elems
+            break
+    if found is None:
+        raise LayoutError(f"{where}: no axis of {kernel_tokens} tokens with each token's bytes "
+                          "contiguous and at most one axis between it and the block axis")
+    token_dim, token_elems = found
+    components, component_stride = dims[0] if token_dim == 1 else (1, 0)
     if kv_axis is not None:
         components, component_stride = 2, kv_axis
     return _Pages(base=t.data_ptr(), num_blocks=shape[0], block_stride=stride[0] * elem,

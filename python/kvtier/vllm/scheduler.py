@@ -25,6 +25,8 @@ from .store import ServerConnection, in_process_socket, key_namespace, store_nam
 
 logger = init_logger("vllm.kvtier")
 
+LOOKUP_TIMEOUT_MS = 1000
+
 
 @dataclass
 class _Request:
@@ -61,8 +63,13 @@ class SchedulerSide:
         socket = cfg.socket if cfg.server_mode else in_process_socket(os.getpid())
         self._servers = [
             ServerConnection(cfg, socket, store_namespace(cfg, self.model_id, self.fingerprint, r,
-                                                          self.world_size), 0, "vllm-scheduler")
+                                                          self.world_size), 0, "vllm-scheduler",
+                             # Lookups are quick: a stalled server must not hold the
+                             # scheduler loop for long.
+                             min(cfg.rpc_timeout_ms, LOOKUP_TIMEOUT_MS))
             for r in range(self.world_size)]
+        for server in self._servers:
+            server.connect_now()  # if the server is up, the first lookups can hit
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
 
     # --- lookups -----------------------------------------------------------------------------

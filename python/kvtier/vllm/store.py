@@ -84,58 +84,86 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
 
 
 class ServerConnection:
-    """A kvtier client that reconnects when the server comes back."""
+    """A kvtier client that reconnects in the background when the server comes back."""
 
     def __init__(self, cfg: ConnectorConfig, socket_path: str, ns: kvtier.KeyNamespace,
-                 chunk_bytes: int, client_name: str):
+                 chunk_bytes: int, client_name: str, rpc_timeout_ms: int):
         self._cfg, self._socket, self._ns = cfg, socket_path, ns
         self._chunk_bytes, self._name = chunk_bytes, client_name
+        self._rpc_timeout_ms = rpc_timeout_ms
         self._lock = threading.Lock()
         self._client: kvtier.ServerClient | None = None
+        self._connecting = False
         self._next_attempt = 0.0
         self._logged_down = False
+        self._closed = False
+
+    def connect_now(self) -> None:
+        """One synchronous attempt; raises ConfigError if the server refuses this model."""
+        self._connect()
 
     def get(self) -> kvtier.ServerClient | None:
-        """The connected client, or None while the server is unreachable (never blocks longer
-        than one connection attempt, and tries at most every RETRY_SECONDS)."""
+        """The connected client, or None while the server is unreachable. Never blocks: a lost
+        server is retried on a background thread at most every RETRY_SECONDS (a stalled server
+        would hold a connection attempt for its whole timeout)."""
         with self._lock:
-            if self._client is not None and self._client.connected:
-                return self._client
-            if self._client is not None:
+            client = self._client
+            if client is not None and client.connected:
+                return client
+            if client is not None:
                 logger.warning("kvtier: lost the server at %s; recomputing until it is back",
                                self._socket)
-                old, self._client = self._client, None
-                old.close()
+                self._client = None
                 self._logged_down = True
-            now = time.monotonic()
-            if now < self._next_attempt:
+            if self._connecting or self._closed or time.monotonic() < self._next_attempt:
                 return None
-            self._next_attempt = now + RETRY_SECONDS
-            try:
-                self._client = kvtier.connect(
-                    self._ns, self._chunk_bytes, socket_path=self._socket, token=self._cfg.token,
-                    client_name=self._name, connect_timeout_ms=min(2000, self._cfg.rpc_timeout_ms),
-                    rpc_timeout_ms=self._cfg.rpc_timeout_ms)
-            except kvtier.InvalidArgumentError as e:
-                # A configuration mismatch does not heal by retrying: say what to change.
-                raise ConfigError(
-                    f"kvtier serve at {self._socket} refused this model: {e} (this model needs "
-                    f"{self._chunk_bytes}-byte chunks of {self._cfg.chunk_tokens} tokens: start "
-                    f"kvtier serve with --chunk-bytes {self._chunk_bytes} --chunk-size "
-                    f"{self._cfg.chunk_tokens})") from None
-            except kvtier.KvtierError as e:
-                if not self._logged_down:
-                    logger.warning("kvtier: no server at %s (%s); recomputing until it is up",
-                                   self._socket, e)
-                    self._logged_down = True
-                return None
-            if self._logged_down:
-                logger.info("kvtier: connected to the server at %s", self._socket)
-                self._logged_down = False
-            return self._client
+            self._connecting = True
+        if client is not None:
+            client.close()
+        threading.Thread(target=self._connect_quietly, name="kvtier-connect", daemon=True).start()
+        return None
+
+    def _connect_quietly(self) -> None:
+        try:
+            self._connect()
+        except ConfigError as e:
+            logger.error("kvtier: %s", e)
+
+    def _connect(self) -> None:
+        client = None
+        try:
+            client = kvtier.connect(
+                self._ns, self._chunk_bytes, socket_path=self._socket, token=self._cfg.token,
+                client_name=self._name, connect_timeout_ms=min(2000, self._rpc_timeout_ms),
+                rpc_timeout_ms=self._rpc_timeout_ms)
+        except kvtier.InvalidArgumentError as e:
+            # A configuration mismatch does not heal by retrying: say what to change.
+            raise ConfigError(
+                f"kvtier serve at {self._socket} refused this model: {e} (this model needs "
+                f"{self._chunk_bytes}-byte chunks of {self._cfg.chunk_tokens} tokens: start "
+                f"kvtier serve with --chunk-bytes {self._chunk_bytes} --chunk-size "
+                f"{self._cfg.chunk_tokens})") from None
+        except kvtier.KvtierError as e:
+            if not self._logged_down:
+                logger.warning("kvtier: no server at %s (%s); recomputing until it is up",
+                               self._socket, e)
+                self._logged_down = True
+        finally:
+            with self._lock:
+                self._connecting = False
+                self._next_attempt = time.monotonic() + RETRY_SECONDS
+                if client is not None and self._closed:
+                    client, stale = None, client
+                    stale.close()
+                if client is not None:
+                    self._client = client
+                    if self._logged_down:
+                        logger.info("kvtier: connected to the server at %s", self._socket)
+                        self._logged_down = False
 
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
+            self._closed = True
         if client is not None:
             client.close()

@@ -129,8 +129,8 @@ class WorkerSide:
             self._embedded_server = start_in_process_server(self.cfg, self.chunk_bytes,
                                                             self._socket)
         self._server = ServerConnection(self.cfg, self._socket, self.ns, self.chunk_bytes,
-                                        f"vllm-worker-{self.rank}")
-        self._server.get()  # connect now if the server is up; a bad config raises here
+                                        f"vllm-worker-{self.rank}", self.cfg.rpc_timeout_ms)
+        self._server.connect_now()  # if the server is up; a configuration it refuses raises
         logger.info("kvtier: %s mode, %d-byte chunks of %d tokens, rank %d of %d",
                     "server" if self.cfg.server_mode else "in-process", self.chunk_bytes,
                     self.cfg.chunk_tokens, self.rank, self.world_size)

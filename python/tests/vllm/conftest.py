@@ -97,6 +97,15 @@ class Vllm:
         choice = out["choices"][0]
         return choice.get("token_ids") or choice["text"]
 
+    def complete_batch(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+        """One request for several prompts: vLLM schedules them together, in the same way on
+        every run, so batched numerics are comparable between two servers."""
+        out = http_json(self.url + "/v1/completions",
+                        {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens,
+                         "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return [c.get("token_ids") or c["text"]
+                for c in sorted(out["choices"], key=lambda c: c["index"])]
+
     def reset_prefix_cache(self) -> None:
         http_json(self.url + "/reset_prefix_cache", {})
 
