@@ -2,6 +2,7 @@
 interpreter), including a wrong token, a server killed mid-use and a stalled one; and the
 in-process server of start_server()."""
 
+import gc
 import os
 import shutil
 import signal
@@ -233,6 +234,28 @@ def test_stalled_server_times_out_and_other_threads_run(serve, ns):
     assert len([x for x in ticks if start < x < start + elapsed]) > 50  # the GIL was free
     assert not c.connected
     c.close()
+
+
+def test_dropping_never_blocks_on_a_stalled_server(serve, ns):
+    # An unanswered prepare_load (its destructor releases pins with an RPC), a store whose copy
+    # thread waits on the server, and the client itself (it waits for its copies) are all
+    # dropped while the server is stopped: the caller must get control back at once.
+    server = serve()
+    c = kvtier.connect(ns, socket_path=server.socket, rpc_timeout_ms=3000)
+    keys = keys_for(ns, 2)
+    assert c.store(keys, chunks(2)).wait().ok
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_stopped(server.proc.pid)
+        op = c.prepare_load(keys)
+        st = c.store(keys_for(ns, 2, seed=5), chunks(2))
+        assert op.wait(timeout=0.05) is None and st.wait(timeout=0.05) is None
+        start = time.monotonic()
+        del op, st, c
+        gc.collect()
+        assert time.monotonic() - start < 0.5
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
 
 
 def test_server_with_l2(serve, ns, tmp_path):
