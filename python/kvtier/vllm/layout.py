@@ -59,26 +59,30 @@ def _describe_layer(name: str, t: torch.Tensor, num_blocks: int,
     kernel_tokens = tokens_per_block // ratio
     dims = [(s, st) for s, st in zip(shape[1:], stride[1:]) if s != 1]  # size-1 axes: no stride
     if kernel_tokens == 1:
-        dims.append((1, 0))
-    # The token axis has kernel_tokens entries, a dense run (one token's bytes) inside it, and at
-    # most one axis (heads, or K/V) between it and the block axis. Another axis may have the same
-    # size (e.g. 128 tokens of 128 elements): the outermost axis that fits is the token axis.
+        dims.append((1, 1 << 62))  # one token per block: the whole page is the token
+    # The token axis has kernel_tokens entries; the axes with smaller strides form one dense run
+    # (a token's bytes, in whatever order the backend keeps heads and content), and at most one
+    # axis (heads, or K/V) has a larger stride. Another axis may have the token axis's size (e.g.
+    # 128 tokens of 128 elements): the outermost axis that fits is the token axis.
     found = None
-    for token_dim, (n, n_stride) in enumerate(dims):
-        if n != kernel_tokens or token_dim + (kv_axis is not None) > 1:
+    for n, n_stride in sorted(dims, key=lambda d: -d[1]):
+        if n != kernel_tokens:
             continue
+        inner = sorted((d for d in dims if d[1] < n_stride), key=lambda d: d[1])
+        outer = [d for d in dims if d[1] > n_stride]
         token_elems, dense = 1, True
-        for s, st in sorted(dims[token_dim + 1:], key=lambda d: d[1]):
+        for s, st in inner:
             dense = dense and st == token_elems
             token_elems *= s
-        if dense and (n == 1 or n_stride == token_elems):
-            found = token_dim, token_elems
+        fits = n == 1 or n_stride == token_elems
+        if dense and fits and len(outer) + (kv_axis is not None) <= 1:
+            found = token_elems, outer
             break
     if found is None:
         raise LayoutError(f"{where}: no axis of {kernel_tokens} tokens with each token's bytes "
                           "contiguous and at most one axis between it and the block axis")
-    token_dim, token_elems = found
-    components, component_stride = dims[0] if token_dim == 1 else (1, 0)
+    token_elems, outer = found
+    components, component_stride = outer[0] if outer else (1, 0)
     if kv_axis is not None:
         components, component_stride = 2, kv_axis
     return _Pages(base=t.data_ptr(), num_blocks=shape[0], block_stride=stride[0] * elem,
