@@ -139,6 +139,7 @@ def test_store_load_and_zero_copy(serve, ns):
     with pytest.raises(kvtier.KvtierError) as e:
         c.ping()
     assert e.value.code == "closed"
+    assert not c.connected
 
 
 def test_connect_errors(serve, ns, tmp_path):

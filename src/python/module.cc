@@ -1055,7 +1055,8 @@ class PyServerClient : public PyChunkStore {
   void Ping() {
     Check(Run([](StoreCore& c) { return c.client->Ping(); }));
   }
-  bool connected() const { return Core()->client->connected(); }
+  // A property that health checks poll: a closed client is simply not connected.
+  bool connected() const { return !closed() && Core()->client->connected(); }
   uint64_t session_id() const { return Core()->client->session_id(); }
 };
 
@@ -1608,7 +1609,8 @@ void DefineStores(nb::module_& m) {
       "rpc_timeout_ms, the connection breaks: lookup reports (0, 0) and every other call fails "
       "fast with code \"unavailable\". Reconnect with connect().")
       .def("ping", &PyServerClient::Ping, "An empty round trip; raises if the server is gone.")
-      .def_prop_ro("connected", &PyServerClient::connected, "False once the connection broke.")
+      .def_prop_ro("connected", &PyServerClient::connected,
+                   "False once the connection broke or the client was closed.")
       .def_prop_ro("session_id", &PyServerClient::session_id, "The server's id for this session.");
 
   m.def("open_engine", &OpenEngine, nb::arg("ns"), nb::arg("chunk_bytes"), nb::kw_only(),
