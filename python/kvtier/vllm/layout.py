@@ -54,8 +54,8 @@ def _describe_layer(name: str, t: torch.Tensor, num_blocks: int,
     # counts kernel blocks); the copier works in kernel blocks.
     ratio = shape[0] // num_blocks
     if tokens_per_block % ratio != 0:
-        raise LayoutError(f"{where}: {ratio} kernel blocks do not divide a {tokens_per_block}-token "
-                          "block")
+        raise LayoutError(f"{where}: {ratio} kernel blocks do not divide a "
+                          f"{tokens_per_block}-token block")
     kernel_tokens = tokens_per_block // ratio
     dims = [(s, st) for s, st in zip(shape[1:], stride[1:]) if s != 1]  # size-1 axes: no stride
     if kernel_tokens == 1:
