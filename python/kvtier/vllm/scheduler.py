@@ -100,6 +100,8 @@ class SchedulerSide:
             salt += f"\x00lora:{request.lora_request.lora_name}"
         root = self._roots.get(salt)
         if root is None:
+            if len(self._roots) >= 4096:  # per-request salts: keep the cache bounded
+                self._roots.clear()
             root = key_namespace(self.cfg, self.model_id, self.fingerprint, self.world_size,
                                  salt).root()
             self._roots[salt] = root

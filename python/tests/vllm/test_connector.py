@@ -56,6 +56,7 @@ def expected(baseline):
     answers["batch"] = baseline.complete_batch(PROMPTS)
     answers["long"] = baseline.complete(LONG)
     answers["long2"] = baseline.complete(LONG[:1500] + random_prompt(7, 400))
+    answers["first_block"] = baseline.complete(LONG[:128] + random_prompt(11, 300))
     return answers
 
 
@@ -80,6 +81,12 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected):
         assert a.complete(LONG) == expected["long"]
         assert kvtier_hits(server) >= hits_before + 1999 // 256
         assert transfer_metric(a, "tokens_loaded") >= 1792
+
+        # vLLM holds the prompt's first 128-token block itself (a prompt sharing only that): the
+        # first chunk loads around it, leaving the block vLLM shares with that request untouched.
+        a.reset_prefix_cache()
+        assert a.complete(LONG[:128] + random_prompt(11, 300)) == expected["first_block"]
+        assert a.complete(LONG) == expected["long"]
 
         # A second instance on the same server reuses the first one's prefix.
         b = Vllm(workdir, "server-b", cfg)
