@@ -109,6 +109,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

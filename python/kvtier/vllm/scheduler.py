@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 
@@ -36,6 +37,8 @@ class _Request:
     saved: int = 0  # leading chunks in kvtier or queued for saving
     saves_scheduled: bool = False
     load: tuple[int, int] | None = None  # (locally computed tokens, tokens after the load)
+    in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
+    hit_sources: dict | None = None  # the planned load's tokens per tier, for vLLM's metrics
 
 
 class SchedulerSide:
@@ -74,20 +77,22 @@ class SchedulerSide:
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes]) -> int:
-        """Leading chunks every rank has; 0 when the store is unreachable."""
+    def _lookup(self, keys: list[bytes]) -> tuple[int, int]:
+        """(leading chunks every rank has, of those the leading ones in every rank's L1);
+        (0, 0) when the store is unreachable."""
         if not keys:
-            return 0
-        hits = len(keys)
+            return 0, 0
+        hits = in_memory = len(keys)
         for server in self._servers:
             client = server.get()
             if client is None:
-                return 0
+                return 0, 0
             try:
-                hits = min(hits, client.lookup(keys)[0])
+                total, memory = client.lookup(keys)
             except kvtier.KvtierError:
-                return 0
-        return hits
+                return 0, 0
+            hits, in_memory = min(hits, total), min(in_memory, memory)
+        return hits, min(hits, in_memory)
 
     def _state(self, request) -> _Request | None:
         st = self._requests.get(request.request_id)
@@ -124,10 +129,11 @@ class SchedulerSide:
             return 0, False
         st.load = None
         n_tokens = request.num_tokens
-        hits = self._lookup(self._keys(st, n_tokens // self.cfg.chunk_tokens))
+        hits, in_memory = self._lookup(self._keys(st, n_tokens // self.cfg.chunk_tokens))
         st.saved = max(st.saved, hits)
         # vLLM must compute at least the last token itself.
         hit_tokens = min(hits * self.cfg.chunk_tokens, n_tokens - 1)
+        st.in_memory_tokens = min(in_memory * self.cfg.chunk_tokens, hit_tokens)
         external = hit_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -141,6 +147,9 @@ class SchedulerSide:
             return
         local, hit_tokens = st.load
         st.load = None
+        from_memory = min(max(st.in_memory_tokens - local, 0), num_external_tokens)
+        st.hit_sources = {CacheHitSource.HOST: from_memory,
+                          CacheHitSource.DISK: num_external_tokens - from_memory}
         ct = self.cfg.chunk_tokens
         first, end = local // ct, -(-hit_tokens // ct)
         block_ids = blocks.get_block_ids()
@@ -161,6 +170,15 @@ class SchedulerSide:
             logger.info("kvtier: preempted request %s resumes with %d tokens from kvtier "
                         "(%d preempted requests resumed so far)", request.request_id,
                         num_external_tokens, self.resumed_from_kvtier)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        st = self._requests.get(request.request_id)
+        sources = st.hit_sources if st is not None else None
+        if not num_external_tokens:
+            return {}
+        if not sources or sum(sources.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {k: v for k, v in sources.items() if v}
 
     # --- per step ----------------------------------------------------------------------------
 
