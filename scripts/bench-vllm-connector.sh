@@ -4,6 +4,7 @@
 # reuses a prefix (the cost of saving when nothing is read back).
 #
 #   scripts/bench-vllm-connector.sh [OUT_DIR]       # default build/bench-vllm
+#   WORKLOADS=unique ARMS=server scripts/bench-vllm-connector.sh DIR   # a subset
 #
 # The model is a Llama-shaped config.json with random weights (vLLM's dummy loader; nothing is
 # downloaded): 8 layers, hidden 1024, 8 KV heads of 64, 16 KiB of KV per token, big enough that
@@ -20,10 +21,12 @@ OUT=${1:-build/bench-vllm}
 USERS=${USERS:-4}
 ROUNDS=${ROUNDS:-4}
 QPS=${QPS:-0.08}
-SYSTEM=${SYSTEM:-600}
-HISTORY=${HISTORY:-1000}
+SYSTEM=${SYSTEM:-1000}
+HISTORY=${HISTORY:-2500}
 ANSWER=${ANSWER:-16}
-DURATION=${DURATION:-300}
+DURATION=${DURATION:-240}
+WORKLOADS=${WORKLOADS:-reuse unique}
+ARMS=${ARMS:-none in-process server}
 VLLM_BLOCKS=${VLLM_BLOCKS:-72}
 PORT=${PORT:-8310}
 py="$VLLM_VENV/bin/python"
@@ -69,6 +72,7 @@ start_vllm() {  # start_vllm NAME [KV_TRANSFER_CONFIG]
 
 run_arm() {  # run_arm NAME WORKLOAD(reuse|unique) [KV_TRANSFER_CONFIG]
   local name=$1 workload=$2
+  mkdir -p "$OUT/l2-$name"  # this arm's own, empty cache directory
   echo "== $name ($workload): $(date +%T)"
   start_vllm "$name" "${3:-}"
   local shape=(--num-users "$USERS" --num-rounds "$ROUNDS" --shared-system-prompt "$SYSTEM"
@@ -80,6 +84,7 @@ run_arm() {  # run_arm NAME WORKLOAD(reuse|unique) [KV_TRANSFER_CONFIG]
   "$kvtier" bench qa --base-url "http://localhost:$PORT/v1" "${shape[@]}" --qps "$QPS" \
     --answer-len "$ANSWER" --ignore-eos --time "$DURATION" --warmup-requests 0 \
     --log-interval 1000 --output "$OUT/$name.csv" --json-summary "$OUT/$name.json" \
+    --cache-dir "$OUT/l2-$name" \
     >"$OUT/$name.bench.log" 2>&1 || { tail -20 "$OUT/$name.bench.log"; exit 1; }
   sleep 12  # vLLM logs its connector counters every 10 s
   cleanup
@@ -101,22 +106,26 @@ in_process_cfg() {
   echo "{\"kv_connector\":\"KvtierConnector\",\"kv_connector_module_path\":\"kvtier.vllm\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"kvtier.l1_size_gb\":2,\"kvtier.l2\":{\"type\":\"fs\",\"path\":\"$OUT/l2-$1\"}}}"
 }
 
-for workload in reuse unique; do
-  run_arm "none-$workload" "$workload"
-  run_arm "in-process-$workload" "$workload" "$(in_process_cfg "$workload")"
-  serve "$workload"
-  run_arm "server-$workload" "$workload" "$(server_cfg)"
-  kill "$serve_pid"; wait "$serve_pid" 2>/dev/null || true; serve_pid=""
+for workload in $WORKLOADS; do
+  for arm in $ARMS; do
+    case $arm in
+      none) run_arm "none-$workload" "$workload" ;;
+      in-process) run_arm "in-process-$workload" "$workload" "$(in_process_cfg "in-process-$workload")" ;;
+      server)
+        serve "server-$workload"
+        run_arm "server-$workload" "$workload" "$(server_cfg)" ;;  # its cleanup stops the server
+    esac
+  done
 done
 
-"$py" - "$OUT" <<'PY'
+"$py" - "$OUT" "$WORKLOADS" "$ARMS" <<'PY'
 import csv, json, re, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'arm':<22}{'requests':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"
       f"{'prompt tok':>12}{'loaded tok':>12}{'hit rate':>10}{'saved tok':>11}")
-for workload in ("reuse", "unique"):
-    for arm in ("none", "in-process", "server"):
+for workload in sys.argv[2].split():
+    for arm in sys.argv[3].split():
         name = f"{arm}-{workload}"
         rows = list(csv.DictReader(open(out / f"{name}.csv")))
         ttft = sorted(float(r["ttft"]) for r in rows)

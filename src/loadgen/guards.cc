@@ -25,6 +25,8 @@ Result<CacheDirContents> InspectCacheDir(const std::string& dir) {
     if (ec) return Status::IOError(fmt::format("listing {}: {}", dir, ec.message()));
     std::error_code e2;
     if (!it->is_regular_file(e2)) continue;
+    const std::string name = it->path().filename().string();
+    if (name == "kvtier-cache.json" || name == "namespace.json") continue;
     ++contents.files;
     contents.bytes += it->file_size(e2);
     if (contents.example.empty()) contents.example = it->path().string();

@@ -16,7 +16,10 @@
 namespace kvtier::loadgen {
 
 struct CacheDirContents {
-  int64_t files = 0;   // regular files anywhere below the directory
+  // Regular files anywhere below the directory, except the metadata a kvtier file tier writes
+  // when it opens an empty directory (kvtier-cache.json, namespace.json): a server started on
+  // an empty directory before the benchmark has not warmed it.
+  int64_t files = 0;
   uint64_t bytes = 0;
   std::string example;  // one of them, for the message
 };

@@ -17,7 +17,11 @@ TEST(CacheDirGuard, RefusesAWarmDirectoryUnlessAllowed) {
   EXPECT_EQ(CheckCacheDirIsCold(dir.Sub("missing"), false, &warnings).code(),
             StatusCode::kInvalidArgument);
 
+  // What a kvtier file tier writes when it opens an empty directory is no warm cache.
   std::filesystem::create_directories(dir.Sub("ns/ab/cd"));
+  std::ofstream(dir.Sub("kvtier-cache.json")) << "{}";
+  std::ofstream(dir.Sub("ns/namespace.json")) << "{}";
+  EXPECT_TRUE(CheckCacheDirIsCold(dir.path(), false, &warnings).ok());
   std::ofstream(dir.Sub("ns/ab/cd/0123abcd")) << std::string(4096, 'k');
   Status refused = CheckCacheDirIsCold(dir.path(), false, &warnings);
   EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
