@@ -87,7 +87,7 @@ class WorkerSide:
         self._copiers: list[kvtier.KvCopier] = []
         self._part_offsets: list[int] = []
         self._part_bytes: list[int] = []
-        self._kernel_ratio = 1
+        self._kernel_ratios: list[int] = []  # kernel blocks per vLLM block, per group
         self.chunk_bytes = 0
         self._device: torch.device | None = None
         self._embedded_server = None  # in-process mode: the engine's server, in this process
@@ -116,7 +116,7 @@ class WorkerSide:
         for g in self.groups:
             names = self.kv_cache_config.kv_cache_groups[g].layer_names
             tensors, ratio = describe_group(names, kv_caches, num_blocks, self.block_size)
-            self._kernel_ratio = ratio
+            self._kernel_ratios.append(ratio)
             copier = kvtier.KvCopier([kvtier.KvPageTensor(**t) for t in tensors],
                                      self.block_size // ratio, device=device)
             self._copiers.append(copier)
@@ -154,8 +154,8 @@ class WorkerSide:
             raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
         self._registered_pools.add(base)
 
-    def _kernel_ids(self, block_ids: list[int]) -> list[int]:
-        r = self._kernel_ratio
+    def _kernel_ids(self, block_ids: list[int], group: int) -> list[int]:
+        r = self._kernel_ratios[group]
         if r == 1:
             return block_ids
         return [SKIP_BLOCK if b == SKIP_BLOCK else b * r + i for b in block_ids for i in range(r)]
@@ -225,7 +225,7 @@ class WorkerSide:
     def _copy(self, gather: bool, block_ids: list[list[int]], address: int) -> None:
         handles = []
         for g, copier in enumerate(self._copiers):
-            ids = self._kernel_ids(block_ids[g])
+            ids = self._kernel_ids(block_ids[g], g)
             where = address + self._part_offsets[g]
             if gather:
                 handles.append(copier.gather(ids, self.cfg.chunk_tokens, where,
