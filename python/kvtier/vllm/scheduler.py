@@ -20,9 +20,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import kvtier
 
 from .config import ConfigError, ConnectorConfig
-from .layout import layout_fingerprint, supported_groups
+from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
-from .store import ServerConnection, in_process_socket, key_namespace, store_namespace
+from .store import Namespaces, ServerConnection, in_process_socket
 
 logger = init_logger("vllm.kvtier")
 
@@ -51,11 +51,8 @@ class SchedulerSide:
             raise ConfigError(f"kvtier.chunk_tokens ({cfg.chunk_tokens}) must be a multiple of "
                               f"vLLM's block size ({self.block_size})")
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
-        parallel = vllm_config.parallel_config
-        self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        self.model_id = cfg.model_id or vllm_config.model_config.model
-        self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config, cfg.chunk_tokens)
-        if not cfg.server_mode and self.world_size > 1:
+        self.ns = Namespaces(cfg, vllm_config, kv_cache_config)
+        if not cfg.server_mode and self.ns.world_size > 1:
             raise ConfigError("kvtier in-process mode serves one worker process; with tensor or "
                               "pipeline parallelism use server mode (set kvtier.socket)")
         self._block_ids_of = block_ids_of
@@ -65,12 +62,11 @@ class SchedulerSide:
         # One client per rank: a prefix is a hit only if every rank has its shard.
         socket = cfg.socket if cfg.server_mode else in_process_socket(os.getpid())
         self._servers = [
-            ServerConnection(cfg, socket, store_namespace(cfg, self.model_id, self.fingerprint, r,
-                                                          self.world_size), 0, "vllm-scheduler",
+            ServerConnection(cfg, socket, self.ns.store(r), 0, "vllm-scheduler",
                              # Lookups are quick: a stalled server must not hold the
                              # scheduler loop for long.
                              min(cfg.rpc_timeout_ms, LOOKUP_TIMEOUT_MS))
-            for r in range(self.world_size)]
+            for r in range(self.ns.world_size)]
         for server in self._servers:
             server.connect_now()  # if the server is up, the first lookups can hit
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
@@ -107,8 +103,7 @@ class SchedulerSide:
         if root is None:
             if len(self._roots) >= 4096:  # per-request salts: keep the cache bounded
                 self._roots.clear()
-            root = key_namespace(self.cfg, self.model_id, self.fingerprint, self.world_size,
-                                 salt).root()
+            root = self.ns.keys(salt).root()
             self._roots[salt] = root
         st = _Request(request=request, root=root)
         self._requests[request.request_id] = st

@@ -27,25 +27,37 @@ from vllm.logger import init_logger
 import kvtier
 
 from .config import ConfigError, ConnectorConfig
+from .layout import layout_fingerprint
 
 logger = init_logger("vllm.kvtier")
 
 RETRY_SECONDS = 2.0
 
 
-def key_namespace(cfg: ConnectorConfig, model_id: str, fingerprint: int, world_size: int,
-                  salt: str = "") -> kvtier.KeyNamespace:
-    """The namespace chunk keys are chained from: identical on every rank, so the scheduler
-    computes one key list for all of them. `salt` is a request's cache salt or LoRA name."""
-    tenant = cfg.namespace if not salt else f"{cfg.namespace}\x00{salt}"
-    return kvtier.KeyNamespace(model_id, fingerprint, cfg.chunk_tokens, 0, world_size, tenant)
+class Namespaces:
+    """The namespaces of one vLLM deployment, from configuration alone, so that the scheduler
+    and every worker (other processes) derive the same ones."""
 
+    def __init__(self, cfg: ConnectorConfig, vllm_config, kv_cache_config):
+        self._cfg = cfg
+        self.model_id = cfg.model_id or vllm_config.model_config.model
+        self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config, cfg.chunk_tokens)
+        parallel = vllm_config.parallel_config
+        self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
-def store_namespace(cfg: ConnectorConfig, model_id: str, fingerprint: int, rank: int,
-                    world_size: int) -> kvtier.KeyNamespace:
-    """The namespace a rank's client declares: the server keeps the ranks' shards apart."""
-    return kvtier.KeyNamespace(model_id, fingerprint, cfg.chunk_tokens, rank, world_size,
-                               cfg.namespace)
+    def keys(self, salt: str = "") -> kvtier.KeyNamespace:
+        """The namespace chunk keys are chained from: identical on every rank, so the scheduler
+        computes one key list for all of them. `salt` is a request's cache salt or LoRA name."""
+        cfg = self._cfg
+        tenant = cfg.namespace if not salt else f"{cfg.namespace}\x00{salt}"
+        return kvtier.KeyNamespace(self.model_id, self.fingerprint, cfg.chunk_tokens, 0,
+                                   self.world_size, tenant)
+
+    def store(self, rank: int) -> kvtier.KeyNamespace:
+        """The namespace a rank's client declares: the server keeps the ranks' shards apart."""
+        cfg = self._cfg
+        return kvtier.KeyNamespace(self.model_id, self.fingerprint, cfg.chunk_tokens, rank,
+                                   self.world_size, cfg.namespace)
 
 
 def in_process_socket(engine_core_pid: int) -> str:

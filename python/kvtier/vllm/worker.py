@@ -27,11 +27,11 @@ from vllm.logger import init_logger
 import kvtier
 
 from .config import ConnectorConfig
-from .layout import describe_group, layout_fingerprint, supported_groups
+from .layout import describe_group, supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
 from .stats import KvtierConnectorStats
-from .store import (ServerConnection, engine_core_pid, in_process_socket, start_in_process_server,
-                    store_namespace)
+from .store import (Namespaces, ServerConnection, engine_core_pid, in_process_socket,
+                    start_in_process_server)
 
 logger = init_logger("vllm.kvtier")
 
@@ -78,10 +78,9 @@ class WorkerSide:
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         tp, pp = get_tp_group(), get_pp_group()
         self.rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
-        self.world_size = tp.world_size * pp.world_size
-        model_id = cfg.model_id or vllm_config.model_config.model
-        fingerprint = layout_fingerprint(vllm_config, kv_cache_config, cfg.chunk_tokens)
-        self.ns = store_namespace(cfg, model_id, fingerprint, self.rank, self.world_size)
+        namespaces = Namespaces(cfg, vllm_config, kv_cache_config)
+        self.world_size = namespaces.world_size
+        self.ns = namespaces.store(self.rank)
         self._socket = cfg.socket if cfg.server_mode else in_process_socket(
             engine_core_pid(vllm_config))
         self._copiers: list[kvtier.KvCopier] = []
