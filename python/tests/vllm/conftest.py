@@ -4,7 +4,8 @@
 The model is scripts/vllm-cpu-server.sh's tiny Llama with seeded random weights written here
 (std 0.2): vLLM's own dummy weights are so small that every prompt gets the same answer, which
 would let a wrong KV cache pass unnoticed; with these, changing one prompt token changes the
-answer.
+answer. It is served in float32: in bfloat16, vLLM's batch-dependent rounding sometimes flipped
+a near-tied greedy choice between two servers given the same batch at slightly different times.
 
 Environment:
   KVTIER_VLLM_PYTHON  the Python of the virtualenv vLLM is installed in (default: this one)
@@ -64,7 +65,7 @@ class Vllm:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"vllm-{name}.log"
         args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--enforce-eager", "--dtype", "bfloat16", "--served-model-name", "tiny",
+                "--enforce-eager", "--dtype", "float32", "--served-model-name", "tiny",
                 "--max-model-len", "4096", "--port", str(self.port), "--host", "127.0.0.1",
                 "--disable-log-stats" if kv_transfer_config is None else "--enable-log-requests",
                 *extra_args]
@@ -143,6 +144,7 @@ class KvtierServer:
         self.log_path = workdir / "kvtier-serve.log"
         args = [binary, "serve", "--socket", self.socket, "--http-port", str(self.http_port),
                 "--l1-size-gb", str(l1_size_gb), "--model", str(workdir / "model" / "config.json"),
+                "--kv-dtype", "float32",
                 *load_deadline_args]
         if l2_dir is None:
             args.append("--no-l2")
