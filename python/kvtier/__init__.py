@@ -8,6 +8,8 @@ exposes the C++ core (``kvtier._native``):
 * stores: ``open_engine`` (an engine in this process) and ``connect`` (a ``kvtier serve`` daemon),
   both ``ChunkStore``s with asynchronous ``store``/``load`` and zero-copy slot access;
   ``start_server`` runs ``kvtier serve`` inside this process;
+* the file tier alone: ``open_file_tier`` (a ``FileTier`` moving chunks between its files and a
+  buffer the caller owns, for systems with a host-memory tier of their own);
 * the GPU data path: ``KvPageTensor``, ``KvCopier`` (paged KV cache <-> chunks).
 
 Errors raise ``KvtierError`` (``InvalidArgumentError``, also a ``ValueError``, for bad
@@ -18,6 +20,7 @@ from kvtier._native import (
     AsyncOp,
     ChunkStore,
     CopyHandle,
+    FileTier,
     InvalidArgumentError,
     KeyNamespace,
     KvCopier,
@@ -33,6 +36,7 @@ from kvtier._native import (
     cuda_built,
     default_socket_path,
     open_engine,
+    open_file_tier,
     start_server,
 )
 
@@ -40,6 +44,7 @@ __all__ = [
     "AsyncOp",
     "ChunkStore",
     "CopyHandle",
+    "FileTier",
     "InvalidArgumentError",
     "KeyNamespace",
     "KvCopier",
@@ -55,5 +60,6 @@ __all__ = [
     "cuda_built",
     "default_socket_path",
     "open_engine",
+    "open_file_tier",
     "start_server",
 ]

@@ -1,0 +1,132 @@
+"""kvtier.open_file_tier: the file tier alone, reading into and writing from a caller's buffer."""
+
+import mmap
+import os
+
+import pytest
+
+import kvtier
+
+CHUNK = 64 * 1024
+
+
+def ns(name="file-tier-test"):
+    return kvtier.KeyNamespace(name, 7, 256)
+
+
+def keys(n, tag=0):
+    return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+def region(n):
+    """Page-aligned memory, as vLLM's CPU offload region is."""
+    return memoryview(mmap.mmap(-1, n * CHUNK))
+
+
+def fill(view, n, seed):
+    for i in range(n):
+        view[i * CHUNK:(i + 1) * CHUNK] = bytes([(seed + i) % 251]) * CHUNK
+
+
+def finish(tier):
+    assert tier.wait_idle(10)
+    return tier.finished()
+
+
+def test_write_then_read_back_in_place(tmp_path):
+    src, dst = region(6), region(6)
+    fill(src, 6, 3)
+    with kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path)}) as tier:
+        tier.submit_write(11, keys(6), src, [i * CHUNK for i in range(6)])
+        [(job, ok, chunks, error, seconds)] = finish(tier)
+        assert (job, ok, chunks, error) == (11, True, 6, "") and seconds > 0
+        assert tier.contains(keys(7)) == [True] * 6 + [False]
+        # Reversed slots: offsets name where each chunk goes.
+        tier.submit_read(12, keys(6), dst, [(5 - i) * CHUNK for i in range(6)])
+        assert finish(tier) == [(12, True, 6, "", pytest.approx(0, abs=10))]
+        for i in range(6):
+            assert dst[(5 - i) * CHUNK:(6 - i) * CHUNK] == src[i * CHUNK:(i + 1) * CHUNK]
+        st = tier.stats()
+        if st["o_direct"]:
+            assert st["bounce_copies"] == 0  # page-aligned chunks: read and written in place
+        assert st["chunks"] == 6 and st["bytes_read"] == 6 * CHUNK
+        assert tier.in_flight == 0 and tier.finished() == []
+        assert os.path.exists(tier.chunk_path(keys(1)[0]))
+        assert tier.chunk_path(keys(1)[0]).startswith(tier.namespace_dir)
+
+
+def test_missing_and_corrupt_chunks_fail_reads_and_report_the_good_prefix(tmp_path):
+    src, dst = region(4), region(4)
+    fill(src, 4, 9)
+    with kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path)}) as tier:
+        tier.submit_write(1, keys(3), src, [0, CHUNK, 2 * CHUNK])
+        assert finish(tier)[0][1]
+        # Flip one payload byte of chunk 1: its checksum no longer matches.
+        path = tier.chunk_path(keys(3)[1])
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        tier.submit_read(2, keys(4), dst, [i * CHUNK for i in range(4)])
+        [(job, ok, chunks, error, _)] = finish(tier)
+        assert (job, ok, chunks) == (2, False, 1) and error
+        assert dst[:CHUNK] == src[:CHUNK]
+        assert tier.stats()["corrupt"] == 1
+        assert tier.contains(keys(3)) == [True, False, True]  # removed, never served
+
+
+def test_arguments_are_checked_before_any_io(tmp_path):
+    buf = region(2)
+    with kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path)}) as tier:
+        with pytest.raises(kvtier.InvalidArgumentError, match="outside"):
+            tier.submit_read(1, keys(1), buf, [CHUNK + 1])
+        with pytest.raises(kvtier.InvalidArgumentError, match="outside"):
+            tier.submit_write(1, keys(1), buf, [-1])
+        with pytest.raises(kvtier.InvalidArgumentError, match="2 keys but 1 offsets"):
+            tier.submit_write(1, keys(2), buf, [0])
+        with pytest.raises(kvtier.InvalidArgumentError):
+            tier.submit_read(1, keys(1), bytes(2 * CHUNK), [0])  # not writable
+        with pytest.raises(ValueError):
+            tier.submit_read(1, [b"short"], buf, [0])
+        assert tier.in_flight == 0 and tier.finished() == []
+        tier.submit_write(3, [], buf, [])  # an empty job finishes at once
+        assert finish(tier) == [(3, True, 0, "", pytest.approx(0, abs=1))]
+    with pytest.raises(kvtier.InvalidArgumentError, match="unknown L2 key"):
+        kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path), "size": 1})
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.open_file_tier(ns(), 0, {"type": "fs", "path": str(tmp_path)})
+
+
+def test_close_waits_for_jobs_and_gives_buffers_back(tmp_path):
+    buf = bytearray(8 * CHUNK)
+    view = memoryview(buf)
+    tier = kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path)})
+    tier.submit_write(5, keys(8), view, [i * CHUNK for i in range(8)])
+    tier.close()
+    assert tier.closed and tier.in_flight == 0
+    view.release()  # no export of it is left
+    buf.extend(b"x")  # a bytearray with an export could not be resized
+    assert [r[:3] for r in tier.finished()] == [(5, True, 8)]
+    with pytest.raises(kvtier.KvtierError, match="closed"):
+        tier.contains(keys(1))
+    tier.close()  # idempotent
+    # The chunks outlive the tier: a new one indexes them at open.
+    with kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": str(tmp_path)}) as again:
+        assert again.contains(keys(8)) == [True] * 8
+    with kvtier.open_file_tier(ns("another"), CHUNK, {"type": "fs", "path": str(tmp_path)}) as o:
+        assert o.contains(keys(8)) == [False] * 8
+
+
+def test_capacity_is_enforced(tmp_path):
+    buf = region(16)
+    # About 8 chunk files (a file is the payload plus a 4 KiB header).
+    cap_gb = 8 * (CHUNK + 4096) / 2**30
+    l2 = {"type": "fs", "path": str(tmp_path), "max_size_gb": cap_gb}
+    with kvtier.open_file_tier(ns(), CHUNK, l2) as tier:
+        for j in range(4):
+            tier.submit_write(j, keys(4, tag=j), buf, [i * CHUNK for i in range(4)])
+            assert finish(tier)[0][1]
+        st = tier.stats()
+        assert st["chunks"] <= 8 and st["evictions"] >= 8
+        assert st["bytes"] <= st["capacity_bytes"]
