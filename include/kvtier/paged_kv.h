@@ -211,6 +211,13 @@ class CopyHandle {
   CopyMechanism mechanism_ = CopyMechanism::kHostMemcpy;
 };
 
+// One chunk of a batched copy (KvCopier::GatherChunks / ScatterChunks).
+struct ChunkCopy {
+  std::span<const int64_t> block_ids;  // the chunk's blocks in token order
+  void* chunk = nullptr;               // host buffer
+  uint64_t chunk_bytes = 0;            // capacity for a gather, exact size for a scatter
+};
+
 // Moves chunks between a paged KV cache and host memory in the canonical layout.
 class KvCopier {
  public:
@@ -234,11 +241,23 @@ class KvCopier {
                                      const void* chunk, uint64_t chunk_bytes,
                                      const CopyOptions& options = {}) = 0;
 
+  // Many chunks of `num_tokens` tokens each, in order, in one call: what a layer-by-layer load
+  // issues for each layer (one chunk per 256 tokens of a prefix). Every chunk is checked as by
+  // Gather/Scatter before anything is queued (a refusal names the chunk's index); the handle
+  // completes with the last copy. The CUDA copier puts the copy-engine work of all chunks into one
+  // batch, so the cost per call, not per chunk, is what the caller pays on the host.
+  virtual Result<CopyHandle> GatherChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                          const CopyOptions& options = {});
+  virtual Result<CopyHandle> ScatterChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                           const CopyOptions& options = {});
+
   // The mechanism kAuto resolves to for this cache.
   virtual CopyMechanism AutoMechanism() const = 0;
 
  protected:
   explicit KvCopier(PagedKvCache cache) : cache_(std::move(cache)) {}
+  // Checks every chunk of a batch: its block ids (CheckRequest), a non-null buffer, its size.
+  Status CheckChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens, bool gather) const;
   PagedKvCache cache_;
 };
 

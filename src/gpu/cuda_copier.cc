@@ -173,6 +173,16 @@ class CudaKvCopier final : public KvCopier {
     return Copy(block_ids, num_tokens, const_cast<void*>(chunk), options, /*gather=*/false);
   }
 
+  Result<CopyHandle> GatherChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                  const CopyOptions& options) override {
+    return CopyChunks(chunks, num_tokens, options, /*gather=*/true);
+  }
+
+  Result<CopyHandle> ScatterChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                   const CopyOptions& options) override {
+    return CopyChunks(chunks, num_tokens, options, /*gather=*/false);
+  }
+
   CopyMechanism AutoMechanism() const override {
     if (!kernel_usable_) return CopyMechanism::kCopyEngine;
     if (cache_.min_page_bytes() >= options_.dma_min_page_bytes) return CopyMechanism::kCopyEngine;
@@ -266,8 +276,8 @@ class CudaKvCopier final : public KvCopier {
                           const CopyOptions& options, bool gather) {
     CopyMechanism mechanism = options.mechanism;
     // Skipped blocks are served by the segment plan only; the kernels take every block.
-    const bool skips = !gather && std::find(block_ids.begin(), block_ids.end(), kSkipBlock) !=
-                                      block_ids.end();
+    const bool skips =
+        !gather && std::find(block_ids.begin(), block_ids.end(), kSkipBlock) != block_ids.end();
     if (skips && mechanism == CopyMechanism::kAuto) mechanism = CopyMechanism::kCopyEngine;
     if (skips && mechanism != CopyMechanism::kCopyEngine) {
       return Status::InvalidArgument("a scatter with skipped blocks needs the copy engines");
@@ -318,6 +328,57 @@ class CudaKvCopier final : public KvCopier {
     }
     KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, events_->Take());
     CopyHandle handle(std::make_shared<CudaHandle>(events_, event), mechanism);
+    KVTIER_CUDA_RETURN(cudaEventRecord(event, stream), "cudaEventRecord");
+    return handle;
+  }
+
+  // A batch on the copy engines is one sequence of cudaMemcpyBatchAsync calls for every chunk's
+  // segments; the kernel mechanisms go chunk by chunk (KvCopier's generic batch).
+  Result<CopyHandle> CopyChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                const CopyOptions& options, bool gather) {
+    CopyMechanism mechanism =
+        options.mechanism == CopyMechanism::kAuto ? AutoMechanism() : options.mechanism;
+    if (!gather && options.mechanism == CopyMechanism::kAuto) {
+      for (const ChunkCopy& c : chunks) {
+        if (std::find(c.block_ids.begin(), c.block_ids.end(), kSkipBlock) != c.block_ids.end()) {
+          mechanism = CopyMechanism::kCopyEngine;
+        }
+      }
+    }
+    if (mechanism != CopyMechanism::kCopyEngine) {
+      return gather ? KvCopier::GatherChunks(chunks, num_tokens, options)
+                    : KvCopier::ScatterChunks(chunks, num_tokens, options);
+    }
+    KVTIER_RETURN_IF_ERROR(CheckChunks(chunks, num_tokens, gather));
+    if (chunks.empty()) return CopyHandle();
+    DeviceScope scope(device_);
+    KVTIER_CUDA_RETURN(scope.status(), "cudaSetDevice");
+    // Chunks usually lie in one registered pool: two queries for the whole span instead of two
+    // per chunk (a few microseconds each, paid once per chunk and layer by a layer-wise load).
+    const uint64_t bytes = cache_.chunk_bytes(num_tokens);
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (const ChunkCopy& c : chunks) {
+      lo = std::min(lo, reinterpret_cast<uintptr_t>(c.chunk));
+      hi = std::max(hi, reinterpret_cast<uintptr_t>(c.chunk) + bytes);
+    }
+    if (!MappedHostAddress(reinterpret_cast<void*>(lo), hi - lo, device_).ok()) {
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        Result<char*> mapped = MappedHostAddress(chunks[i].chunk, bytes, device_);
+        if (!mapped.ok()) {
+          return mapped.status().WithContext(fmt::format("chunk {} of {}", i, chunks.size()));
+        }
+      }
+    }
+    cudaStream_t stream = options.stream != nullptr ? static_cast<cudaStream_t>(options.stream)
+                                                    : (gather ? gather_stream_ : scatter_stream_);
+    if (options.wait_event != nullptr) {
+      KVTIER_CUDA_RETURN(
+          cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(options.wait_event), 0),
+          "cudaStreamWaitEvent");
+    }
+    KVTIER_RETURN_IF_ERROR(BatchedDma(chunks, gather, stream));
+    KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, events_->Take());
+    CopyHandle handle(std::make_shared<CudaHandle>(events_, event), CopyMechanism::kCopyEngine);
     KVTIER_CUDA_RETURN(cudaEventRecord(event, stream), "cudaEventRecord");
     return handle;
   }
@@ -439,24 +500,30 @@ class CudaKvCopier final : public KvCopier {
 
   Status BatchedDma(std::span<const int64_t> block_ids, char* chunk, bool gather,
                     cudaStream_t stream) {
-    const std::vector<CopySegment> segments =
-        PlanSegments(cache_, block_ids, options_.dma_merge_adjacent);
-    std::vector<void*> dsts(segments.size());
-    std::vector<const void*> srcs(segments.size());
-    std::vector<size_t> sizes(segments.size());
-    for (size_t i = 0; i < segments.size(); ++i) {
-      char* host = chunk + segments[i].chunk_offset;
-      dsts[i] = gather ? static_cast<void*>(host) : static_cast<void*>(segments[i].page);
-      srcs[i] = gather ? static_cast<const void*>(segments[i].page) : host;
-      sizes[i] = segments[i].bytes;
+    const ChunkCopy one{block_ids, chunk, 0};
+    return BatchedDma(std::span(&one, 1), gather, stream);
+  }
+
+  Status BatchedDma(std::span<const ChunkCopy> chunks, bool gather, cudaStream_t stream) {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    for (const ChunkCopy& c : chunks) {
+      for (const CopySegment& seg :
+           PlanSegments(cache_, c.block_ids, options_.dma_merge_adjacent)) {
+        char* host = static_cast<char*>(c.chunk) + seg.chunk_offset;
+        dsts.push_back(gather ? static_cast<void*>(host) : static_cast<void*>(seg.page));
+        srcs.push_back(gather ? static_cast<const void*>(seg.page) : host);
+        sizes.push_back(seg.bytes);
+      }
     }
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = options_.dma_prefer_overlap ? cudaMemcpyFlagPreferOverlapWithCompute
                                              : cudaMemcpyFlagDefault;
     size_t attr_index = 0;
-    for (size_t i = 0; i < segments.size(); i += kMaxBatch) {
-      const size_t n = std::min(kMaxBatch, segments.size() - i);
+    for (size_t i = 0; i < sizes.size(); i += kMaxBatch) {
+      const size_t n = std::min(kMaxBatch, sizes.size() - i);
       KVTIER_CUDA_RETURN(cudaMemcpyBatchAsync(dsts.data() + i, srcs.data() + i, sizes.data() + i, n,
                                               &attr, &attr_index, 1, stream),
                          "cudaMemcpyBatchAsync");

@@ -295,6 +295,45 @@ std::string PagedKvCache::ToString() const {
       bytes_per_token_, pages);
 }
 
+Status KvCopier::CheckChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                             bool gather) const {
+  const uint64_t need = cache_.chunk_bytes(num_tokens);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ChunkCopy& c = chunks[i];
+    Status st = cache_.CheckRequest(c.block_ids, num_tokens, /*for_scatter=*/!gather);
+    if (st.ok() && c.chunk == nullptr) st = Status::InvalidArgument("null chunk buffer");
+    if (st.ok() && (gather ? c.chunk_bytes < need : c.chunk_bytes != need)) {
+      st = Status::InvalidArgument(fmt::format("chunk buffer of {} bytes, {} {}", c.chunk_bytes,
+                                               gather ? "at least" : "exactly", need));
+    }
+    if (!st.ok()) return st.WithContext(fmt::format("chunk {} of {}", i, chunks.size()));
+  }
+  return Status::Ok();
+}
+
+// The generic batch: one call per chunk, in order, on the caller's stream (or the copier's stream
+// for that direction), so the last handle completes after every earlier copy.
+Result<CopyHandle> KvCopier::GatherChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                          const CopyOptions& options) {
+  KVTIER_RETURN_IF_ERROR(CheckChunks(chunks, num_tokens, /*gather=*/true));
+  CopyHandle last;
+  for (const ChunkCopy& c : chunks) {
+    KVTIER_ASSIGN_OR_RETURN(last, Gather(c.block_ids, num_tokens, c.chunk, c.chunk_bytes, options));
+  }
+  return last;
+}
+
+Result<CopyHandle> KvCopier::ScatterChunks(std::span<const ChunkCopy> chunks, uint64_t num_tokens,
+                                           const CopyOptions& options) {
+  KVTIER_RETURN_IF_ERROR(CheckChunks(chunks, num_tokens, /*gather=*/false));
+  CopyHandle last;
+  for (const ChunkCopy& c : chunks) {
+    KVTIER_ASSIGN_OR_RETURN(last,
+                            Scatter(c.block_ids, num_tokens, c.chunk, c.chunk_bytes, options));
+  }
+  return last;
+}
+
 namespace gpu {
 
 std::vector<CopySegment> PlanSegments(const PagedKvCache& cache, std::span<const int64_t> block_ids,

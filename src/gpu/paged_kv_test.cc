@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -268,6 +269,54 @@ TEST(HostCopierTest, RoundTripAcrossBlockSizesAndLayouts) {
   c.Scatter(ids_c, b.Gather(ids_b));
   EXPECT_EQ(c.Gather(ids_c), chunk);
   EXPECT_EQ(a.Gather(ids_a), chunk);
+}
+
+// A batch moves exactly what one call per chunk moves; a bad chunk anywhere in it is refused,
+// naming the chunk, before anything is copied.
+TEST(HostCopierTest, BatchedChunksMatchOneCallPerChunk) {
+  std::mt19937_64 rng(17);
+  HostCache src = HostCache::Make(ShapeKind::kSplitKvPerLayer, 3, 16, 40, 64, 0, rng);
+  HostCache dst = HostCache::Make(ShapeKind::kSplitKvPerLayer, 3, 16, 40, 64, 0, rng);
+  const uint64_t tokens = 64, bytes = src.cache.chunk_bytes(tokens);
+  std::vector<std::vector<int64_t>> ids;
+  for (int c = 0; c < 5; ++c) ids.push_back(gpu::testing::RandomIds(rng, 40, tokens / 16));
+  std::vector<char> batch(5 * bytes, 0x11);
+  std::vector<ChunkCopy> chunks;
+  for (int c = 0; c < 5; ++c) chunks.push_back({ids[c], batch.data() + c * bytes, bytes});
+  ASSERT_TRUE(src.copier->GatherChunks(chunks, tokens).ok());
+  for (int c = 0; c < 5; ++c) {
+    EXPECT_EQ(std::vector<char>(batch.begin() + c * bytes, batch.begin() + (c + 1) * bytes),
+              src.Gather(ids[c]))
+        << "chunk " << c;
+  }
+
+  // Scatter the batch into other (disjoint) blocks of another cache.
+  std::vector<int64_t> all(40);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  std::vector<std::vector<int64_t>> dst_ids;
+  for (int c = 0; c < 5; ++c) dst_ids.emplace_back(all.begin() + 4 * c, all.begin() + 4 * c + 4);
+  for (int c = 0; c < 5; ++c) chunks[c].block_ids = dst_ids[c];
+  ASSERT_TRUE(dst.copier->ScatterChunks(chunks, tokens).ok());
+  for (int c = 0; c < 5; ++c) EXPECT_EQ(dst.Gather(dst_ids[c]), src.Gather(ids[c]));
+
+  // Refusals: a wrong size, a bad id or a null buffer in chunk 3 leaves every block untouched.
+  const std::vector<char> before = dst.mem;
+  std::vector<char> junk(5 * bytes, 0x77);
+  for (int c = 0; c < 5; ++c) chunks[c].chunk = junk.data() + c * bytes;
+  const std::vector<int64_t> bad_ids = {1, 2, 3, 99};
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<ChunkCopy> bad = chunks;
+    if (variant == 0) bad[3].chunk_bytes = bytes - 1;
+    if (variant == 1) bad[3].block_ids = bad_ids;
+    if (variant == 2) bad[3].chunk = nullptr;
+    auto r = dst.copier->ScatterChunks(bad, tokens);
+    ASSERT_FALSE(r.ok()) << variant;
+    EXPECT_NE(r.status().ToString().find("chunk 3 of 5"), std::string::npos)
+        << r.status().ToString();
+    EXPECT_TRUE(dst.mem == before) << "variant " << variant << " copied something";
+  }
+  EXPECT_TRUE(dst.copier->ScatterChunks({}, tokens).ok());  // nothing to do
 }
 
 // kSkipBlock: a scatter leaves the skipped blocks untouched and fills the others; gathers and
