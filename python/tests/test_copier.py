@@ -102,6 +102,31 @@ def test_scatter_skip_block_leaves_it_alone():
         np.testing.assert_array_equal(np.delete(a, 3, axis=1), np.delete(b, 3, axis=1))
 
 
+def test_batched_chunks_match_one_call_per_chunk():
+    rng = np.random.default_rng(5)
+    caches = split_caches(rng)
+    copier = kvtier.KvCopier([split_tensor(a) for a in caches], TPB)
+    n = copier.chunk_bytes(2 * TPB)
+    ids = [[3, 7], [0, 11], [5, 1]]
+    out = np.zeros((3, n), dtype=np.uint8)
+    addrs = [out[i].ctypes.data for i in range(3)]
+    copier.gather_chunks(ids, 2 * TPB, addrs, n).wait()
+    for i, chunk_ids in enumerate(ids):
+        np.testing.assert_array_equal(out[i], model_chunk(caches, split_page, chunk_ids))
+    # Scatter them back elsewhere; a mismatch of ids and addresses, or a bad chunk, is refused
+    # before anything moves.
+    before = [a.copy() for a in caches]
+    with pytest.raises(TypeError):
+        copier.scatter_chunks(ids[:2], 2 * TPB, addrs, n)
+    with pytest.raises(kvtier.InvalidArgumentError, match="chunk 2 of 3"):
+        copier.scatter_chunks([[2, 4], [6, 8], [9, 99]], 2 * TPB, addrs, n)
+    for a, b in zip(caches, before):
+        np.testing.assert_array_equal(a, b)
+    copier.scatter_chunks([[2, 4], [6, 8], [9, 10]], 2 * TPB, addrs, n).wait()
+    for i, chunk_ids in enumerate([[2, 4], [6, 8], [9, 10]]):
+        np.testing.assert_array_equal(model_chunk(caches, split_page, chunk_ids), out[i])
+
+
 def test_cross_layer_tensor_gives_the_same_chunk():
     rng = np.random.default_rng(3)
     # [num_blocks, layers, 2, tpb, token_bytes]: every layer of a block together.

@@ -1,0 +1,860 @@
+"""Time to first token: recomputing a prompt vs loading its prefix from kvtier.
+
+    python -m kvtier.bench.ttft [--model qwen3-8b] [--contexts 4k,8k,16k,24k,32k] [--json] [--plot F]
+
+On a CUDA machine this builds a model from a Hugging Face config.json with random weights (bf16,
+on the GPU; see ``kvtier.bench.model``) and, for each context length L (prefix = L - suffix
+tokens, chunk-aligned), measures with warm-ups and repeats, the arms interleaved in every repeat:
+
+* ``recompute``: prefill of all L tokens (the prefill table ``kvtier plan --prefill-table`` takes);
+* ``gpu``: the prefix's KV already in the GPU's cache, prefill of the suffix only (vLLM's own
+  prefix-cache hit; the suffix-compute term of the floors below);
+* ``l1``: the prefix's chunks looked up and pinned in an in-process kvtier engine's memory tier,
+  scattered layer by layer into the paged KV cache by the CUDA copier on a copy stream, while the
+  suffix is computed: layer i's attention waits only for layer i's KV;
+* ``l1-serial``: the same load, all of it before the suffix's forward pass (no overlap);
+* ``server``: as ``l1``, through a ``kvtier serve`` daemon's shared-memory pool;
+* ``file``: as ``l1``, from chunk files on local disk through the engine's file tier, cold: a
+  fresh engine each repeat (empty L1), page cache dropped where permitted, reads with O_DIRECT;
+* ``save``: a prefill at 0 % hits that saves every layer's KV into reserved L1 slots as soon as
+  the layer has written it (gathers on a copy stream), against ``recompute`` for the overhead.
+
+Every hit is verified: the prefix KV in the cache must equal the recompute's bit for bit, and the
+first token's logits must match the recompute's. The host->GPU copy bandwidth is measured in the
+same run (the copy floor), and the disk's O_DIRECT read bandwidth by ``kvtier bench storage``.
+On a machine without CUDA it runs on the CPU (float32, host copier): for tests, not for figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kvtier
+from kvtier.bench.model import DecoderModel, ModelConfig, PagedKvCache, blocks_for
+
+ALL_ARMS = ("recompute", "gpu", "l1", "l1-serial", "server", "file", "save")
+HIT_ARMS = ("l1", "l1-serial", "server", "file")
+GiB = 1 << 30
+
+
+def parse_tokens(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            n = int(part.rstrip("k")) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad token count {part!r} (e.g. 4096 or 4k)")
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"token count must be positive: {part!r}")
+        out.append(n)
+    if not out:
+        raise argparse.ArgumentTypeError("no token counts given")
+    return out
+
+
+def parse_arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ALL_ARMS]
+    if bad or not arms:
+        raise argparse.ArgumentTypeError(
+            f"unknown arm(s) {bad or text!r}; choose from {','.join(ALL_ARMS)}")
+    if "recompute" not in arms:
+        arms.insert(0, "recompute")  # the reference every other arm is checked against
+    return arms
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvtier.bench.ttft",
+        description="Time to first token on the GPU: recompute vs a prefix loaded from kvtier "
+        "(memory tier in-process and through kvtier serve, file tier cold from local disk), "
+        "and the overhead of saving KV during the forward pass. Prints a table; --json for "
+        "one JSON object.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b",
+                   help="shipped config (qwen3-8b, qwen3-0.6b) or a Hugging Face config.json")
+    p.add_argument("--contexts", type=parse_tokens, default=parse_tokens("4k,8k,16k,24k,32k"),
+                   help="prompt lengths in tokens (k = x1024)")
+    p.add_argument("--suffix", type=int, default=256,
+                   help="uncached tokens at the end of each prompt")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="kvtier chunk size, tokens")
+    p.add_argument("--block-tokens", type=int, default=16, help="KV cache block (page), tokens")
+    p.add_argument("--arms", type=parse_arms, default=list(ALL_ARMS),
+                   help="comma list of " + ",".join(ALL_ARMS))
+    p.add_argument("--warmup", type=int, default=2, help="untimed repeats per context")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per context (median)")
+    p.add_argument("--dir", default=None,
+                   help="directory for the file tier's chunks, on the disk to measure "
+                   "(default: a new folder under /var/tmp, removed at the end)")
+    p.add_argument("--read-threads", type=int, default=4, help="file tier read threads")
+    p.add_argument("--mechanism", default=None,
+                   help="copier mechanism: dma (the default on CUDA: the copy engines, leaving "
+                   "every SM to the model's kernels), auto, kernel or staged")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kvtier-bin", default=None,
+                   help="the kvtier command (for `serve` and `bench storage`); default: "
+                   "$KVTIER_BIN, then PATH, then this Python's bin folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="FILE.svg",
+                   help="also draw TTFT against context with the copy floor")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment: device, streams, pinned memory, the kvtier binary
+
+
+@dataclass
+class Env:
+    device: torch.device
+    dtype: torch.dtype
+    cuda: bool
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device) if self.cuda else None
+
+    def pin(self, store) -> None:
+        """Registers a store's L1 pool with CUDA so copies to and from it are DMA at full speed."""
+        if not self.cuda:
+            return
+        # cudaHostRegisterPortable | cudaHostRegisterMapped
+        err = torch.cuda.cudart().cudaHostRegister(store.pool_base, store.pool_bytes, 0x1 | 0x2)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of kvtier's pool failed ({err})")
+
+    def unpin(self, store) -> None:
+        if self.cuda:
+            torch.cuda.cudart().cudaHostUnregister(store.pool_base)
+
+
+def find_kvtier_bin(explicit: str | None) -> str | None:
+    for cand in (explicit, os.environ.get("KVTIER_BIN"), shutil.which("kvtier"),
+                 os.path.join(os.path.dirname(sys.executable), "kvtier")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------
+# Moving a prefix between the paged cache and kvtier, layer by layer
+
+
+class ChunkMover:
+    """Copies chunks between the model's paged KV cache and host memory in kvtier's canonical
+    layout. A chunk holds every layer (layer-major, then K/V, then token), so layer i of a chunk
+    is the contiguous range ``[i * layer_bytes, (i + 1) * layer_bytes)``; one copier per layer
+    moves just that range, which is what lets layer i's copy overlap layer i-1's compute."""
+
+    def __init__(self, env: Env, cache: PagedKvCache, chunk_tokens: int, mechanism: str):
+        self.env = env
+        self.cache = cache
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = chunk_tokens // cache.tokens_per_block
+        device = (env.device.index or 0) if env.cuda else -1
+        bt = cache.tokens_per_block
+
+        def tensor(layer_tensor):
+            return kvtier.KvPageTensor.split_kv(layer_tensor.data_ptr(), cache.num_blocks, bt,
+                                                cache.token_bytes)
+
+        self.per_layer = [kvtier.KvCopier([tensor(t)], bt, device=device, mechanism=mechanism)
+                          for t in cache.layers]
+        self.whole = kvtier.KvCopier([tensor(t) for t in cache.layers], bt, device=device,
+                                     mechanism=mechanism)
+        self.layer_bytes = self.per_layer[0].chunk_bytes(chunk_tokens)
+        self.chunk_bytes = self.whole.chunk_bytes(chunk_tokens)
+        assert self.chunk_bytes == self.layer_bytes * len(cache.layers)
+        self._id_lists = {}
+
+    def block_ids(self, chunk: int) -> list[int]:
+        ids = self._id_lists.get(chunk)
+        if ids is None:
+            b = chunk * self.blocks_per_chunk
+            ids = self._id_lists[chunk] = list(range(b, b + self.blocks_per_chunk))
+        return ids
+
+    def _ids(self, first_chunk: int, n: int) -> list[list[int]]:
+        return [self.block_ids(first_chunk + c) for c in range(n)]
+
+    def scatter_layer(self, layer: int, addrs: list[int], stream) -> None:
+        """Layer ``layer`` of chunks 0, 1, ... from host addresses ``addrs``: one batched call."""
+        off = layer * self.layer_bytes
+        self.per_layer[layer].scatter_chunks(
+            self._ids(0, len(addrs)), self.chunk_tokens, [a + off for a in addrs],
+            self.layer_bytes, stream=stream.cuda_stream if stream is not None else 0)
+
+    def gather_layer(self, layer: int, addrs: list[int], stream) -> None:
+        off = layer * self.layer_bytes
+        self.per_layer[layer].gather_chunks(
+            self._ids(0, len(addrs)), self.chunk_tokens, [a + off for a in addrs],
+            self.layer_bytes, stream=stream.cuda_stream if stream is not None else 0)
+
+    def scatter_all(self, addrs: list[int], stream) -> None:
+        self.whole.scatter_chunks(self._ids(0, len(addrs)), self.chunk_tokens, addrs,
+                                  self.chunk_bytes,
+                                  stream=stream.cuda_stream if stream is not None else 0)
+
+    def gather_chunks(self, chunks: list[int], addrs: list[int], stream):
+        return self.whole.gather_chunks([self.block_ids(c) for c in chunks], self.chunk_tokens,
+                                        addrs, self.chunk_bytes,
+                                        stream=stream.cuda_stream if stream is not None else 0)
+
+
+def store_prefix(store, keys: list[bytes], mover: ChunkMover, env: Env) -> None:
+    """Gathers the cache's first len(keys) chunks into reserved slots and commits them."""
+    slots = store.reserve_slots(keys)
+    if len(slots) != len(keys):
+        raise RuntimeError(f"kvtier reserved {len(slots)} of {len(keys)} slots: pool too small")
+    todo = [(k, s) for k, s in zip(keys, slots) if s >= 0]
+    if not todo:
+        return
+    stream = env.new_stream()
+    mover.gather_chunks([i for i, s in enumerate(slots) if s >= 0],
+                        [store.slot_address(s) for _, s in todo], stream)
+    if stream is not None:
+        stream.synchronize()
+    store.commit_slots([k for k, _ in todo], [s for _, s in todo])
+
+
+# ------------------------------------------------------------------------------------------------
+# One context length
+
+
+@dataclass
+class ContextRun:
+    env: Env
+    model: DecoderModel
+    cache: PagedKvCache
+    mover: ChunkMover
+    ns: object
+    context: int
+    suffix: int
+    tokens: torch.Tensor  # on the model's device
+    tokens_cpu: torch.Tensor
+    logits_ref: torch.Tensor = None
+    logits_suffix_ref: torch.Tensor = None
+    kv_ref: list = None
+    samples: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> int:
+        return self.context - self.suffix
+
+    @property
+    def prefix_chunks(self) -> int:
+        return self.prefix // self.mover.chunk_tokens
+
+    def keys(self) -> list[bytes]:
+        return kvtier.chunk_keys(self.ns, self.tokens_cpu[:self.prefix])
+
+    def record(self, arm: str, seconds: float, timed: bool, **extra) -> None:
+        if timed:
+            self.samples.setdefault(arm, []).append(seconds)
+            for k, v in extra.items():
+                self.samples.setdefault(f"{arm}:{k}", []).append(v)
+
+    def check_hit(self, arm: str, logits: torch.Tensor) -> None:
+        if not self.cache.equals(self.kv_ref, self.prefix):
+            self.errors.append(f"{arm}: prefix KV in the cache differs from the recompute's")
+        self.check_logits(arm, logits, self.logits_suffix_ref, 1e-3)
+
+    def check_logits(self, arm: str, logits: torch.Tensor, ref: torch.Tensor,
+                     tol: float) -> None:
+        """A hit computes exactly what the GPU-prefix-hit reference computes (same kernels on the
+        same KV), so it must match that closely; the reference itself is checked against the full
+        prefill once, more loosely (a different kernel split rounds differently in bf16)."""
+        ref = ref.float()
+        rel = float((logits.float() - ref).norm() / ref.norm())
+        errs = self.extra.setdefault("logit_rel_err", {})
+        errs[arm] = max(rel, errs.get(arm, 0.0))
+        if not rel <= tol:
+            self.errors.append(f"{arm}: first-token logits differ from the reference "
+                               f"(relative error {rel:.2e} > {tol:.0e})")
+
+    def make_references(self) -> None:
+        """The full prefill's logits and prefix KV, then the suffix-only logits over that KV."""
+        logits = self.model.prefill(self.tokens, self.cache)
+        self.logits_ref = logits.clone()
+        self.kv_ref = self.cache.snapshot(self.prefix)
+        self.logits_suffix_ref = self.model.prefill(self.tokens[self.prefix:], self.cache,
+                                                    start=self.prefix).clone()
+        # bf16 through every layer: a few percent; a misaligned causal mask gives O(1)
+        tol = 1e-4 if self.env.dtype == torch.float32 else 0.1
+        self.check_logits("suffix-vs-full", self.logits_suffix_ref, self.logits_ref, tol)
+
+    # -- arms ---------------------------------------------------------------------------------
+
+    def run_recompute(self, timed: bool) -> None:
+        self.env.sync()
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.tokens, self.cache)
+        logits.argmax().item()
+        t = time.perf_counter() - t0
+        self.check_logits("recompute", logits, self.logits_ref, 1e-3)
+        self.record("recompute", t, timed)
+
+    def restore_prefix(self) -> None:
+        for i, s in enumerate(self.kv_ref):
+            self.cache.flat(i, 0)[:self.prefix] = s[0]
+            self.cache.flat(i, 1)[:self.prefix] = s[1]
+
+    def run_gpu_hit(self, timed: bool) -> None:
+        self.restore_prefix()
+        self.env.sync()
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.tokens[self.prefix:], self.cache, start=self.prefix)
+        logits.argmax().item()
+        t = time.perf_counter() - t0
+        self.check_logits("gpu", logits, self.logits_suffix_ref, 1e-3)
+        self.record("gpu", t, timed)
+
+    def run_hit(self, arm: str, store, timed: bool, serial: bool = False) -> None:
+        """Lookup, pin, scatter (layer-wise, overlapped with the suffix's compute) and the first
+        token. Timed from before the key derivation to the first token on the host."""
+        env, model, mover = self.env, self.model, self.mover
+        self.cache.poison(self.prefix)
+        env.sync()
+        t0 = time.perf_counter()
+        keys = self.keys()
+        total, _ = store.lookup(keys)
+        if total != len(keys):
+            self.errors.append(f"{arm}: lookup found {total} of {len(keys)} chunks")
+            return
+        op = store.prepare_load(keys)
+        res = op.wait()
+        if res is None or not res.ok or len(res.slots) != len(keys):
+            self.errors.append(f"{arm}: prepare_load failed ({res})")
+            return
+        t_pinned = time.perf_counter()
+        addrs = [store.slot_address(s) for s in res.slots]
+        stream = env.new_stream()
+        if serial:
+            mover.scatter_all(addrs, stream)
+            if stream is not None:
+                stream.synchronize()
+            logits = model.prefill(self.tokens[self.prefix:], self.cache, start=self.prefix)
+        else:
+            events = []
+
+            def issue(layer: int) -> None:
+                mover.scatter_layer(layer, addrs, stream)
+                if stream is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
+
+            issue(0)
+            x = model.embed(self.tokens[self.prefix:])
+            for i in range(model.cfg.num_layers):
+                if i + 1 < model.cfg.num_layers:
+                    issue(i + 1)  # queue the next layer's copy before this layer's kernels
+                wait = (lambda ev=events[i]: torch.cuda.current_stream().wait_event(ev)) \
+                    if stream is not None else None
+                x = model.forward_layer(i, x, self.cache, self.prefix, before_attention=wait)
+            logits = model.first_token(x)
+        t_issued = time.perf_counter()  # the host has queued every copy and kernel
+        logits.argmax().item()
+        t = time.perf_counter() - t0
+        store.unpin(res.slots)
+        self.check_hit(arm, logits)
+        self.record(arm, t, timed, pin_s=t_pinned - t0, host_s=t_issued - t0)
+
+    def run_save(self, store, timed: bool, rep: int) -> None:
+        """A 0 %-hit prefill of fresh tokens that saves each layer's KV as soon as it is written."""
+        env, model, mover = self.env, self.model, self.mover
+        g = torch.Generator().manual_seed(10_000 + rep)
+        tokens_cpu = torch.randint(0, model.cfg.vocab_size, (self.context,), generator=g)
+        tokens = tokens_cpu.to(env.device)
+        n_chunks = self.context // mover.chunk_tokens
+        env.sync()
+        t0 = time.perf_counter()
+        keys = kvtier.chunk_keys(self.ns, tokens_cpu[:n_chunks * mover.chunk_tokens])
+        slots = store.reserve_slots(keys)
+        if len(slots) != len(keys) or min(slots, default=0) < 0:
+            self.errors.append(f"save: reserved {len(slots)} of {len(keys)} fresh slots")
+            store.abort_slots(slots)
+            return
+        addrs = [store.slot_address(s) for s in slots]
+        stream = env.new_stream()
+        x = model.embed(tokens)
+        for i in range(model.cfg.num_layers):
+            x = model.forward_layer(i, x, self.cache, 0)
+            if stream is not None:
+                stream.wait_event(torch.cuda.current_stream().record_event())
+            mover.gather_layer(i, addrs, stream)
+        logits = model.first_token(x)
+        logits.argmax().item()
+        t = time.perf_counter() - t0
+        if stream is not None:
+            stream.synchronize()
+        t_saved = time.perf_counter() - t0
+        store.commit_slots(keys, slots)
+        self.record("save", t, timed, done_s=t_saved)
+
+    def run_file(self, make_store, timed: bool) -> None:
+        store = make_store()
+        cold = drop_page_cache()
+        try:
+            self.run_hit("file", store, timed)
+        finally:
+            st = store.stats()
+            self.env.unpin(store)
+            store.close()
+        if timed:
+            self.samples.setdefault("file:page_cache_dropped", []).append(float(cold))
+            self.extra["file_stats"] = st
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Stores
+
+
+class ServeProcess:
+    """A `kvtier serve` daemon with an L1 pool only, on a private socket."""
+
+    def __init__(self, kvtier_bin: str, chunk_bytes: int, l1_gib: float, workdir: str):
+        self.socket = os.path.join(workdir, "kvtier.sock")
+        cmd = [kvtier_bin, "serve", "--socket", self.socket, "--no-l2", "--chunk-bytes",
+               str(chunk_bytes), "--l1-size-gb", f"{l1_gib:.3f}", "--http-port", "-1",
+               "--log-level", "warn"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtier serve exited with {self.proc.returncode}: {cmd}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("kvtier serve did not create its socket within 60 s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def storage_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, readers: int) -> dict:
+    """`kvtier bench storage` on the file tier's directory: O_DIRECT reads of chunk-sized files."""
+    reader_counts = sorted({1, readers})
+    cmd = [kvtier_bin, "bench", "storage", directory, "--file-size", str(chunk_bytes),
+           "--readers", ",".join(map(str, reader_counts)), "--json"]
+    log("+ " + " ".join(cmd))
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvtier bench storage failed: {out.stderr.strip()[-500:]}")
+    j = json.loads(out.stdout)
+    reads = {int(r["readers"]): float(r["read_GBps"]) for r in j["readers"]}
+    return {"read_GBps": max(reads.values()), "read_GBps_by_readers": reads,
+            "write_GBps": j.get("write_GBps"), "o_direct": j.get("o_direct")}
+
+
+def copy_bandwidth(env: Env, nbytes: int = GiB, repeats: int = 5) -> dict:
+    """Host->GPU and GPU->host over PCIe from pinned memory, median of repeats (GB/s)."""
+    if not env.cuda:
+        return {"h2d_GBps": float("nan"), "d2h_GBps": float("nan")}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 255)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+    res = {}
+    for name, fn in (("h2d_GBps", lambda: dev.copy_(host, non_blocking=True)),
+                     ("d2h_GBps", lambda: host.copy_(dev, non_blocking=True))):
+        times = []
+        for _ in range(repeats + 1):
+            env.sync()
+            t0 = time.perf_counter()
+            fn()
+            env.sync()
+            times.append(time.perf_counter() - t0)
+        res[name] = nbytes / median(times[1:]) / 1e9
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+
+
+def measure(args) -> dict:
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but PyTorch sees no CUDA device")
+    if cuda and not kvtier.cuda_built():
+        raise SystemExit("error: this kvtier was built without CUDA; rebuild with "
+                         "CMAKE_ARGS=-DKVTIER_WITH_CUDA=ON pip install .")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"), None)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"error: unknown dtype {args.dtype!r}")
+    env = Env(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+              dtype, cuda)
+    if args.chunk_tokens % args.block_tokens:
+        raise SystemExit("error: --chunk-tokens must be a multiple of --block-tokens")
+    if args.suffix <= 0:
+        raise SystemExit("error: --suffix must be positive")
+    for c in args.contexts:
+        if c <= args.suffix or (c - args.suffix) % args.chunk_tokens:
+            raise SystemExit(f"error: context {c}: the prefix (context - suffix = "
+                             f"{c - args.suffix}) must be a positive multiple of --chunk-tokens")
+    try:
+        cfg = ModelConfig.load(args.model)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    arms = args.arms
+    kvtier_bin = find_kvtier_bin(args.kvtier_bin)
+    if kvtier_bin is None and ("server" in arms or "file" in arms):
+        raise SystemExit("error: the server and file arms need the kvtier command: pass "
+                         "--kvtier-bin, set KVTIER_BIN or put it on PATH (or leave those arms out)")
+
+    max_ctx = max(args.contexts)
+    torch.manual_seed(args.seed)
+    log(f"building {cfg.name} ({cfg.num_parameters() / 1e9:.2f} B parameters, {dtype}) on "
+        f"{env.device}")
+    model = DecoderModel(cfg, env.device, dtype, seed=args.seed)
+    cache = PagedKvCache(cfg, blocks_for(max_ctx, args.block_tokens), args.block_tokens, dtype,
+                         env.device)
+    mechanism = args.mechanism or ("dma" if cuda else "auto")
+    mover = ChunkMover(env, cache, args.chunk_tokens, mechanism)
+    chunk_bytes = mover.chunk_bytes
+    ns = kvtier.KeyNamespace(f"ttft-bench/{cfg.name}", chunk_tokens=args.chunk_tokens)
+    prefix_gib_max = (max_ctx - args.suffix) * cfg.kv_bytes_per_token(dtype) / GiB
+    l1_gib = prefix_gib_max * 1.1 + chunk_bytes / GiB * 4
+
+    result = {
+        "model": cfg.name, "parameters": cfg.num_parameters(), "dtype": str(dtype).split(".")[-1],
+        "device": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype), "suffix_tokens": args.suffix,
+        "chunk_tokens": args.chunk_tokens, "block_tokens": args.block_tokens,
+        "chunk_bytes": chunk_bytes, "copy_mechanism": mover.whole.auto_mechanism
+        if mechanism == "auto" else mechanism,
+        "layer_copy_mechanism": mover.per_layer[0].auto_mechanism
+        if mechanism == "auto" else mechanism,
+        "warmup": args.warmup, "repeats": args.repeats, "arms": arms, "rows": [],
+    }
+    result.update(copy_bandwidth(env))
+    log(f"PCIe pinned copy: host->GPU {result['h2d_GBps']:.1f} GB/s, "
+        f"GPU->host {result['d2h_GBps']:.1f} GB/s")
+
+    workdir = tempfile.mkdtemp(prefix="kvtier-ttft-")
+    file_dir = args.dir or tempfile.mkdtemp(prefix="kvtier-ttft-", dir="/var/tmp")
+    own_file_dir = args.dir is None
+    server = client = engine = save_engine = None
+    try:
+        if "file" in arms:
+            os.makedirs(file_dir, exist_ok=True)
+            result["disk"] = storage_bandwidth(kvtier_bin, file_dir, chunk_bytes,
+                                               args.read_threads)
+            log(f"disk: O_DIRECT read {result['disk']['read_GBps']:.2f} GB/s "
+                f"({result['disk']['read_GBps_by_readers']})")
+        engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=None)
+        env.pin(engine)
+        if "save" in arms:
+            save_gib = max_ctx * cfg.kv_bytes_per_token(dtype) / GiB * 2.2
+            save_engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=save_gib, l2=None)
+            env.pin(save_engine)
+        if "server" in arms:
+            server = ServeProcess(kvtier_bin, chunk_bytes, l1_gib, workdir)
+            client = kvtier.connect(ns, chunk_bytes, socket_path=server.socket,
+                                    client_name="ttft-bench", rpc_timeout_ms=60_000)
+            env.pin(client)
+        l2 = {"type": "fs", "path": file_dir, "max_size_gb": max(1.0, prefix_gib_max * 2.5),
+              "read_threads": args.read_threads, "write_threads": 4}
+
+        def open_file_store(write_policy="write_back"):
+            s = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=l2,
+                                   write_policy=write_policy, load_deadline_ms=600_000)
+            env.pin(s)
+            return s
+
+        for ctx in args.contexts:
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx)
+            tokens_cpu = torch.randint(0, cfg.vocab_size, (ctx,), generator=g)
+            run = ContextRun(env, model, cache, mover, ns, ctx, args.suffix,
+                             tokens_cpu.to(env.device), tokens_cpu)
+            log(f"context {ctx}: reference prefill")
+            run.make_references()
+            keys = run.keys()
+            store_prefix(engine, keys, mover, env)
+            if client is not None:
+                store_prefix(client, keys, mover, env)
+            if "file" in arms:
+                fs = open_file_store("write_through")
+                store_prefix(fs, keys, mover, env)
+                env.unpin(fs)
+                fs.close()  # waits for every chunk file to be written
+            for rep in range(args.warmup + args.repeats):
+                timed = rep >= args.warmup
+                for arm in arms:
+                    if arm == "recompute":
+                        run.run_recompute(timed)
+                    elif arm == "gpu":
+                        run.run_gpu_hit(timed)
+                    elif arm == "l1":
+                        run.run_hit("l1", engine, timed)
+                    elif arm == "l1-serial":
+                        run.run_hit("l1-serial", engine, timed, serial=True)
+                    elif arm == "server":
+                        run.run_hit("server", client, timed)
+                    elif arm == "file":
+                        run.run_file(open_file_store, timed)
+                    elif arm == "save":
+                        run.run_save(save_engine, timed, rep * 1_000_003 + ctx)
+            row = summarize(run, result, cfg, dtype)
+            result["rows"].append(row)
+            log(format_row(row))
+            if run.errors:
+                log("\n".join("  ERROR " + e for e in run.errors))
+            del run
+    finally:
+        for s in (client, engine, save_engine):
+            if s is not None:
+                env.unpin(s)
+                s.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        if own_file_dir:
+            shutil.rmtree(file_dir, ignore_errors=True)
+    result["h2d_GBps_end"] = copy_bandwidth(env)["h2d_GBps"]
+    from kvtier.bench import model as model_mod
+    result["attention"] = {None: "not used", True: "SDPA, lower-right causal, grouped KV heads",
+                           False: "SDPA, lower-right causal, KV heads expanded"}[
+                               model_mod._LOWER_RIGHT_GQA_OK]
+    result["torch"] = torch.__version__
+    result["prefill_table"] = ",".join(f"{r['context']}:{r['recompute_s']:.4f}"
+                                       for r in result["rows"])
+    result["targets"] = targets(result)
+    return result
+
+
+def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
+    s = run.samples
+    prefix_bytes = run.prefix * cfg.kv_bytes_per_token(dtype)
+    row = {"context": run.context, "prefix_tokens": run.prefix, "prefix_bytes": prefix_bytes,
+           "errors": run.errors}
+    for arm in ALL_ARMS:
+        if arm in s:
+            key = arm.replace("-", "_")
+            row[f"{key}_s"] = median(s[arm])
+            row[f"{key}_samples"] = s[arm]
+    for k in ("l1:pin_s", "server:pin_s", "file:pin_s", "l1:host_s", "server:host_s",
+              "file:host_s", "save:done_s"):
+        if k in s:
+            row[k.replace(":", "_").replace("-", "_")] = median(s[k])
+    if "file:page_cache_dropped" in s:
+        row["file_page_cache_dropped"] = all(s["file:page_cache_dropped"])
+    if "file_stats" in run.extra:
+        row["file_o_direct"] = _find(run.extra["file_stats"], "o_direct")
+    row["logit_rel_err"] = run.extra.get("logit_rel_err", {})
+    copy_s = prefix_bytes / (result["h2d_GBps"] * 1e9) if result["h2d_GBps"] > 0 else float("nan")
+    row["copy_floor_s"] = copy_s
+    rec = row.get("recompute_s")
+    gpu = row.get("gpu_s")
+    if gpu is not None:
+        # the first layer's copy cannot overlap anything; the rest hides behind the compute
+        row["l1_floor_s"] = max(copy_s, gpu) + copy_s / cfg.num_layers
+    if gpu is not None and "disk" in result:
+        row["file_floor_s"] = prefix_bytes / (result["disk"]["read_GBps"] * 1e9) + gpu
+    for arm in ("gpu", "l1", "l1_serial", "server", "file"):
+        if f"{arm}_s" in row and rec:
+            row[f"{arm}_speedup"] = rec / row[f"{arm}_s"]
+    for arm, floor in (("l1", "l1_floor_s"), ("server", "l1_floor_s"), ("file", "file_floor_s")):
+        if f"{arm}_s" in row and floor in row:
+            row[f"{arm}_vs_floor"] = row[f"{arm}_s"] / row[floor]
+    if "save_s" in row and rec:
+        row["save_overhead"] = row["save_s"] / rec - 1
+    return row
+
+
+def _find(d, key):
+    if isinstance(d, dict):
+        if key in d:
+            return d[key]
+        for v in d.values():
+            r = _find(v, key)
+            if r is not None:
+                return r
+    return None
+
+
+def targets(result: dict) -> dict:
+    rows = {r["context"]: r for r in result["rows"]}
+    t = {}
+    r24 = rows.get(24576)
+    if r24 and "l1_speedup" in r24:
+        t["l1_24k_speedup_ge_10x"] = r24["l1_speedup"] >= 10
+    l1 = [r["l1_vs_floor"] for r in rows.values() if "l1_vs_floor" in r]
+    if l1:
+        t["l1_within_1.3x_floor"] = max(l1) <= 1.3
+    fl = [r["file_vs_floor"] for r in rows.values() if "file_vs_floor" in r]
+    if fl:
+        t["file_within_1.2x_floor"] = max(fl) <= 1.2
+    sv = [r["save_overhead"] for r in rows.values() if "save_overhead" in r]
+    if sv:
+        t["save_overhead_le_1pct"] = max(sv) <= 0.01
+    t["all_hits_verified"] = not any(r["errors"] for r in rows.values())
+    return t
+
+
+def format_row(r: dict) -> str:
+    def ms(k):
+        v = r.get(k)
+        return f"{v * 1e3:9.1f}" if v is not None and not math.isnan(v) else f"{'-':>9}"
+
+    return (f"{r['context']:>7} {ms('recompute_s')} {ms('gpu_s')} {ms('l1_s')} "
+            f"{ms('l1_serial_s')} {ms('server_s')} {ms('file_s')} {ms('save_s')} "
+            f"{ms('copy_floor_s')} {ms('l1_floor_s')} {ms('file_floor_s')}")
+
+
+def print_table(result: dict) -> None:
+    print(f"kvtier TTFT benchmark: {result['model']} ({result['parameters'] / 1e9:.2f} B, "
+          f"{result['dtype']}) on {result['device']}; suffix {result['suffix_tokens']} tokens, "
+          f"chunks of {result['chunk_tokens']}, {result['block_tokens']}-token blocks, copier "
+          f"{result['layer_copy_mechanism']}; median of {result['repeats']} after "
+          f"{result['warmup']} warm-ups")
+    print(f"PCIe pinned host->GPU {result['h2d_GBps']:.1f} GB/s (end of run "
+          f"{result.get('h2d_GBps_end', float('nan')):.1f}), GPU->host {result['d2h_GBps']:.1f}")
+    if "disk" in result:
+        d = result["disk"]
+        print(f"disk (kvtier bench storage, O_DIRECT {d['o_direct']}): read "
+              f"{d['read_GBps']:.2f} GB/s {d['read_GBps_by_readers']}, write {d['write_GBps']}")
+    print("TTFT in ms:")
+    print(f"{'context':>7} {'recompute':>9} {'gpu-hit':>9} {'l1':>9} {'l1-serial':>9} "
+          f"{'server':>9} {'file':>9} {'save':>9} {'copy-flr':>9} {'l1-floor':>9} "
+          f"{'file-flr':>9}")
+    for r in result["rows"]:
+        print(format_row(r))
+    print("ratios:")
+    for r in result["rows"]:
+        parts = [f"{r['context']:>7}"]
+        for k in ("l1_speedup", "server_speedup", "l1_vs_floor", "server_vs_floor",
+                  "file_vs_floor", "save_overhead"):
+            if k in r:
+                parts.append(f"{k} {r[k]:.3f}")
+        print("  ".join(parts))
+    print(f"prefill table (kvtier plan --prefill-table): {result['prefill_table']}")
+    for k, v in result["targets"].items():
+        print(f"target {k}: {'met' if v else 'NOT MET'}")
+    for r in result["rows"]:
+        for e in r["errors"]:
+            print(f"ERROR context {r['context']}: {e}")
+
+
+def write_plot(result: dict, path: str) -> None:
+    """TTFT against context, log scale, one line per arm and the copy floor, as SVG."""
+    rows = result["rows"]
+    series = [(k, label, color) for k, label, color in (
+        ("recompute_s", "recompute", "#d62728"), ("l1_s", "kvtier L1 (in-process)", "#1f77b4"),
+        ("server_s", "kvtier serve (shared pool)", "#17becf"),
+        ("file_s", "kvtier file tier (cold)", "#ff7f0e"), ("gpu_s", "GPU prefix hit", "#2ca02c"),
+        ("copy_floor_s", "copy floor: bytes / PCIe", "#7f7f7f")) if any(k in r for r in rows)]
+    vals = [r[k] for r in rows for k, _, _ in series if r.get(k) and r[k] > 0]
+    if not rows or not vals:
+        return
+    w, h, ml, mr, mt, mb = 760, 460, 70, 230, 30, 50
+    xs = [r["context"] for r in rows]
+    x0, x1 = 0, max(xs) * 1.05
+    y0, y1 = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
+    y1 = max(y1, y0 + 1)
+
+    def px(x):
+        return ml + (x - x0) / (x1 - x0) * (w - ml - mr)
+
+    def py(y):
+        return mt + (y1 - math.log10(y)) / (y1 - y0) * (h - mt - mb)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{ml}" y="18" font-size="14">TTFT, {result["model"]} on '
+           f'{result["device"]} ({result["suffix_tokens"]}-token suffix)</text>']
+    for e in range(y0, y1 + 1):
+        y = py(10 ** e)
+        out.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{w - mr}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                   f'{10 ** e * 1e3:g} ms</text>')
+    for x in xs:
+        out.append(f'<text x="{px(x):.1f}" y="{h - mb + 18}" text-anchor="middle">'
+                   f'{x // 1024}k</text>')
+    out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 10}" text-anchor="middle">'
+               f'prompt tokens</text>')
+    for i, (k, label, color) in enumerate(series):
+        pts = [(px(r["context"]), py(r[k])) for r in rows if r.get(k) and r[k] > 0]
+        dash = ' stroke-dasharray="6,4"' if k == "copy_floor_s" else ""
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="' +
+                   " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
+        for x, y in pts:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>')
+        ly = mt + 20 + 20 * i
+        out.append(f'<line x1="{w - mr + 15}" y1="{ly}" x2="{w - mr + 40}" y2="{ly}" '
+                   f'stroke="{color}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{w - mr + 46}" y="{ly + 4}">{label}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1:
+        raise SystemExit("error: --warmup must be >= 0 and --repeats >= 1")
+    if args.plot:
+        d = os.path.dirname(os.path.abspath(args.plot))
+        if not os.access(d, os.W_OK):
+            raise SystemExit(f"error: cannot write the plot into {d}")
+    result = measure(args)
+    if args.plot:
+        write_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    else:
+        print_table(result)
+    return 0 if result["targets"]["all_hits_verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
