@@ -104,29 +104,38 @@ class ChunkStore {
 };
 
 // Where `kvtier serve` listens by default: $XDG_RUNTIME_DIR/kvtier.sock, else
-// /tmp/kvtier-<uid>.sock.
+// PrivateSocketDir()/kvtier.sock.
 std::string DefaultSocketPath();
+// $TMPDIR/kvtier-<uid> (TMPDIR defaulting to /tmp): the owner-only directory (0700) the server
+// creates for its default socket when $XDG_RUNTIME_DIR is unset, so that no other user can bind
+// the path first.
+std::string PrivateSocketDir();
 
 struct ClientOptions {
-  std::string socket_path;  // empty = DefaultSocketPath()
-  KeyNamespace ns;          // REQUIRED: scopes every key this client sends
-  uint64_t chunk_bytes = 0; // REQUIRED: must equal the server's pool chunk size (0 = adopt it)
-  std::string token;        // the server's shared secret, if it has one
-  std::string client_name;  // shown in server logs
+  std::string socket_path;   // empty = DefaultSocketPath()
+  KeyNamespace ns;           // REQUIRED: scopes every key this client sends
+  uint64_t chunk_bytes = 0;  // REQUIRED: must equal the server's pool chunk size (0 = adopt it)
+  std::string token;         // the server's shared secret, if it has one
+  std::string client_name;   // shown in server logs; printable UTF-8, at most 256 bytes
+  // The uid the server must run as (checked with SO_PEERCRED before the token is sent). -1:
+  // $KVTIER_SERVER_UID if set, else this process's uid or root.
+  int64_t server_uid = -1;
   std::chrono::milliseconds connect_timeout{5000};
   std::chrono::milliseconds rpc_timeout{10000};  // a server silent this long is declared dead
-  int copy_threads = 1;          // threads copying for Store/Load (not used by zero-copy calls)
-  size_t max_queued_copies = 64; // Store/Load batches queued before kRejected
-  bool populate_mapping = true;  // MAP_POPULATE the pool mapping so first copies run full speed
+  int copy_threads = 1;           // threads copying for Store/Load (not used by zero-copy calls)
+  size_t max_queued_copies = 64;  // Store/Load batches queued before kRejected
+  bool populate_mapping = true;   // MAP_POPULATE the pool mapping so first copies run full speed
 };
 
 // A connection to a `kvtier serve` daemon. See the file comment.
 class Client final : public ChunkStore {
  public:
-  // Connects, performs the handshake (version, namespace, chunk size, token) and maps the pool.
+  // Connects, checks the server's identity (server_uid), performs the handshake (version,
+  // namespace, chunk size, token) and maps the pool.
   // Fails with kUnavailable if no server listens at the socket, kPermissionDenied for a wrong
-  // token or socket permissions, kInvalidArgument for a namespace or chunk size the server
-  // refuses (the message says why), kTimeout if the server does not answer in time.
+  // token, socket permissions or a server running as an unexpected user, kInvalidArgument for a
+  // namespace or chunk size the server refuses (the message says why), kTimeout if the server does
+  // not answer in time.
   static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
   ~Client() override;  // waits for queued Store/Load copies, then closes the connection
   Client(const Client&) = delete;

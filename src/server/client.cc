@@ -5,6 +5,7 @@
 // replies for other requests are parked in `ready_` and their waiters woken.
 #include "kvtier/client.h"
 
+#include <fmt/format.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -19,8 +20,6 @@
 #include <mutex>
 #include <unordered_map>
 
-#include <fmt/format.h>
-
 #include "common/task_pool.h"
 #include "server/codec.h"
 
@@ -33,7 +32,12 @@ using server::Opcode;
 std::string DefaultSocketPath() {
   const char* xdg = std::getenv("XDG_RUNTIME_DIR");
   if (xdg && *xdg) return std::string(xdg) + "/kvtier.sock";
-  return fmt::format("/tmp/kvtier-{}.sock", ::getuid());
+  return PrivateSocketDir() + "/kvtier.sock";
+}
+
+std::string PrivateSocketDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  return fmt::format("{}/kvtier-{}", tmp && *tmp ? tmp : "/tmp", ::getuid());
 }
 
 Result<ChunkStoreMode> ParseChunkStoreMode(std::string_view name) {
@@ -103,6 +107,8 @@ class Client::Impl : public std::enable_shared_from_this<Client::Impl> {
   }
 
   Status Connect();
+  // SO_PEERCRED: the server must run as options.server_uid, or as this user or root.
+  Status CheckServerIdentity();
   // Sends a request frame whose id was registered with Register().
   Status Send(uint64_t id, const std::vector<uint8_t>& frame);
   uint64_t Register() {
@@ -129,9 +135,10 @@ class Client::Impl : public std::enable_shared_from_this<Client::Impl> {
   Result<AsyncOp> PrepareLoad(std::span<const ChunkKey> keys);
   Status CheckKeys(size_t n) const {
     if (n > hello.max_keys_per_request) {
-      return Status::InvalidArgument(fmt::format("{} keys exceed the server's limit of {} per "
-                                                 "request",
-                                                 n, hello.max_keys_per_request));
+      return Status::InvalidArgument(
+          fmt::format("{} keys exceed the server's limit of {} per "
+                      "request",
+                      n, hello.max_keys_per_request));
     }
     return Status::Ok();
   }
@@ -204,6 +211,38 @@ int RemainingMs(Clock::time_point deadline) {
 
 }  // namespace
 
+Status Client::Impl::CheckServerIdentity() {
+  int64_t expected = options.server_uid;
+  if (expected < 0) {
+    if (const char* env = std::getenv("KVTIER_SERVER_UID"); env && *env) {
+      char* end = nullptr;
+      long long v = std::strtoll(env, &end, 10);
+      if (*end != '\0' || v < 0 || v > 0xFFFFFFFELL) {
+        return Status::InvalidArgument(fmt::format("KVTIER_SERVER_UID \"{}\" is not a uid", env));
+      }
+      expected = v;
+    }
+  }
+  struct ucred cred {};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return Status::FromErrno(errno, "reading the server's credentials (SO_PEERCRED)");
+  }
+  const uid_t me = ::getuid();
+  const bool trusted =
+      expected >= 0 ? cred.uid == static_cast<uid_t>(expected) : cred.uid == me || cred.uid == 0;
+  if (!trusted) {
+    return Status::PermissionDenied(fmt::format(
+        "the process listening at \"{}\" (pid {}) runs as uid {}, not as {}; refusing to send "
+        "it the token (set ClientOptions::server_uid or KVTIER_SERVER_UID if the server runs as "
+        "another user on purpose)",
+        options.socket_path, cred.pid, cred.uid,
+        expected >= 0 ? fmt::format("the expected uid {}", expected)
+                      : fmt::format("this user (uid {}) or root", me)));
+  }
+  return Status::Ok();
+}
+
 Status Client::Impl::Connect() {
   if (options.socket_path.empty()) options.socket_path = DefaultSocketPath();
   KVTIER_RETURN_IF_ERROR(options.ns.Validate().WithContext("client namespace"));
@@ -225,6 +264,9 @@ Status Client::Impl::Connect() {
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return ConnectError(errno, path);
   }
+  // Whoever listens at the path learns our token and gets our keys: make sure it is the server
+  // we mean (another local user may have bound a socket there first).
+  KVTIER_RETURN_IF_ERROR(CheckServerIdentity());
   struct timeval tv {};
   tv.tv_sec = options.rpc_timeout.count() / 1000;
   tv.tv_usec = (options.rpc_timeout.count() % 1000) * 1000;
@@ -239,8 +281,8 @@ Status Client::Impl::Connect() {
   const uint64_t id = next_id.fetch_add(1);
   auto frame = server::EncodeHelloRequest(id, req);
   if (::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(frame.size())) {
-    return Status::Unavailable(fmt::format("sending the handshake to \"{}\" failed: {}", path,
-                                           std::strerror(errno)));
+    return Status::Unavailable(
+        fmt::format("sending the handshake to \"{}\" failed: {}", path, std::strerror(errno)));
   }
 
   // The reply carries the arena's descriptor on its first byte, so the header is read with
@@ -321,8 +363,8 @@ Status Client::Impl::Connect() {
   base = static_cast<uint8_t*>(p);
   options.chunk_bytes = hello.chunk_bytes;
   if (options.copy_threads > 0) {
-    copies = std::make_unique<TaskPool>(options.copy_threads, std::max<size_t>(1, options.max_queued_copies),
-                                        "client copy queue");
+    copies = std::make_unique<TaskPool>(
+        options.copy_threads, std::max<size_t>(1, options.max_queued_copies), "client copy queue");
   }
   return Status::Ok();
 }
@@ -588,7 +630,8 @@ namespace {
 // the pins to the caller; if nobody ever takes them, the destructor releases them.
 class RemoteLoadOp final : public AsyncOp::Impl {
  public:
-  RemoteLoadOp(std::shared_ptr<Client::Impl> client, uint64_t id, size_t keys, Clock::time_point sent)
+  RemoteLoadOp(std::shared_ptr<Client::Impl> client, uint64_t id, size_t keys,
+               Clock::time_point sent)
       : client_(std::move(client)), id_(id), keys_(keys), sent_(sent) {}
   ~RemoteLoadOp() override {
     std::lock_guard lock(mu_);
@@ -724,8 +767,8 @@ Status Client::Unpin(std::span<const SlotId> slots) { return impl_->ReleaseSlots
 
 Status Client::Ping() {
   KVTIER_ASSIGN_OR_RETURN(auto f, impl_->Call([](uint64_t id) {
-                            return server::EncodeEmptyRequest(Opcode::kPing, id);
-                          }));
+    return server::EncodeEmptyRequest(Opcode::kPing, id);
+  }));
   server::Reader r(f.body);
   KVTIER_RETURN_IF_ERROR(RemoteStatus(r));
   return server::DecodeEmptyReply(r);
@@ -733,8 +776,8 @@ Status Client::Ping() {
 
 Result<std::string> Client::StatsJson() {
   KVTIER_ASSIGN_OR_RETURN(auto f, impl_->Call([](uint64_t id) {
-                            return server::EncodeEmptyRequest(Opcode::kStats, id);
-                          }));
+    return server::EncodeEmptyRequest(Opcode::kStats, id);
+  }));
   server::Reader r(f.body);
   KVTIER_RETURN_IF_ERROR(RemoteStatus(r));
   return server::DecodeTextReply(r);
@@ -838,8 +881,8 @@ Result<AsyncOp> Client::Load(std::span<const ChunkKey> keys,
       }
       if (p.slots.size() < n) {
         r.status = p.status.ok() || p.status.IsNotFound()
-                       ? Status::NotFound(fmt::format("{} of {} leading chunks available",
-                                                      r.chunks, k.size()))
+                       ? Status::NotFound(
+                             fmt::format("{} of {} leading chunks available", r.chunks, k.size()))
                        : p.status;
         return r;
       }

@@ -30,6 +30,8 @@ inline constexpr char kHelloMagic[4] = {'K', 'V', 'T', 'R'};
 inline constexpr uint32_t kDefaultMaxMessageBytes = 1u << 20;
 inline constexpr uint32_t kDefaultMaxKeysPerRequest = 4096;
 inline constexpr uint32_t kNoSlotWire = 0xFFFFFFFFu;
+// Largest hello body a server reads from a peer it does not know yet.
+inline constexpr uint32_t kMaxHelloBytes = 16 * 1024;
 
 enum class Opcode : uint16_t {
   kHello = 1,
@@ -147,8 +149,8 @@ std::vector<uint8_t> EncodeSlotsRequest(Opcode op, uint64_t request_id,
 std::vector<uint8_t> EncodeEmptyRequest(Opcode op, uint64_t request_id);
 
 // A reply frame: header with opcode|kReplyBit, the status, then `fields` (only when OK).
-std::vector<uint8_t> EncodeReply(uint16_t request_opcode, uint64_t request_id,
-                                 const Status& status, std::span<const uint8_t> fields = {});
+std::vector<uint8_t> EncodeReply(uint16_t request_opcode, uint64_t request_id, const Status& status,
+                                 std::span<const uint8_t> fields = {});
 std::vector<uint8_t> HelloReplyFields(const HelloReply& r);
 std::vector<uint8_t> LookupReplyFields(const LookupReply& r);
 std::vector<uint8_t> SlotsReplyFields(std::span<const SlotId> slots);

@@ -1,15 +1,14 @@
 #include "server/config.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <fstream>
-#include <sstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "kvtier/client.h"
 
@@ -74,7 +73,8 @@ Status GetString(const json& v, const std::string& key, std::string* out) {
 }
 
 Status GetBool(const json& v, const std::string& key, bool* out) {
-  if (!v.is_boolean()) return Status::InvalidArgument(fmt::format("\"{}\" must be true or false", key));
+  if (!v.is_boolean())
+    return Status::InvalidArgument(fmt::format("\"{}\" must be true or false", key));
   *out = v.get<bool>();
   return Status::Ok();
 }
@@ -106,7 +106,8 @@ Result<L2Spec> L2FromJson(const json& j) {
     return Status::InvalidArgument(
         fmt::format("unsupported L2 type \"{}\" (supported: \"fs\")", spec.type));
   }
-  if (!has_path || spec.path.empty()) return Status::InvalidArgument("an fs L2 tier needs a \"path\"");
+  if (!has_path || spec.path.empty())
+    return Status::InvalidArgument("an fs L2 tier needs a \"path\"");
   if (!(spec.max_size_gb >= 0) || spec.max_size_gb > 1e6) {
     return Status::InvalidArgument("L2 \"max_size_gb\" must be in [0, 1e6] (0 = unlimited)");
   }
@@ -194,6 +195,12 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetInt(v, key, &c->worker_threads);
     } else if (key == "max_clients") {
       s = GetInt(v, key, &c->max_clients);
+    } else if (key == "max_client_slots") {
+      s = GetInt(v, key, &c->max_client_slots);
+    } else if (key == "max_pending_handshakes") {
+      s = GetInt(v, key, &c->max_pending_handshakes);
+    } else if (key == "hello_timeout_ms") {
+      s = GetInt(v, key, &c->hello_timeout_ms);
     } else if (key == "huge_pages") {
       s = GetBool(v, key, &c->huge_pages);
     } else {
@@ -262,7 +269,8 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     KVTIER_ASSIGN_OR_RETURN(Layout layout, ResolveModelLayout(c));
     chunk_bytes = layout.bytes_per_chunk(c.chunk_size);
   }
-  if (chunk_bytes > (16ull << 30)) return Status::InvalidArgument("chunks above 16 GiB are refused");
+  if (chunk_bytes > (16ull << 30))
+    return Status::InvalidArgument("chunks above 16 GiB are refused");
   o.engine.chunk_bytes = chunk_bytes;
   if (!(c.l1_size_gb > 0) || c.l1_size_gb > 1 << 20) {
     return Status::InvalidArgument("--l1-size-gb must be a positive number of GiB");
@@ -270,9 +278,9 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   o.engine.memory.capacity_bytes = static_cast<uint64_t>(c.l1_size_gb * (1ull << 30));
   const uint64_t slot = (chunk_bytes + 4095) / 4096 * 4096;
   if (o.engine.memory.capacity_bytes < slot) {
-    return Status::InvalidArgument(fmt::format(
-        "--l1-size-gb {} holds no chunk: one chunk takes {} bytes ({:.1f} MiB)", c.l1_size_gb,
-        slot, slot / 1048576.0));
+    return Status::InvalidArgument(
+        fmt::format("--l1-size-gb {} holds no chunk: one chunk takes {} bytes ({:.1f} MiB)",
+                    c.l1_size_gb, slot, slot / 1048576.0));
   }
   std::string policy = Lower(c.eviction_policy);
   std::replace(policy.begin(), policy.end(), '_', '-');
@@ -323,6 +331,15 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   o.http_port = c.http_port;
   if (c.max_clients < 1) return Status::InvalidArgument("--max-clients must be >= 1");
   o.max_clients = c.max_clients;
+  o.max_slots_per_client = c.max_client_slots;
+  if (c.max_pending_handshakes < 1) {
+    return Status::InvalidArgument("--max-pending-handshakes must be >= 1");
+  }
+  o.max_pending_handshakes = c.max_pending_handshakes;
+  if (c.hello_timeout_ms < 1 || c.hello_timeout_ms > 600000) {
+    return Status::InvalidArgument("--hello-timeout-ms must be in [1, 600000]");
+  }
+  o.hello_timeout = std::chrono::milliseconds(c.hello_timeout_ms);
   return o;
 }
 

@@ -29,22 +29,25 @@ struct L2Spec {
 struct ServeConfig {
   double l1_size_gb = 1.0;  // GiB of shared L1 pool
   std::string eviction_policy = "prefix-aware";
-  uint32_t chunk_size = 256;        // tokens per chunk
-  std::string model = "qwen3-8b";   // preset name or path to a Hugging Face config.json
+  uint32_t chunk_size = 256;       // tokens per chunk
+  std::string model = "qwen3-8b";  // preset name or path to a Hugging Face config.json
   uint32_t tensor_parallel_size = 1;
-  std::string kv_dtype;             // overrides the model's dtype (e.g. fp8)
-  uint64_t chunk_bytes = 0;         // overrides model x chunk_size when set
-  std::vector<L2Spec> l2;           // empty: the default file tier, unless no_l2
+  std::string kv_dtype;      // overrides the model's dtype (e.g. fp8)
+  uint64_t chunk_bytes = 0;  // overrides model x chunk_size when set
+  std::vector<L2Spec> l2;    // empty: the default file tier, unless no_l2
   bool no_l2 = false;
   std::string write_policy = "write_back";
-  std::string socket;               // empty: DefaultSocketPath()
+  std::string socket;  // empty: DefaultSocketPath()
   std::string socket_group;
   std::string token;
   std::string token_file;
   std::string http_host = "127.0.0.1";
-  int http_port = 8790;             // 0: any free port; -1: no HTTP
+  int http_port = 8790;  // 0: any free port; -1: no HTTP
   int worker_threads = 2;
   uint32_t max_clients = 256;
+  uint32_t max_client_slots = 0;  // slots one client may hold reserved or pinned; 0 = half the pool
+  uint32_t max_pending_handshakes = 64;
+  uint32_t hello_timeout_ms = 5000;
   bool huge_pages = false;
 };
 

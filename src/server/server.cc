@@ -1,16 +1,24 @@
 #include "server/server.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <grp.h>
+#include <httplib.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 #include <poll.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <spdlog/spdlog.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
 
 #include <atomic>
 #include <cerrno>
@@ -18,22 +26,16 @@
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
-#include <fmt/format.h>
-#include <httplib.h>
-#include <nlohmann/json.hpp>
-#include <prometheus/counter.h>
-#include <prometheus/gauge.h>
-#include <prometheus/histogram.h>
-#include <prometheus/registry.h>
-#include <prometheus/text_serializer.h>
-#include <spdlog/spdlog.h>
-
 #include "common/task_pool.h"
+#include "kvtier/client.h"
 #include "server/codec.h"
 
 namespace kvtier::server {
@@ -81,44 +83,55 @@ ChunkKey KeyDeriver::Derive(const ChunkKey& client_key) {
 
 namespace {
 
-// Sends all of `data`; false if the peer is gone or did not read within the send timeout.
-bool SendAll(int fd, const uint8_t* data, size_t n) {
-  while (n > 0) {
-    ssize_t w = ::send(fd, data, n, MSG_NOSIGNAL);
-    if (w < 0) {
-      if (errno == EINTR) continue;
+// Valid UTF-8 with no control characters: what a client may put in the names that end up in
+// logs and JSON documents.
+bool IsPrintableUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b < 0x80) {
+      if (b < 0x20 || b == 0x7F) return false;
+      ++i;
+      continue;
+    }
+    size_t n;
+    uint32_t cp;
+    if ((b & 0xE0) == 0xC0) {
+      n = 2, cp = b & 0x1F;
+    } else if ((b & 0xF0) == 0xE0) {
+      n = 3, cp = b & 0x0F;
+    } else if ((b & 0xF8) == 0xF0) {
+      n = 4, cp = b & 0x07;
+    } else {
       return false;
     }
-    data += w;
-    n -= static_cast<size_t>(w);
+    if (i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      if ((c & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (c & 0x3F);
+    }
+    static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    if (cp >= 0x80 && cp < 0xA0) return false;  // C1 controls
+    i += n;
   }
   return true;
 }
 
-bool SendWithFd(int fd, const std::vector<uint8_t>& frame, int pass_fd) {
-  struct iovec iov {
-    const_cast<uint8_t*>(frame.data()), frame.size()
-  };
-  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  struct msghdr msg {};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  struct cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-  cmsg->cmsg_level = SOL_SOCKET;
-  cmsg->cmsg_type = SCM_RIGHTS;
-  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(cmsg), &pass_fd, sizeof(int));
-  ssize_t w;
-  do {
-    w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
-  } while (w < 0 && errno == EINTR);
-  if (w < 0) return false;
-  if (static_cast<size_t>(w) < frame.size()) {
-    return SendAll(fd, frame.data() + w, frame.size() - static_cast<size_t>(w));
+// `s` for a log line: bytes that are control characters or not printable UTF-8 become \xNN, so
+// a client-chosen string can neither break a line nor forge one.
+std::string LogSafe(std::string_view s) {
+  if (IsPrintableUtf8(s)) return std::string(s);
+  std::string out;
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7F && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += fmt::format("\\x{:02x}", c);
+    }
   }
-  return true;
+  return out;
 }
 
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
@@ -183,15 +196,35 @@ struct Metrics {
                                    .Help("Pins and reservations released because their "
                                          "connection closed")
                                    .Register(*registry)
-                                   .Add({})) {
+                                   .Add({})),
+        dropped(prometheus::BuildCounter()
+                    .Name("kvtier_connections_dropped_total")
+                    .Help("Connections closed by the server, by reason (slow: replies left "
+                          "unread; no_thread: no thread could be started for it)")
+                    .Register(*registry)),
+        accept_errors(prometheus::BuildCounter()
+                          .Name("kvtier_accept_errors_total")
+                          .Help("accept() failures (e.g. out of file descriptors)")
+                          .Register(*registry)
+                          .Add({})),
+        quota_limited(prometheus::BuildCounter()
+                          .Name("kvtier_quota_limited_total")
+                          .Help("reserve/prepare_load requests cut short by the per-client "
+                                "slot quota")
+                          .Register(*registry)
+                          .Add({})) {
     for (uint16_t op = 1; op <= kMaxOpcode; ++op) {
       std::string name(OpcodeName(op));
       op_requests[op] = &requests.Add({{"op", name}});
       op_latency[op] = &rpc_latency.Add({{"op", name}}, LatencyBuckets());
     }
-    for (const char* reason : {"version", "token", "namespace", "chunk_size", "draining",
-                               "too_many_clients"}) {
+    for (const char* reason :
+         {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
+          "no_thread", "hello_timeout", "too_many_pending"}) {
       refused_by[reason] = &refused.Add({{"reason", reason}});
+    }
+    for (const char* reason : {"slow", "no_thread"}) {
+      dropped_by[reason] = &dropped.Add({{"reason", reason}});
     }
   }
 
@@ -206,24 +239,65 @@ struct Metrics {
   prometheus::Counter& protocol_errors;
   prometheus::Counter& request_errors;
   prometheus::Counter& released_on_disconnect;
+  prometheus::Family<prometheus::Counter>& dropped;
+  prometheus::Counter& accept_errors;
+  prometheus::Counter& quota_limited;
+  std::unordered_map<std::string, prometheus::Counter*> dropped_by;
   prometheus::Counter* op_requests[kMaxOpcode + 1] = {};
   prometheus::Histogram* op_latency[kMaxOpcode + 1] = {};
   std::unordered_map<std::string, prometheus::Counter*> refused_by;
 };
 
-// One client connection. State below `mu` is shared between the connection's thread and the
-// completion pool (slow prepare_loads); replies are sent under `mu` too, so frames never
-// interleave and nothing is sent once `closed` is set.
-struct Connection {
+struct Connection;
+
+// Writes what connections' sockets did not take at once, for every connection, from one thread
+// (epoll, one-shot EPOLLOUT), and drops a connection whose queued output stays unwritten for
+// send_timeout: a client that does not read its replies never blocks a thread of the server.
+class OutputPump {
+ public:
+  explicit OutputPump(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  ~OutputPump() { Stop(); }
+  Status Start();
+  void Stop();
+  // Arms EPOLLOUT for `c`. REQUIRES: c->out_mu held, c->out_closed false.
+  void Watch(const std::shared_ptr<Connection>& c);
+  // Stops watching `c` (before its fd is closed). REQUIRES: c.out_mu held.
+  void Forget(Connection& c);
+
+ private:
+  void Run();
+
+  const std::chrono::milliseconds timeout_;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+  std::mutex mu_;  // after Connection::out_mu in lock order
+  std::unordered_map<uint64_t, std::weak_ptr<Connection>> watched_;
+};
+
+// One client connection.
+//
+// Before its hello is accepted a connection belongs to the door thread alone (`in`,
+// `hello_deadline`). After, state under `mu` is shared between the connection's thread, the
+// completion pool (slow prepare_loads) and the stats walk; `mu` is never held across I/O.
+// Output goes through Send(): frames are written without blocking, in order, and what the socket
+// does not take is queued under `out_mu` for the OutputPump; once `out_closed` is set nothing is
+// written and `fd` may be closed.
+struct Connection : std::enable_shared_from_this<Connection> {
   uint64_t id = 0;
   int fd = -1;
   pid_t peer_pid = 0;
   uid_t peer_uid = 0;
-  std::string name;
+  std::string name;  // printable UTF-8 (checked at hello)
   KeyNamespace ns;
   std::unique_ptr<KeyDeriver> deriver;  // connection thread only
   std::thread thread;
   std::atomic<bool> finished{false};
+
+  // Door thread only, before the handshake.
+  std::vector<uint8_t> in;
+  Clock::time_point hello_deadline;
 
   std::mutex mu;
   bool closed = false;
@@ -234,21 +308,143 @@ struct Connection {
   };
   std::unordered_map<SlotId, Reservation> reservations;
   std::unordered_map<SlotId, uint32_t> pins;
+  size_t pinned = 0;        // sum of pins
+  size_t pending_pins = 0;  // keys of prepare_loads not yet answered (they may all pin)
 
-  // REQUIRES: mu held.
-  bool SendLocked(const std::vector<uint8_t>& frame) {
-    if (closed) return false;
-    if (!SendAll(fd, frame.data(), frame.size())) {
-      ::shutdown(fd, SHUT_RDWR);  // the connection thread sees EOF and cleans up
+  std::mutex out_mu;
+  bool out_closed = false;
+  bool out_armed = false;  // registered with the pump's epoll set
+  std::vector<uint8_t> out;
+  size_t out_begin = 0;
+  Clock::time_point out_since;  // when the oldest queued byte was queued
+
+  // Slots this connection holds or may soon hold. REQUIRES: mu held.
+  size_t HeldLocked() const { return reservations.size() + pinned + pending_pins; }
+
+  // Writes what is queued without blocking. False if the connection broke (it is then shut down).
+  // REQUIRES: out_mu held, !out_closed.
+  bool FlushLocked() {
+    while (out_begin < out.size()) {
+      ssize_t w =
+          ::send(fd, out.data() + out_begin, out.size() - out_begin, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w > 0) {
+        out_begin += static_cast<size_t>(w);
+        continue;
+      }
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      DropLocked();
       return false;
     }
+    out.clear();
+    out_begin = 0;
     return true;
+  }
+  // The connection thread sees EOF and cleans up. REQUIRES: out_mu held.
+  void DropLocked() {
+    if (out_closed) return;
+    out_closed = true;
+    ::shutdown(fd, SHUT_RDWR);
   }
 };
 
+Status OutputPump::Start() {
+  epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epoll_fd_ < 0) return Status::FromErrno(errno, "epoll_create1");
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) return Status::FromErrno(errno, "eventfd");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;  // connection ids start at 1
+  if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev) != 0) {
+    return Status::FromErrno(errno, "epoll_ctl");
+  }
+  thread_ = std::thread([this] { Run(); });
+  return Status::Ok();
+}
+
+void OutputPump::Stop() {
+  stopping_ = true;
+  if (wake_fd_ >= 0) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t w = ::write(wake_fd_, &one, sizeof(one));
+  }
+  if (thread_.joinable()) thread_.join();
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  epoll_fd_ = wake_fd_ = -1;
+}
+
+void OutputPump::Watch(const std::shared_ptr<Connection>& c) {
+  epoll_event ev{};
+  ev.events = EPOLLOUT | EPOLLONESHOT;
+  ev.data.u64 = c->id;
+  {
+    std::lock_guard lock(mu_);
+    watched_[c->id] = c;
+  }
+  if (::epoll_ctl(epoll_fd_, c->out_armed ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c->fd, &ev) != 0) {
+    c->DropLocked();
+    return;
+  }
+  c->out_armed = true;
+}
+
+void OutputPump::Forget(Connection& c) {
+  if (c.out_armed && c.fd >= 0) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+  c.out_armed = false;
+  std::lock_guard lock(mu_);
+  watched_.erase(c.id);
+}
+
+void OutputPump::Run() {
+  epoll_event events[64];
+  while (!stopping_) {
+    int n = ::epoll_wait(epoll_fd_, events, 64, 250);
+    std::vector<std::shared_ptr<Connection>> ready;
+    {
+      std::lock_guard lock(mu_);
+      for (int i = 0; i < n; ++i) {
+        auto it = watched_.find(events[i].data.u64);
+        if (it == watched_.end()) continue;
+        if (auto c = it->second.lock()) ready.push_back(std::move(c));
+      }
+    }
+    for (auto& c : ready) {
+      std::lock_guard lock(c->out_mu);
+      if (c->out_closed) continue;
+      if (c->FlushLocked() && !c->out.empty()) Watch(c);
+    }
+    // Deadlines: a client whose replies sit unread for timeout_ is dropped.
+    std::vector<std::shared_ptr<Connection>> all;
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = watched_.begin(); it != watched_.end();) {
+        auto c = it->second.lock();
+        if (!c) {
+          it = watched_.erase(it);
+          continue;
+        }
+        all.push_back(std::move(c));
+        ++it;
+      }
+    }
+    const auto now = Clock::now();
+    for (auto& c : all) {
+      std::lock_guard lock(c->out_mu);
+      if (c->out_closed || c->out.empty() || now - c->out_since < timeout_) continue;
+      spdlog::warn(
+          "dropping client {} (pid {}, \"{}\"): it left {} bytes of replies unread for "
+          "{} ms",
+          c->id, c->peer_pid, c->name, c->out.size() - c->out_begin, timeout_.count());
+      c->DropLocked();
+    }
+  }
+}
+
 class Server::Impl {
  public:
-  explicit Impl(const ServerOptions& o) : options_(o) {}
+  explicit Impl(const ServerOptions& o) : options_(o), pump_(o.send_timeout) {}
   ~Impl() {
     Stop();
     if (listen_fd_ >= 0) ::close(listen_fd_);
@@ -272,9 +468,15 @@ class Server::Impl {
   Status CheckSocketPath();
   Status BindSocket();
   Status StartHttp();
+  // The door thread: accepts connections, reads and answers their hellos, closes silent ones,
+  // and starts a thread for each accepted handshake.
   void AcceptLoop();
+  void AcceptNew(std::list<std::shared_ptr<Connection>>& pending, Clock::time_point* backoff);
+  // Reads what a pending connection sent; false when it is done with (handed to its thread or
+  // closed).
+  bool ReadHello(const std::shared_ptr<Connection>& conn);
   void ReapFinished(bool all);
-  void Serve(std::shared_ptr<Connection> conn);
+  void Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> hello_reply);
   // Reads one frame into conn's buffer; returns false on EOF, error or a protocol violation
   // (after replying).
   bool ReadFrame(Connection& c, std::vector<uint8_t>& buf, size_t& begin, size_t& end,
@@ -282,14 +484,24 @@ class Server::Impl {
   // Handles one request; false closes the connection.
   bool Handle(const std::shared_ptr<Connection>& conn, const FrameHeader& h,
               std::span<const uint8_t> body);
-  bool HandleHello(Connection& c, const FrameHeader& h, std::span<const uint8_t> body);
+  // Checks a hello; on success starts the connection's thread (which sends the reply) and
+  // returns true. On failure it has replied with the reason.
+  bool HandleHello(const std::shared_ptr<Connection>& conn, const FrameHeader& h,
+                   std::span<const uint8_t> body, std::vector<uint8_t> rest);
   void FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
-                         Clock::time_point started, const OpResult& r);
+                         Clock::time_point started, size_t asked, const OpResult& r);
+  // Writes (or queues) one frame; `pass_fd` >= 0 rides on its first byte (SCM_RIGHTS). False if
+  // the connection is closed or was just dropped for not reading its replies.
+  bool Send(Connection& c, const std::vector<uint8_t>& frame, int pass_fd = -1);
+  // Closes a connection that never got a thread.
+  void ClosePending(Connection& c);
   void Release(Connection& c);
   void Refuse(Connection& c, const FrameHeader& h, const Status& s, const char* reason);
   void ProtocolError(Connection& c, const FrameHeader& h, const Status& s);
+  size_t SlotQuota() const;
 
   Metrics metrics_;
+  OutputPump pump_;
   std::unique_ptr<TaskPool> completions_;
   int listen_fd_ = -1;
   bool socket_bound_ = false;  // we created the socket file (and so may remove it)
@@ -297,9 +509,10 @@ class Server::Impl {
   std::thread accept_thread_;
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> next_id_{1};
+  bool accept_failing_ = false;  // door thread only: an accept error was logged
 
   mutable std::mutex conns_mu_;
-  std::list<std::shared_ptr<Connection>> conns_;
+  std::list<std::shared_ptr<Connection>> conns_;  // past the handshake
 
   std::unique_ptr<httplib::Server> http_;
   std::thread http_thread_;
@@ -325,6 +538,18 @@ Status Server::Impl::Init() {
   if (options_.completion_threads < 1 || options_.completion_threads > 64) {
     return Status::InvalidArgument("server: completion_threads must be in [1, 64]");
   }
+  if (options_.http_threads < 1 || options_.http_threads > 256) {
+    return Status::InvalidArgument("server: http_threads must be in [1, 256]");
+  }
+  if (options_.max_pending_handshakes < 1) {
+    return Status::InvalidArgument("server: max_pending_handshakes must be >= 1");
+  }
+  if (options_.hello_timeout.count() < 1 || options_.send_timeout.count() < 1) {
+    return Status::InvalidArgument("server: hello_timeout and send_timeout must be positive");
+  }
+  if (options_.max_output_bytes < options_.max_message_bytes) {
+    return Status::InvalidArgument("server: max_output_bytes must be >= max_message_bytes");
+  }
   // Refuse a socket path in use before allocating the pool.
   KVTIER_RETURN_IF_ERROR(CheckSocketPath());
   EngineOptions eo = options_.engine;
@@ -332,10 +557,11 @@ Status Server::Impl::Init() {
   auto engine = Engine::Open(eo);
   if (!engine.ok()) return engine.status();
   engine_ = std::move(engine).value();
-  completions_ = std::make_unique<TaskPool>(options_.completion_threads, 1u << 16,
-                                            "prepare_load completions");
+  completions_ =
+      std::make_unique<TaskPool>(options_.completion_threads, 1u << 16, "prepare_load completions");
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) return Status::FromErrno(errno, "eventfd");
+  KVTIER_RETURN_IF_ERROR(pump_.Start());
   KVTIER_RETURN_IF_ERROR(BindSocket());
   Status http = StartHttp();
   if (!http.ok()) return http;  // the destructor removes the socket file
@@ -348,19 +574,44 @@ Result<sockaddr_un> SocketAddress(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
-    return Status::InvalidArgument(fmt::format(
-        "socket path \"{}\" is too long ({} bytes, at most {})", path, path.size(),
-        sizeof(addr.sun_path) - 1));
+    return Status::InvalidArgument(
+        fmt::format("socket path \"{}\" is too long ({} bytes, at most {})", path, path.size(),
+                    sizeof(addr.sun_path) - 1));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   return addr;
 }
 }  // namespace
 
+// The default socket's directory when $XDG_RUNTIME_DIR is unset: /tmp is writable by everyone,
+// so the socket lives in a directory only we can write to, created here if needed. Anything else
+// at that name (another user's directory, a symlink, a directory others may write to) is
+// refused: whoever controls the directory could bind the socket first and collect clients'
+// tokens.
+static Status EnsurePrivateSocketDir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return Status::FromErrno(errno, fmt::format("creating the socket directory \"{}\"", dir));
+  }
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    return Status::FromErrno(errno, fmt::format("checking the socket directory \"{}\"", dir));
+  }
+  if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 022) != 0) {
+    return Status::PermissionDenied(fmt::format(
+        "socket directory \"{}\" is not a directory owned by this user (uid {}) and writable "
+        "only by it; remove it or choose --socket",
+        dir, ::getuid()));
+  }
+  return Status::Ok();
+}
+
 // A live server at the path is an error; a stale socket file (its server died) is removed.
 Status Server::Impl::CheckSocketPath() {
   const std::string& path = options_.socket_path;
   KVTIER_ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(path));
+  if (const std::string dir = PrivateSocketDir(); path.rfind(dir + "/", 0) == 0) {
+    KVTIER_RETURN_IF_ERROR(EnsurePrivateSocketDir(dir));
+  }
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) return Status::Ok();
   if (!S_ISSOCK(st.st_mode)) {
@@ -388,14 +639,15 @@ Status Server::Impl::BindSocket() {
   KVTIER_RETURN_IF_ERROR(CheckSocketPath());
   KVTIER_ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(path));
 
-  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Non-blocking: the door thread accepts until EAGAIN.
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listen_fd_ < 0) return Status::FromErrno(errno, "socket");
   gid_t gid = static_cast<gid_t>(-1);
   if (!options_.socket_group.empty()) {
     struct group* g = ::getgrnam(options_.socket_group.c_str());
     if (!g) {
-      return Status::InvalidArgument(fmt::format("unknown socket group \"{}\"",
-                                                 options_.socket_group));
+      return Status::InvalidArgument(
+          fmt::format("unknown socket group \"{}\"", options_.socket_group));
     }
     gid = g->gr_gid;
   }
@@ -409,8 +661,8 @@ Status Server::Impl::BindSocket() {
   socket_bound_ = true;
   if (gid != static_cast<gid_t>(-1)) {
     if (::chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0 || ::chmod(path.c_str(), 0660)) {
-      Status s = Status::FromErrno(errno, fmt::format("giving socket \"{}\" to group \"{}\"", path,
-                                                      options_.socket_group));
+      Status s = Status::FromErrno(
+          errno, fmt::format("giving socket \"{}\" to group \"{}\"", path, options_.socket_group));
       ::unlink(path.c_str());
       return s;
     }
@@ -426,7 +678,16 @@ Status Server::Impl::BindSocket() {
 Status Server::Impl::StartHttp() {
   if (options_.http_port < 0) return Status::Ok();
   http_ = std::make_unique<httplib::Server>();
-  http_->new_task_queue = [] { return new httplib::ThreadPool(2); };
+  // Every HTTP connection ties up a worker while it is read, so a slow one (a stalled scraper,
+  // a half-sent request) must neither take all workers nor keep one long: several workers,
+  // short read/write timeouts and a short keep-alive. /healthz then answers while a few slow
+  // connections are open.
+  const int http_threads = options_.http_threads;
+  http_->new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
+  http_->set_read_timeout(std::chrono::seconds(2));
+  http_->set_write_timeout(std::chrono::seconds(2));
+  http_->set_keep_alive_timeout(2);
+  http_->set_keep_alive_max_count(100);
   http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(), "text/plain; version=0.0.4; charset=utf-8");
   });
@@ -449,9 +710,9 @@ Status Server::Impl::StartHttp() {
     }
   } else {
     if (!http_->bind_to_port(options_.http_host, options_.http_port)) {
-      return Status::Unavailable(fmt::format(
-          "cannot bind HTTP {}:{} (port in use, or host not a local address)", options_.http_host,
-          options_.http_port));
+      return Status::Unavailable(
+          fmt::format("cannot bind HTTP {}:{} (port in use, or host not a local address)",
+                      options_.http_host, options_.http_port));
     }
     http_port_ = options_.http_port;
   }
@@ -460,32 +721,147 @@ Status Server::Impl::StartHttp() {
 }
 
 void Server::Impl::AcceptLoop() {
+  std::list<std::shared_ptr<Connection>> pending;  // accepted, hello not yet complete
+  Clock::time_point backoff{};                     // accept paused until then (out of fds)
+  std::vector<pollfd> fds;
+  std::vector<std::shared_ptr<Connection>> polled;
   while (!stopping_) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    int n = ::poll(fds, 2, 1000);
+    auto now = Clock::now();
+    // Silent connections are closed at their deadline; they never got a thread.
+    for (auto it = pending.begin(); it != pending.end();) {
+      if ((*it)->hello_deadline <= now) {
+        spdlog::info("closing connection {} (pid {}): no hello within {} ms", (*it)->id,
+                     (*it)->peer_pid, options_.hello_timeout.count());
+        metrics_.refused_by["hello_timeout"]->Increment();
+        ClosePending(**it);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto wake_at = now + std::chrono::seconds(1);
+    for (auto& c : pending) wake_at = std::min(wake_at, c->hello_deadline);
+    const bool accepting = now >= backoff;
+    if (!accepting) wake_at = std::min(wake_at, backoff);
+    fds.clear();
+    polled.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({accepting ? listen_fd_ : -1, POLLIN, 0});
+    for (auto& c : pending) {
+      fds.push_back({c->fd, POLLIN, 0});
+      polled.push_back(c);
+    }
+    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(wake_at - now);
+    int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, wait.count())));
     ReapFinished(false);
     if (n <= 0 || stopping_) continue;
-    if (!(fds[0].revents & POLLIN)) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
+    for (size_t i = 0; i < polled.size(); ++i) {
+      if (!fds[i + 2].revents) continue;
+      if (!ReadHello(polled[i])) pending.remove(polled[i]);
+    }
+    if (fds[1].revents & POLLIN) AcceptNew(pending, &backoff);
+  }
+  for (auto& c : pending) ClosePending(*c);
+}
+
+void Server::Impl::AcceptNew(std::list<std::shared_ptr<Connection>>& pending,
+                             Clock::time_point* backoff) {
+  for (int round = 0; round < 64; ++round) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED) return;
+      // Out of descriptors or memory: the listening socket stays readable, so retrying at once
+      // would spin. Pause accepting briefly; connections wait in the backlog meanwhile.
+      metrics_.accept_errors.Increment();
+      if (!accept_failing_) {
+        accept_failing_ = true;
+        spdlog::warn(
+            "accept failed: {}; pausing new connections, retrying every 100 ms{}",
+            std::strerror(err),
+            err == EMFILE || err == ENFILE ? " (raise the open-file limit, ulimit -n)" : "");
+      }
+      *backoff = Clock::now() + std::chrono::milliseconds(100);
+      return;
+    }
+    if (accept_failing_) {
+      accept_failing_ = false;
+      spdlog::info("accepting connections again");
+    }
     auto conn = std::make_shared<Connection>();
     conn->id = next_id_++;
     conn->fd = fd;
+    conn->hello_deadline = Clock::now() + options_.hello_timeout;
     struct ucred cred {};
     socklen_t len = sizeof(cred);
     if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
       conn->peer_pid = cred.pid;
       conn->peer_uid = cred.uid;
     }
-    struct timeval tv {};
-    tv.tv_sec = options_.send_timeout.count() / 1000;
-    tv.tv_usec = (options_.send_timeout.count() % 1000) * 1000;
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     metrics_.connections.Increment();
-    std::lock_guard lock(conns_mu_);
-    conns_.push_back(conn);
-    conn->thread = std::thread([this, conn] { Serve(conn); });
+    // A real client says hello at once; whoever holds connections open without one is the
+    // first to go when room is needed, so they cannot lock real clients out.
+    if (pending.size() >= options_.max_pending_handshakes) {
+      auto& oldest = pending.front();
+      spdlog::info("closing connection {} (pid {}): {} connections are waiting for a hello",
+                   oldest->id, oldest->peer_pid, pending.size());
+      metrics_.refused_by["too_many_pending"]->Increment();
+      ClosePending(*oldest);
+      pending.pop_front();
+    }
+    pending.push_back(conn);
+    // The hello is often there already.
+    if (!ReadHello(conn)) pending.pop_back();
   }
+}
+
+bool Server::Impl::ReadHello(const std::shared_ptr<Connection>& conn) {
+  Connection& c = *conn;
+  // A hello is small (protocol.md); no more than this is ever buffered for an unknown peer.
+  const size_t limit = kHeaderBytes + std::min<size_t>(options_.max_message_bytes, kMaxHelloBytes);
+  while (true) {
+    if (c.in.size() >= kHeaderBytes) {
+      FrameHeader h = DecodeHeader(c.in.data());
+      Status s = CheckRequestHeader(h, options_.max_message_bytes);
+      if (s.ok() && h.opcode != static_cast<uint16_t>(Opcode::kHello)) {
+        s = Status::InvalidArgument("the first message must be hello");
+      }
+      if (s.ok() && kHeaderBytes + h.body_length > limit) {
+        s = Status::InvalidArgument(
+            fmt::format("hello of {} bytes exceeds the limit of {}", h.body_length, limit));
+      }
+      if (!s.ok()) {
+        ProtocolError(c, h, s);
+        ClosePending(c);
+        return false;
+      }
+      const size_t total = kHeaderBytes + h.body_length;
+      if (c.in.size() >= total) {
+        std::vector<uint8_t> rest(c.in.begin() + total, c.in.end());
+        std::span<const uint8_t> body(c.in.data() + kHeaderBytes, h.body_length);
+        // On success the connection and its buffer belong to its thread from here on.
+        if (!HandleHello(conn, h, body, std::move(rest))) ClosePending(c);
+        return false;
+      }
+    }
+    uint8_t buf[4096];
+    ssize_t r = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (r <= 0) {
+      ClosePending(c);
+      return false;
+    }
+    c.in.insert(c.in.end(), buf, buf + r);
+  }
+}
+
+void Server::Impl::ClosePending(Connection& c) {
+  std::lock_guard lock(c.out_mu);
+  c.out_closed = true;
+  pump_.Forget(c);
+  if (c.fd >= 0) ::close(c.fd);
+  c.fd = -1;
 }
 
 void Server::Impl::ReapFinished(bool all) {
@@ -506,24 +882,79 @@ void Server::Impl::ReapFinished(bool all) {
   }
 }
 
+bool Server::Impl::Send(Connection& c, const std::vector<uint8_t>& frame, int pass_fd) {
+  std::lock_guard lock(c.out_mu);
+  if (c.out_closed) return false;
+  size_t sent = 0;
+  if (c.out.empty()) {
+    // Nothing queued: write directly, without blocking.
+    while (sent < frame.size()) {
+      ssize_t w;
+      if (pass_fd >= 0 && sent == 0) {
+        iovec iov{const_cast<uint8_t*>(frame.data()), frame.size()};
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof(control);
+        cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+        cmsg->cmsg_level = SOL_SOCKET;
+        cmsg->cmsg_type = SCM_RIGHTS;
+        cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+        std::memcpy(CMSG_DATA(cmsg), &pass_fd, sizeof(int));
+        w = ::sendmsg(c.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      } else {
+        w = ::send(c.fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      }
+      if (w > 0) {
+        sent += static_cast<size_t>(w);
+        continue;
+      }
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (pass_fd >= 0 && sent == 0) {  // the descriptor must ride on the first byte
+          c.DropLocked();
+          return false;
+        }
+        break;
+      }
+      c.DropLocked();
+      return false;
+    }
+    if (sent == frame.size()) return true;
+  }
+  // The client is not reading as fast as it asks: queue, bounded.
+  if (c.out.size() - c.out_begin + frame.size() - sent > options_.max_output_bytes) {
+    spdlog::warn("dropping client {} (pid {}, \"{}\"): more than {} bytes of replies unread", c.id,
+                 c.peer_pid, c.name, options_.max_output_bytes);
+    metrics_.dropped_by["slow"]->Increment();
+    c.DropLocked();
+    return false;
+  }
+  if (c.out.empty()) c.out_since = Clock::now();
+  c.out.insert(c.out.end(), frame.begin() + static_cast<ptrdiff_t>(sent), frame.end());
+  pump_.Watch(c.shared_from_this());
+  return !c.out_closed;
+}
+
 void Server::Impl::Refuse(Connection& c, const FrameHeader& h, const Status& s,
                           const char* reason) {
-  spdlog::warn("refusing client {} (pid {}, \"{}\"): {}", c.id, c.peer_pid, c.name, s.ToString());
+  spdlog::warn("refusing client {} (pid {}, \"{}\"): {}", c.id, c.peer_pid, LogSafe(c.name),
+               LogSafe(s.ToString()));
   metrics_.refused_by[reason]->Increment();
-  std::lock_guard lock(c.mu);
-  c.SendLocked(EncodeReply(h.opcode, h.request_id, s));
+  Send(c, EncodeReply(h.opcode, h.request_id, s));
 }
 
 void Server::Impl::ProtocolError(Connection& c, const FrameHeader& h, const Status& s) {
   spdlog::warn("closing client {} (pid {}, \"{}\") after a protocol error: {}", c.id, c.peer_pid,
-               c.name, s.ToString());
+               LogSafe(c.name), LogSafe(s.ToString()));
   metrics_.protocol_errors.Increment();
-  std::lock_guard lock(c.mu);
-  c.SendLocked(EncodeReply(h.opcode & ~kReplyBit, h.request_id, s));
+  Send(c, EncodeReply(h.opcode & ~kReplyBit, h.request_id, s));
 }
 
-bool Server::Impl::ReadFrame(Connection& c, std::vector<uint8_t>& buf, size_t& begin,
-                             size_t& end, FrameHeader* header, std::span<const uint8_t>* body) {
+bool Server::Impl::ReadFrame(Connection& c, std::vector<uint8_t>& buf, size_t& begin, size_t& end,
+                             FrameHeader* header, std::span<const uint8_t>* body) {
   auto fill = [&](size_t need) -> bool {
     if (end - begin >= need) return true;
     if (begin > 0) {  // compact: the unread bytes go to the front
@@ -557,14 +988,25 @@ bool Server::Impl::ReadFrame(Connection& c, std::vector<uint8_t>& buf, size_t& b
   return true;
 }
 
-void Server::Impl::Serve(std::shared_ptr<Connection> conn) {
+void Server::Impl::Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> hello_reply) {
   Connection& c = *conn;
-  std::vector<uint8_t> buf(64 * 1024);
-  size_t begin = 0, end = 0;
-  FrameHeader h;
-  std::span<const uint8_t> body;
-  while (ReadFrame(c, buf, begin, end, &h, &body)) {
-    if (!Handle(conn, h, body)) break;
+  // What the client sent after its hello came in with it.
+  std::vector<uint8_t> buf = std::move(c.in);
+  size_t begin = 0, end = buf.size();
+  if (buf.size() < 64 * 1024) buf.resize(64 * 1024);
+  if (Send(c, hello_reply, engine_->memory_tier().fd())) {
+    {
+      std::lock_guard lock(c.mu);
+      c.handshaken = true;
+    }
+    metrics_.connected.Increment();
+    spdlog::info("client {} connected: pid {}, uid {}, \"{}\", model \"{}\" rank {}/{}", c.id,
+                 c.peer_pid, c.peer_uid, c.name, c.ns.model_id, c.ns.rank, c.ns.world_size);
+    FrameHeader h;
+    std::span<const uint8_t> body;
+    while (ReadFrame(c, buf, begin, end, &h, &body)) {
+      if (!Handle(conn, h, body)) break;
+    }
   }
   Release(c);
   c.finished = true;
@@ -583,6 +1025,12 @@ void Server::Impl::Release(Connection& c) {
     }
     c.reservations.clear();
     c.pins.clear();
+    c.pinned = 0;
+  }
+  {
+    std::lock_guard lock(c.out_mu);
+    c.out_closed = true;
+    pump_.Forget(c);
     ::close(c.fd);
     c.fd = -1;
   }
@@ -591,16 +1039,18 @@ void Server::Impl::Release(Connection& c) {
   if (was_handshaken) metrics_.connected.Decrement();
   if (!reserved.empty() || !pinned.empty()) {
     metrics_.released_on_disconnect.Increment(static_cast<double>(reserved.size() + pinned.size()));
-    spdlog::info("client {} (pid {}, \"{}\") disconnected holding {} reservations and {} pins: "
-                 "released",
-                 c.id, c.peer_pid, c.name, reserved.size(), pinned.size());
+    spdlog::info(
+        "client {} (pid {}, \"{}\") disconnected holding {} reservations and {} pins: "
+        "released",
+        c.id, c.peer_pid, c.name, reserved.size(), pinned.size());
   } else {
     spdlog::debug("client {} disconnected", c.id);
   }
 }
 
-bool Server::Impl::HandleHello(Connection& c, const FrameHeader& h,
-                               std::span<const uint8_t> body) {
+bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const FrameHeader& h,
+                               std::span<const uint8_t> body, std::vector<uint8_t> rest) {
+  Connection& c = *conn;
   auto hello = DecodeHelloRequest(body);
   if (!hello.ok()) {
     if (hello.status().code() == StatusCode::kUnimplemented) {
@@ -609,6 +1059,19 @@ bool Server::Impl::HandleHello(Connection& c, const FrameHeader& h,
       ProtocolError(c, h, hello.status());
     }
     return false;
+  }
+  // Names reach logs, /stats and metrics: they must be printable text.
+  for (auto [what, text, max] : {std::tuple{"client_name", &hello->client_name, size_t{256}},
+                                 std::tuple{"model_id", &hello->ns.model_id, size_t{1024}}}) {
+    if (!IsPrintableUtf8(*text) || text->size() > max) {
+      Refuse(c, h,
+             Status::InvalidArgument(fmt::format(
+                 "{} \"{}\" refused: it must be UTF-8 text of at most {} bytes without control "
+                 "characters",
+                 what, LogSafe(text->substr(0, 64)), max)),
+             "bad_name");
+      return false;
+    }
   }
   c.name = hello->client_name;
   if (hello->version != kProtocolVersion) {
@@ -647,19 +1110,9 @@ bool Server::Impl::HandleHello(Connection& c, const FrameHeader& h,
     Refuse(c, h, Status::Unavailable("server is draining (shutting down)"), "draining");
     return false;
   }
-  {
-    std::lock_guard lock(conns_mu_);
-    size_t live = 0;
-    for (auto& other : conns_) live += !other->finished;
-    if (live > options_.max_clients) {
-      Refuse(c, h,
-             Status::Rejected(fmt::format("too many clients (limit {})", options_.max_clients)),
-             "too_many_clients");
-      return false;
-    }
-  }
   c.ns = hello->ns;
   c.deriver = std::make_unique<KeyDeriver>(c.ns);
+  c.in = std::move(rest);
   MemoryTier& mem = engine_->memory_tier();
   HelloReply reply;
   reply.session_id = c.id;
@@ -671,12 +1124,31 @@ bool Server::Impl::HandleHello(Connection& c, const FrameHeader& h,
   reply.max_message_bytes = options_.max_message_bytes;
   reply.server_version = KVTIER_VERSION;
   auto frame = EncodeReply(h.opcode, h.request_id, Status::Ok(), HelloReplyFields(reply));
-  std::lock_guard lock(c.mu);
-  if (!SendWithFd(c.fd, frame, mem.fd())) return false;
-  c.handshaken = true;
-  metrics_.connected.Increment();
-  spdlog::info("client {} connected: pid {}, uid {}, \"{}\", model \"{}\" rank {}/{}", c.id,
-               c.peer_pid, c.peer_uid, c.name, c.ns.model_id, c.ns.rank, c.ns.world_size);
+  std::lock_guard lock(conns_mu_);
+  size_t live = 0;
+  for (auto& other : conns_) live += !other->finished;
+  if (live >= options_.max_clients) {
+    Refuse(c, h, Status::Rejected(fmt::format("too many clients (limit {})", options_.max_clients)),
+           "too_many_clients");
+    return false;
+  }
+  // The connection's socket blocks from now on (its thread reads it); replies never block.
+  int fl = ::fcntl(c.fd, F_GETFL);
+  if (fl >= 0) ::fcntl(c.fd, F_SETFL, fl & ~O_NONBLOCK);
+  try {
+    conn->thread = std::thread(
+        [this, conn, frame = std::move(frame)]() mutable { Serve(conn, std::move(frame)); });
+  } catch (const std::system_error& e) {
+    // Out of threads (a task limit, memory): this client is refused, the server goes on.
+    Refuse(c, h,
+           Status::Unavailable(fmt::format("the server cannot start a thread for this connection "
+                                           "({}); try again later",
+                                           e.what())),
+           "no_thread");
+    metrics_.dropped_by["no_thread"]->Increment();
+    return false;
+  }
+  conns_.push_back(conn);
   return true;
 }
 
@@ -685,13 +1157,6 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
   Connection& c = *conn;
   const auto started = Clock::now();
   const auto op = static_cast<Opcode>(h.opcode);
-  if (!c.handshaken) {
-    if (op != Opcode::kHello) {
-      ProtocolError(c, h, Status::InvalidArgument("the first message must be hello"));
-      return false;
-    }
-    return HandleHello(c, h, body);
-  }
   if (op == Opcode::kHello) {
     ProtocolError(c, h, Status::InvalidArgument("hello sent twice"));
     return false;
@@ -705,8 +1170,22 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
   };
   auto reply = [&](const Status& s, std::span<const uint8_t> fields = {}) {
     if (!s.ok()) metrics_.request_errors.Increment();
-    std::lock_guard lock(c.mu);
-    return c.SendLocked(EncodeReply(h.opcode, h.request_id, s, fields));
+    return Send(c, EncodeReply(h.opcode, h.request_id, s, fields));
+  };
+  // How many of `n` new slots this connection may take (reservations and pins are capped per
+  // connection, so one client cannot take the whole pool); an error when none.
+  const size_t quota = SlotQuota();
+  auto allowance = [&](size_t n, size_t* allowed) -> Status {
+    const size_t held = c.HeldLocked();
+    *allowed = held >= quota ? 0 : std::min(n, quota - held);
+    if (*allowed < n) metrics_.quota_limited.Increment();
+    if (n > 0 && *allowed == 0) {
+      return Status::Rejected(fmt::format(
+          "this client holds {} reserved or pinned slots, its limit (--max-client-slots); "
+          "commit, abort or release some first",
+          held));
+    }
+    return Status::Ok();
   };
   bool keep = true;
   switch (op) {
@@ -727,14 +1206,26 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         ProtocolError(c, h, keys.status());
         return false;
       }
+      size_t allowed;
+      Status limited;
+      {
+        std::lock_guard lock(c.mu);
+        limited = allowance(keys->size(), &allowed);
+      }
+      if (!limited.ok()) {
+        keep = reply(limited);
+        break;
+      }
+      keys->resize(allowed);  // a short reply, as when the pool is full
       auto derived = derive(*keys);
       std::vector<SlotId> slots = engine_->ReserveSlots(derived);
-      std::lock_guard lock(c.mu);
-      for (size_t i = 0; i < slots.size(); ++i) {
-        if (slots[i] != kNoSlot) c.reservations[slots[i]] = {derived[i], started};
+      {
+        std::lock_guard lock(c.mu);
+        for (size_t i = 0; i < slots.size(); ++i) {
+          if (slots[i] != kNoSlot) c.reservations[slots[i]] = {derived[i], started};
+        }
       }
-      keep = c.SendLocked(EncodeReply(h.opcode, h.request_id, Status::Ok(),
-                                      SlotsReplyFields(slots)));
+      keep = reply(Status::Ok(), SlotsReplyFields(slots));
       break;
     }
     case Opcode::kCommit:
@@ -790,22 +1281,38 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         ProtocolError(c, h, keys.status());
         return false;
       }
+      size_t allowed;
+      Status limited;
+      {
+        std::lock_guard lock(c.mu);
+        limited = allowance(keys->size(), &allowed);
+        if (limited.ok()) c.pending_pins += allowed;
+      }
+      if (!limited.ok()) {
+        keep = reply(limited);
+        break;
+      }
+      keys->resize(allowed);  // a partial hit beyond the limit: the client recomputes the rest
       auto handle = engine_->PrepareLoad(derive(*keys));
       if (!handle.ok()) {
+        {
+          std::lock_guard lock(c.mu);
+          c.pending_pins -= allowed;
+        }
         keep = reply(handle.status());
         break;
       }
       if (handle->Done()) {
-        FinishPrepareLoad(conn, h.request_id, started, handle->Wait());
+        FinishPrepareLoad(conn, h.request_id, started, allowed, handle->Wait());
       } else {
         // A promotion from the file tier is under way: answer when it is done, without holding
         // up this connection's other requests.
         OpHandle op_handle = *handle;
-        Status queued = completions_->TrySubmit([this, conn, op_handle, id = h.request_id,
-                                                 started] {
-          FinishPrepareLoad(conn, id, started, op_handle.Wait());
-        });
-        if (!queued.ok()) FinishPrepareLoad(conn, h.request_id, started, op_handle.Wait());
+        Status queued =
+            completions_->TrySubmit([this, conn, op_handle, id = h.request_id, started, allowed] {
+              FinishPrepareLoad(conn, id, started, allowed, op_handle.Wait());
+            });
+        if (!queued.ok()) FinishPrepareLoad(conn, h.request_id, started, allowed, op_handle.Wait());
       }
       break;
     }
@@ -831,6 +1338,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         if (bad.ok()) {
           for (auto& [s, n] : want) {
             auto it = c.pins.find(s);
+            c.pinned -= n;
             if ((it->second -= n) == 0) c.pins.erase(it);
           }
         }
@@ -866,9 +1374,14 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
   return keep;
 }
 
-void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn,
-                                     uint64_t request_id, Clock::time_point started,
-                                     const OpResult& r) {
+size_t Server::Impl::SlotQuota() const {
+  const size_t slots = engine_->memory_tier().num_slots();
+  if (options_.max_slots_per_client > 0) return options_.max_slots_per_client;
+  return std::max<size_t>(1, slots / 2);
+}
+
+void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
+                                     Clock::time_point started, size_t asked, const OpResult& r) {
   Connection& c = *conn;
   const uint16_t opcode = static_cast<uint16_t>(Opcode::kPrepareLoad);
   std::vector<uint8_t> frame;
@@ -883,15 +1396,20 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn,
   bool unpin_now = false;
   {
     std::lock_guard lock(c.mu);
+    c.pending_pins -= asked;
     if (c.closed) {
       unpin_now = true;  // the client is gone: nobody will release these pins
     } else {
       for (SlotId s : r.slots) c.pins[s]++;
-      // If the reply does not reach the client, the connection thread releases c.pins at close.
-      c.SendLocked(frame);
+      c.pinned += r.slots.size();
     }
   }
-  if (unpin_now) engine_->Unpin(r.slots);
+  if (unpin_now) {
+    engine_->Unpin(r.slots);
+  } else {
+    // If the reply does not reach the client, the connection thread releases c.pins at close.
+    Send(c, frame);
+  }
   metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());
 }
 
@@ -919,19 +1437,21 @@ void Server::Impl::Stop() {
   {
     std::lock_guard lock(conns_mu_);
     for (auto& c : conns_) {
-      std::lock_guard conn_lock(c->mu);
-      if (!c->closed) ::shutdown(c->fd, SHUT_RDWR);
+      std::lock_guard out_lock(c->out_mu);
+      if (!c->out_closed) ::shutdown(c->fd, SHUT_RDWR);
     }
   }
   ReapFinished(true);
   if (completions_) completions_->Drain();
+  pump_.Stop();
   if (engine_ && was_serving) {
     spdlog::info("draining: waiting for queued engine work (write policy {})",
                  WritePolicyName(engine_->options().write_policy));
     if (engine_->options().write_policy == WritePolicy::kWriteBack && engine_->file_tier()) {
       // Write-back keeps dirty chunks only in L1, which dies with the process: write them down.
       Status flushed = engine_->FlushDirty();
-      if (!flushed.ok()) spdlog::error("draining: writing back dirty chunks: {}", flushed.ToString());
+      if (!flushed.ok())
+        spdlog::error("draining: writing back dirty chunks: {}", flushed.ToString());
     }
     engine_->Drain();
   }
@@ -955,14 +1475,18 @@ std::string Server::Impl::StatsJson() const {
   j["draining"] = stopping_.load();
   j["socket"] = options_.socket_path;
   j["write_policy"] = WritePolicyName(engine_->options().write_policy);
-  j["pool"] = {{"capacity_bytes", m.capacity_bytes}, {"slot_bytes", m.slot_bytes},
-               {"chunk_bytes", engine_->options().chunk_bytes}, {"num_slots", m.num_slots},
-               {"resident", m.resident}, {"pinned", m.pinned}, {"huge_pages", m.huge_pages},
+  j["pool"] = {{"capacity_bytes", m.capacity_bytes},
+               {"slot_bytes", m.slot_bytes},
+               {"chunk_bytes", engine_->options().chunk_bytes},
+               {"num_slots", m.num_slots},
+               {"resident", m.resident},
+               {"pinned", m.pinned},
+               {"huge_pages", m.huge_pages},
                {"eviction_policy", EvictionPolicyName(engine_->options().memory.eviction)}};
   auto tier = [](const TierCounters& t) {
-    return nlohmann::json{{"lookups", t.lookups},     {"hits", t.hits},
-                          {"misses", t.misses},       {"bytes_written", t.bytes_in},
-                          {"bytes_read", t.bytes_out}, {"evictions", t.evictions},
+    return nlohmann::json{{"lookups", t.lookups},       {"hits", t.hits},
+                          {"misses", t.misses},         {"bytes_written", t.bytes_in},
+                          {"bytes_read", t.bytes_out},  {"evictions", t.evictions},
                           {"rejections", t.rejections}, {"errors", t.errors}};
   };
   j["tiers"]["memory"] = tier(st.memory);
@@ -987,20 +1511,20 @@ std::string Server::Impl::StatsJson() const {
     for (auto& c : conns_) {
       std::lock_guard conn_lock(c->mu);
       if (c->closed || !c->handshaken) continue;
-      size_t pins = 0;
-      for (auto& [s, n] : c->pins) pins += n;
       clients.push_back({{"id", c->id},
                          {"pid", c->peer_pid},
                          {"name", c->name},
                          {"model_id", c->ns.model_id},
                          {"rank", c->ns.rank},
                          {"world_size", c->ns.world_size},
-                         {"pins", pins},
+                         {"pins", c->pinned},
                          {"reservations", c->reservations.size()}});
     }
   }
   j["clients"] = std::move(clients);
-  return j.dump(2) + "\n";
+  // Paths come from the operator and names were checked at hello, but no byte sequence may make
+  // a dump throw (it would take the server down): invalid UTF-8 is replaced.
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string Server::Impl::MetricsText() const {
@@ -1044,10 +1568,10 @@ std::string Server::Impl::MetricsText() const {
           tiers([](const TierCounters& t) { return t.errors; }));
   {
     MetricFamily f{"kvtier_engine_ops_total", "Engine operations", MetricType::Counter, {}};
-    for (auto [name, v] : {std::pair{"store", st.stores}, std::pair{"load", st.loads},
-                           std::pair{"rejected", st.rejected_ops},
-                           std::pair{"promotion", st.promotions},
-                           std::pair{"deadline_miss", st.deadline_misses}}) {
+    for (auto [name, v] :
+         {std::pair{"store", st.stores}, std::pair{"load", st.loads},
+          std::pair{"rejected", st.rejected_ops}, std::pair{"promotion", st.promotions},
+          std::pair{"deadline_miss", st.deadline_misses}}) {
       ClientMetric m;
       m.label.push_back({"op", name});
       m.counter.value = d(v);

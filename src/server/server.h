@@ -1,11 +1,18 @@
 // Server: one Engine per node, shared with every inference process through a Unix socket and a
 // shared-memory pool (docs/protocol.md).
 //
-// One thread accepts connections; each connection is served by its own thread (blocking reads
-// with no polling hop, so a control round trip costs two wake-ups), and prepare_load requests
+// One "door" thread accepts connections and reads their hello with non-blocking I/O: a
+// connection gets a thread of its own only once its handshake is accepted, so idle or silent
+// connections cost no thread, are closed after hello_timeout, and at most max_pending_handshakes
+// of them are kept (the oldest is dropped for a newcomer, so they cannot lock real clients out).
+// Each accepted connection is served by its own thread (blocking reads with no polling hop, so a
+// control round trip costs two wake-ups). Replies are written without blocking: what the socket
+// does not take is queued (bounded) and written by one output thread, and a client that leaves
+// replies unread past send_timeout or max_output_bytes is disconnected. prepare_load requests
 // that must wait for the file tier complete on a small pool so a slow promotion never blocks a
 // connection. Every connection's reservations and pins are tracked and released when it closes,
-// however it closes. An HTTP listener serves /metrics (Prometheus text), /healthz and /stats.
+// however it closes, and are capped per connection (max_slots_per_client). An HTTP listener
+// serves /metrics (Prometheus text), /healthz and /stats.
 //
 // Thread-safety: Start, Stop and Wait may be called from any thread; StatsJson and MetricsText
 // are thread-safe.
@@ -25,16 +32,22 @@ struct ServerOptions {
   // The engine. Its namespace is set by the server (clients bring their own, see protocol.md);
   // chunk_bytes fixes the pool's slot size for every client.
   EngineOptions engine;
-  std::string socket_path;        // REQUIRED
-  std::string socket_group;       // empty: owner-only socket (0600); else 0660 and this group
-  std::string token;              // empty: none required
+  std::string socket_path;   // REQUIRED
+  std::string socket_group;  // empty: owner-only socket (0600); else 0660 and this group
+  std::string token;         // empty: none required
   std::string http_host = "127.0.0.1";
-  int http_port = 8790;           // 0: pick a free port (see http_port()); -1: no HTTP listener
-  uint32_t max_clients = 256;
+  int http_port = 8790;        // 0: pick a free port (see http_port()); -1: no HTTP listener
+  uint32_t max_clients = 256;  // connections past the handshake served at once
+  uint32_t max_pending_handshakes = 64;  // connections not yet past hello; the oldest goes first
+  std::chrono::milliseconds hello_timeout{5000};  // a connection silent this long is closed
   uint32_t max_message_bytes = 1u << 20;
   uint32_t max_keys_per_request = 4096;
-  int completion_threads = 2;     // wait for slow prepare_loads (file-tier promotions)
+  // Slots one connection may hold reserved or pinned at once; 0 = half the pool.
+  uint32_t max_slots_per_client = 0;
+  int completion_threads = 2;  // wait for slow prepare_loads (file-tier promotions)
+  int http_threads = 8;        // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
+  uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it
 };
 
 class Server {

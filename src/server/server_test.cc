@@ -1,23 +1,28 @@
 // Integration tests: the real `kvtier serve` binary in its own process, clients in this process
 // and in forked child processes.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
 #include <thread>
-
-#include <gtest/gtest.h>
-#include <httplib.h>
-#include <nlohmann/json.hpp>
 
 #include "kvtier/client.h"
 #include "server/codec.h"
@@ -38,12 +43,21 @@ constexpr const char* kBinary = nullptr;
 // A `kvtier serve` process.
 class ServerProcess {
  public:
-  ServerProcess(const testing::TempDir& dir, std::vector<std::string> extra)
-      : socket_(dir.Sub("kv.sock")), log_(dir.Sub("server.log")) {
-    args_ = {kBinary, "serve", "--socket", socket_, "--chunk-bytes", std::to_string(kChunkBytes),
-             "--l1-size-gb", "0.015625", "--http-port", "0", "--log-level", "info"};
+  // `socket` empty: kv.sock in `dir`.
+  ServerProcess(const testing::TempDir& dir, std::vector<std::string> extra,
+                std::string socket = "")
+      : socket_(socket.empty() ? dir.Sub("kv.sock") : socket), log_(dir.Sub("server.log")) {
+    args_ = {kBinary,         "serve",
+             "--socket",      socket_,
+             "--chunk-bytes", std::to_string(kChunkBytes),
+             "--l1-size-gb",  "0.015625",
+             "--http-port",   "0",
+             "--log-level",   "info"};
     args_.insert(args_.end(), extra.begin(), extra.end());
   }
+  // Runs in the child between fork and exec (e.g. to drop privileges).
+  void InChild(std::function<void()> f) { in_child_ = std::move(f); }
+  pid_t pid() const { return pid_; }
   ~ServerProcess() { Kill(SIGKILL); }
 
   // Starts the process and waits until it accepts clients.
@@ -53,6 +67,7 @@ class ServerProcess {
       int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
+      if (in_child_) in_child_();
       std::vector<char*> argv;
       for (auto& a : args_) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -125,6 +140,7 @@ class ServerProcess {
  private:
   std::string socket_, log_;
   std::vector<std::string> args_;
+  std::function<void()> in_child_;
   pid_t pid_ = -1;
 };
 
@@ -330,7 +346,9 @@ std::pair<Status, bool> SendRaw(const std::string& socket, const std::vector<uin
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return {Status::Unavailable("connect"), false};
   }
-  struct timeval tv {5, 0};
+  struct timeval tv {
+    5, 0
+  };
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   auto read_frame = [&](std::vector<uint8_t>* body) -> bool {
     uint8_t hdr[server::kHeaderBytes];
@@ -400,8 +418,7 @@ TEST_F(ServerTest, MalformedAndOversizedMessagesGetAnErrorAndADisconnect) {
   ASSERT_TRUE(c.ok());
   SlotId s = 3;
   EXPECT_EQ((*c)->Unpin(std::span(&s, 1)).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*c)->CommitSlots(Keys(1, 9), std::span(&s, 1)).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->CommitSlots(Keys(1, 9), std::span(&s, 1)).code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE((*c)->Ping().ok());
   // And the server still serves.
   auto keys = Keys(2, 4);
@@ -410,7 +427,8 @@ TEST_F(ServerTest, MalformedAndOversizedMessagesGetAnErrorAndADisconnect) {
 }
 
 TEST_F(ServerTest, SigkilledClientsMidLoadLeaveNoPinnedSlot) {
-  ServerProcess server(dir_, {"--no-l2"});
+  // The observer takes every slot at the end: no per-client limit below the pool.
+  ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "256"});
   ASSERT_NO_FATAL_FAILURE(server.Start());
   auto keys = Keys(32, 5);
   {
@@ -644,11 +662,563 @@ TEST_F(ServerTest, BadCommandLinesFailClearly) {
 
   ServerProcess server(dir_, {"--no-l2"});
   ASSERT_NO_FATAL_FAILURE(server.Start());
-  auto [rc7, out7] = RunServeFailing(dir_, {"--socket", server.socket(), "--no-l2",
-                                            "--http-port", "-1"});
+  auto [rc7, out7] =
+      RunServeFailing(dir_, {"--socket", server.socket(), "--no-l2", "--http-port", "-1"});
   EXPECT_NE(rc7, 0);
   EXPECT_NE(out7.find("in use"), std::string::npos) << out7;
   EXPECT_TRUE(server.Connect().ok());  // the running server is untouched
+}
+
+// --- Hardening: what a hostile or broken client, or a hostile local user, can do ---------------
+
+// A connection that completed a raw hello: its socket and the pool descriptor it was handed.
+struct RawSession {
+  int sock = -1;
+  int pool_fd = -1;
+  Status status = Status::Internal("no reply");
+  RawSession() = default;
+  RawSession(const RawSession&) = delete;
+  ~RawSession() {
+    if (sock >= 0) ::close(sock);
+    if (pool_fd >= 0) ::close(pool_fd);
+  }
+};
+
+int ConnectUnix(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, path.c_str());
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+server::HelloRequest TestHello(const std::string& name = "raw") {
+  server::HelloRequest h;
+  h.ns.model_id = "test-model";
+  h.ns.chunk_tokens = 16;
+  h.chunk_bytes = kChunkBytes;
+  h.client_name = name;
+  return h;
+}
+
+// Sends `hello` and reads the reply, keeping the descriptor it carries.
+std::unique_ptr<RawSession> RawHello(const std::string& socket, const server::HelloRequest& h) {
+  auto s = std::make_unique<RawSession>();
+  s->sock = ConnectUnix(socket);
+  if (s->sock < 0) {
+    s->status = Status::Unavailable("connect");
+    return s;
+  }
+  struct timeval tv {
+    5, 0
+  };
+  ::setsockopt(s->sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  auto frame = server::EncodeHelloRequest(1, h);
+  ::send(s->sock, frame.data(), frame.size(), MSG_NOSIGNAL);
+  uint8_t hdr[server::kHeaderBytes];
+  iovec iov{hdr, sizeof(hdr)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  if (::recvmsg(s->sock, &msg, MSG_WAITALL | MSG_CMSG_CLOEXEC) != sizeof(hdr)) return s;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      std::memcpy(&s->pool_fd, CMSG_DATA(c), sizeof(int));
+    }
+  }
+  auto head = server::DecodeHeader(hdr);
+  std::vector<uint8_t> body(head.body_length);
+  if (::recv(s->sock, body.data(), body.size(), MSG_WAITALL) != ssize_t(body.size())) return s;
+  server::Reader r(body);
+  Status remote;
+  if (!server::DecodeReplyStatus(r, &remote).ok()) remote = Status::Internal("bad reply");
+  s->status = remote;
+  return s;
+}
+
+size_t ThreadCount(pid_t pid) {
+  size_t n = 0;
+  for ([[maybe_unused]] auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    ++n;
+  }
+  return n;
+}
+
+// The value of one Prometheus series, or -1.
+double Metric(int port, const std::string& series) {
+  httplib::Client http("127.0.0.1", port);
+  http.set_read_timeout(5, 0);
+  auto res = http.Get("/metrics");
+  if (!res) return -1;
+  std::istringstream in(res->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return -1;
+}
+
+bool Alive(pid_t pid) {
+  int status;
+  return waitpid(pid, &status, WNOHANG) == 0;
+}
+
+// Issue 13, item 1.
+TEST_F(ServerTest, AClientCannotResizeTheSharedPool) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto attacker = RawHello(server.socket(), TestHello("attacker"));
+  ASSERT_TRUE(attacker->status.ok()) << attacker->status.ToString();
+  ASSERT_GE(attacker->pool_fd, 0);
+  const int seals = ::fcntl(attacker->pool_fd, F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_NE(::ftruncate(attacker->pool_fd, 0), 0) << "the pool could be shrunk";
+  EXPECT_NE(::ftruncate(attacker->pool_fd, 1ll << 40), 0) << "the pool could be grown";
+  // The server and other clients go on: stores and loads touch every slot they use.
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(64, 30);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**c, keys, 64));
+  EXPECT_TRUE(Alive(server.pid()));
+}
+
+// Issue 13, item 2.
+TEST_F(ServerTest, NamesThatAreNotPrintableTextAreRefusedAndNeverBreakStatsOrLogs) {
+  // A socket directory whose name is not UTF-8 ends up in /stats too.
+  std::string odd_dir = dir_.Sub("sock-\xff\xfe");
+  ASSERT_EQ(::mkdir(odd_dir.c_str(), 0700), 0);
+  ServerProcess server(dir_, {"--no-l2"}, odd_dir + "/kv.sock");
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto bad_name = TestHello("\xff\xfe\xfd");
+  auto a = RawHello(server.socket(), bad_name);
+  EXPECT_EQ(a->status.code(), StatusCode::kInvalidArgument) << a->status.ToString();
+  auto forged_name = TestHello("x\nFORGED-LINE client connected");
+  auto b = RawHello(server.socket(), forged_name);
+  EXPECT_EQ(b->status.code(), StatusCode::kInvalidArgument) << b->status.ToString();
+  auto bad_model = TestHello("ok");
+  bad_model.ns.model_id = "m\xc0\xaf\rFORGED-LINE model";
+  auto m = RawHello(server.socket(), bad_model);
+  EXPECT_EQ(m->status.code(), StatusCode::kInvalidArgument) << m->status.ToString();
+  // Stats over the socket and over HTTP still work, and name the odd path without throwing.
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto st = (*c)->StatsJson();
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_NE(st->find("kv.sock"), std::string::npos);
+  httplib::Client http("127.0.0.1", server.HttpPort());
+  auto res = http.Get("/stats");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_TRUE(Alive(server.pid()));
+  // Every log line is the server's own: the newline a client sent did not start a line.
+  std::istringstream log(server.Log());
+  std::string line;
+  int refusals = 0;
+  while (std::getline(log, line)) {
+    EXPECT_EQ(line.find("FORGED-LINE"), line.rfind("FORGED-LINE")) << line;
+    EXPECT_NE(line.rfind("FORGED-LINE", 0), 0u) << "a client forged a log line: " << line;
+    refusals += line.find("refusing client") != std::string::npos;
+  }
+  EXPECT_EQ(refusals, 3) << server.Log();
+}
+
+// Issue 13, item 3: connections that never say hello.
+TEST_F(ServerTest, SilentConnectionsCostNoThreadAndCannotLockClientsOut) {
+  ServerProcess server(dir_, {"--no-l2", "--token", "s3cret", "--hello-timeout-ms", "1500",
+                              "--max-pending-handshakes", "32", "--max-clients", "4"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  const size_t threads_before = ThreadCount(server.pid());
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) {
+    int fd = ConnectUnix(server.socket());
+    ASSERT_GE(fd, 0) << i;
+    idle.push_back(fd);
+  }
+  // Each of them would have had a thread; none has.
+  EXPECT_LE(ThreadCount(server.pid()), threads_before + 1);
+  // A token holder gets in while they are open.
+  ClientOptions o = server.Options();
+  o.token = "s3cret";
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->Ping().ok());
+  // The silent ones still open are closed at their hello deadline.
+  struct timeval tv {
+    10, 0
+  };
+  ::setsockopt(idle.back(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char byte;
+  EXPECT_EQ(::recv(idle.back(), &byte, 1, 0), 0) << "not closed by the server";
+  for (int fd : idle) ::close(fd);
+  EXPECT_GT(Metric(server.HttpPort(), "kvtier_handshakes_refused_total{reason=\"hello_timeout\"}"),
+            0);
+  EXPECT_GT(
+      Metric(server.HttpPort(), "kvtier_handshakes_refused_total{reason=\"too_many_pending\"}"), 0);
+  // --max-clients counts only clients past the handshake.
+  std::vector<std::unique_ptr<Client>> more;
+  for (int i = 0; i < 3; ++i) {
+    auto m = Client::Connect(o);
+    ASSERT_TRUE(m.ok()) << i << ": " << m.status().ToString();
+    more.push_back(std::move(*m));
+  }
+  auto over = Client::Connect(o);
+  EXPECT_EQ(over.status().code(), StatusCode::kRejected) << over.status().ToString();
+}
+
+// Runs `kvtier serve` as the unprivileged user `nobody` (uid 65534): limits on threads do not
+// apply to root.
+constexpr uid_t kNobody = 65534;
+void BecomeNobody() {
+  if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) _exit(126);
+}
+
+// Issue 13, item 3: out of threads.
+size_t TasksOf(uid_t uid) {
+  size_t tasks = 0;
+  for (auto& p : std::filesystem::directory_iterator("/proc")) {
+    struct stat st;
+    if (!std::isdigit(static_cast<unsigned char>(p.path().filename().string()[0])) ||
+        ::stat(p.path().c_str(), &st) != 0 || st.st_uid != uid) {
+      continue;
+    }
+    std::error_code ec;
+    for (auto it = std::filesystem::directory_iterator(p.path() / "task", ec);
+         it != std::filesystem::directory_iterator(); it.increment(ec)) {
+      ++tasks;
+    }
+  }
+  return tasks;
+}
+
+TEST_F(ServerTest, OutOfThreadsRefusesAClientInsteadOfAbortingTheServer) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to run the server as another user";
+  ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
+  // Measure how many tasks the user has with a server and one client...
+  size_t tasks;
+  {
+    ServerProcess probe(dir_, {"--no-l2"}, dir_.Sub("probe.sock"));
+    probe.InChild(BecomeNobody);
+    ASSERT_NO_FATAL_FAILURE(probe.Start());
+    ClientOptions o = probe.Options();
+    o.server_uid = kNobody;
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    tasks = TasksOf(kNobody);
+  }
+  // ... and run one that may have no more (RLIMIT_NPROC counts every task of the user).
+  ServerProcess server(dir_, {"--no-l2"});
+  server.InChild([tasks] {
+    struct rlimit lim {
+      tasks, tasks
+    };
+    if (::setrlimit(RLIMIT_NPROC, &lim) != 0) _exit(125);
+    BecomeNobody();
+  });
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  ClientOptions o = server.Options();
+  o.server_uid = kNobody;
+  std::vector<std::unique_ptr<Client>> clients;
+  int refused = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto c = Client::Connect(o);
+    if (c.ok()) {
+      clients.push_back(std::move(*c));
+      continue;
+    }
+    EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
+    EXPECT_TRUE(c.status().retryable());
+    ++refused;
+  }
+  EXPECT_GE(refused, 1) << "every client got a thread: the limit did not bite";
+  // Idle connections need no thread.
+  std::vector<int> idle;
+  for (int i = 0; i < 60; ++i) idle.push_back(ConnectUnix(server.socket()));
+  EXPECT_TRUE(Alive(server.pid())) << server.Log();
+  auto keys = Keys(4, 31);
+  for (auto& c : clients) {
+    EXPECT_TRUE(c->Ping().ok());
+    ASSERT_NO_FATAL_FAILURE(StoreChunks(*c, keys));
+  }
+  for (int fd : idle) ::close(fd);
+  // A thread given back is a client served.
+  clients.clear();
+  Result<std::unique_ptr<Client>> later = Status::Internal("not tried");
+  for (int i = 0; i < 50 && !later.ok(); ++i) {
+    later = Client::Connect(o);
+    if (!later.ok()) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_TRUE(later.ok()) << later.status().ToString();
+  EXPECT_TRUE((*later)->Ping().ok());
+  EXPECT_NE(server.Log().find("cannot start a thread"), std::string::npos);
+}
+
+// Issue 13, item 4: the default socket lives in a directory only its owner can write.
+TEST_F(ServerTest, DefaultSocketIsInAPrivateDirectory) {
+  const std::string tmp = dir_.Sub("tmp");
+  ASSERT_EQ(::mkdir(tmp.c_str(), 01777), 0);
+  ASSERT_EQ(::chmod(tmp.c_str(), 01777), 0);
+  const std::string private_dir = tmp + "/kvtier-" + std::to_string(::getuid());
+  auto run = [&](std::vector<std::string> args) {
+    std::string cmd = "env -u XDG_RUNTIME_DIR TMPDIR='" + tmp + "' timeout 20 " + kBinary +
+                      " serve --no-l2 --http-port -1 --chunk-bytes 65536 --l1-size-gb 0.01";
+    for (auto& a : args) cmd += " " + a;
+    return cmd;
+  };
+  // A directory another user owns, or one others may write to, is refused.
+  ASSERT_EQ(::mkdir(private_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chown(private_dir.c_str(), kNobody, kNobody), 0);
+  std::string out = dir_.Sub("squat.log");
+  int rc = std::system((run({}) + " > " + out + " 2>&1").c_str());
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  std::ifstream squat(out);
+  std::string squat_log((std::istreambuf_iterator<char>(squat)), {});
+  EXPECT_NE(squat_log.find("not a directory owned by this user"), std::string::npos) << squat_log;
+  ASSERT_EQ(::chown(private_dir.c_str(), ::getuid(), ::getgid()), 0);
+  ASSERT_EQ(::chmod(private_dir.c_str(), 0777), 0);
+  rc = std::system((run({}) + " > " + out + " 2>&1").c_str());
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  ASSERT_EQ(::rmdir(private_dir.c_str()), 0);
+  // A symlink to a directory is refused too.
+  ASSERT_EQ(::mkdir(dir_.Sub("elsewhere").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(dir_.Sub("elsewhere").c_str(), private_dir.c_str()), 0);
+  rc = std::system((run({}) + " > " + out + " 2>&1").c_str());
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  ASSERT_EQ(::unlink(private_dir.c_str()), 0);
+  // Absent: created owner-only, and the default path of a client finds the server there.
+  pid_t pid = Spawn([&] {
+    execl("/bin/sh", "sh", "-c", ("exec " + run({})).c_str(), nullptr);
+    return 127;
+  });
+  const std::string sock = private_dir + "/kvtier.sock";
+  for (int i = 0; i < 200 && ::access(sock.c_str(), F_OK) != 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+  }
+  struct stat st;
+  ASSERT_EQ(::lstat(private_dir.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(st.st_uid, ::getuid());
+  std::string old_tmp = std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "";
+  std::string old_xdg = std::getenv("XDG_RUNTIME_DIR") ? std::getenv("XDG_RUNTIME_DIR") : "";
+  ::setenv("TMPDIR", tmp.c_str(), 1);
+  ::unsetenv("XDG_RUNTIME_DIR");
+  EXPECT_EQ(DefaultSocketPath(), sock);
+  ClientOptions o;
+  o.ns.model_id = "m";
+  o.copy_threads = 0;
+  auto c = Client::Connect(o);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  old_tmp.empty() ? ::unsetenv("TMPDIR") : ::setenv("TMPDIR", old_tmp.c_str(), 1);
+  if (!old_xdg.empty()) ::setenv("XDG_RUNTIME_DIR", old_xdg.c_str(), 1);
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(WaitExit(pid), 0);
+}
+
+// Issue 13, item 4: a client checks who listens before it sends its token.
+TEST_F(ServerTest, ClientRefusesToSendItsTokenToAnotherUsersSocket) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to listen as another user";
+  ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
+  const std::string sock = dir_.Sub("squatted.sock");
+  int got[2];
+  ASSERT_EQ(::pipe(got), 0);
+  // Another user binds the path first and reports how many bytes a client sent it.
+  pid_t squatter = Spawn([&] {
+    BecomeNobody();
+    int l = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, sock.c_str());
+    if (::bind(l, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(l, 4) != 0) {
+      return 2;
+    }
+    ::chmod(sock.c_str(), 0777);
+    int c = ::accept(l, nullptr, nullptr);
+    char buf[4096];
+    ssize_t total = 0, r;
+    while ((r = ::recv(c, buf, sizeof(buf), 0)) > 0) total += r;
+    return ::write(got[1], &total, sizeof(total)) == sizeof(total) ? 0 : 3;
+  });
+  ::close(got[1]);
+  for (int i = 0; i < 200 && ::access(sock.c_str(), F_OK) != 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ClientOptions o;
+  o.socket_path = sock;
+  o.ns.model_id = "m";
+  o.token = "the-secret";
+  o.copy_threads = 0;
+  auto c = Client::Connect(o);
+  EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("uid 65534"), std::string::npos) << c.status().ToString();
+  ssize_t received = -1;
+  ASSERT_EQ(::read(got[0], &received, sizeof(received)), ssize_t(sizeof(received)));
+  EXPECT_EQ(received, 0) << "the client sent its hello (and token) to a stranger";
+  ::close(got[0]);
+  EXPECT_EQ(WaitExit(squatter), 0);
+}
+
+// Issue 13, item 6.
+TEST_F(ServerTest, AClientThatNeverReadsRepliesStallsNobodyAndIsDropped) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto slow = RawHello(server.socket(), TestHello("never-reads"));
+  ASSERT_TRUE(slow->status.ok()) << slow->status.ToString();
+  // Thousands of stats requests, no reply read: far more reply bytes than the socket buffers.
+  std::vector<uint8_t> burst;
+  for (uint64_t i = 0; i < 6000; ++i) {
+    auto f = server::EncodeEmptyRequest(server::Opcode::kStats, 100 + i);
+    burst.insert(burst.end(), f.begin(), f.end());
+  }
+  std::thread writer([&] { ::send(slow->sock, burst.data(), burst.size(), MSG_NOSIGNAL); });
+  // Meanwhile others are served: stats (which visit every connection), hellos, stores.
+  ClientOptions o = server.Options();
+  o.rpc_timeout = 3000ms;
+  for (int i = 0; i < 20; ++i) {
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE((*c)->StatsJson().ok()) << i;
+    auto keys = Keys(2, 40 + i);
+    ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  }
+  writer.join();
+  // The reader that never reads is disconnected once its unread replies pass the bound.
+  double dropped = 0;
+  for (int i = 0; i < 200 && dropped < 1; ++i) {
+    dropped = Metric(server.HttpPort(), "kvtier_connections_dropped_total{reason=\"slow\"}");
+    if (dropped < 1) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(dropped, 1) << server.Log();
+}
+
+// Issue 13, item 8.
+TEST_F(ServerTest, HealthzAnswersWhileSlowHttpConnectionsAreOpen) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  const int port = server.HttpPort();
+  std::vector<int> slow;
+  for (int i = 0; i < 2; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const char partial[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n";  // never finished
+    ::send(fd, partial, sizeof(partial) - 1, MSG_NOSIGNAL);
+    slow.push_back(fd);
+  }
+  std::this_thread::sleep_for(100ms);  // let the server take them up
+  httplib::Client http("127.0.0.1", port);
+  http.set_connection_timeout(1, 0);
+  http.set_read_timeout(1, 0);
+  for (int i = 0; i < 3; ++i) {
+    auto res = http.Get("/healthz");
+    ASSERT_TRUE(res) << "no /healthz answer while slow connections are open";
+    EXPECT_EQ(res->status, 200);
+  }
+  for (int fd : slow) ::close(fd);
+}
+
+// Issue 13, item 9.
+TEST_F(ServerTest, OutOfFileDescriptorsPausesAcceptInsteadOfSpinning) {
+  ServerProcess server(dir_, {"--no-l2", "--hello-timeout-ms", "60000"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  // Leave the server a few descriptors above what it uses now.
+  size_t open_fds = 0;
+  for ([[maybe_unused]] auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(server.pid()) + "/fd")) {
+    ++open_fds;
+  }
+  struct rlimit old {};
+  ASSERT_EQ(::prlimit(server.pid(), RLIMIT_NOFILE, nullptr, &old), 0);
+  struct rlimit lim {
+    open_fds + 4, old.rlim_max
+  };
+  ASSERT_EQ(::prlimit(server.pid(), RLIMIT_NOFILE, &lim, nullptr), 0) << std::strerror(errno);
+  std::vector<int> idle;
+  for (int i = 0; i < 12; ++i) idle.push_back(ConnectUnix(server.socket()));
+  std::this_thread::sleep_for(700ms);  // accept keeps failing meanwhile
+  for (int fd : idle) ::close(fd);
+  ASSERT_EQ(::prlimit(server.pid(), RLIMIT_NOFILE, &old, nullptr), 0) << std::strerror(errno);
+  auto c = server.Connect();
+  for (int i = 0; i < 50 && !c.ok(); ++i) {
+    std::this_thread::sleep_for(50ms);
+    c = server.Connect();
+  }
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->Ping().ok());
+  const double errors = Metric(server.HttpPort(), "kvtier_accept_errors_total");
+  EXPECT_GE(errors, 1) << server.Log();
+  // Retrying at once would have failed hundreds of thousands of times.
+  EXPECT_LT(errors, 100) << "accept is retried in a tight loop";
+  std::string log = server.Log();
+  size_t first = log.find("accept failed");
+  ASSERT_NE(first, std::string::npos) << log;
+  EXPECT_EQ(log.find("accept failed", first + 1), std::string::npos) << "logged more than once";
+}
+
+// Issue 13, item 11.
+TEST_F(ServerTest, OneClientCannotHoldTheWholePool) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto hog = server.Connect();
+  ASSERT_TRUE(hog.ok());
+  const uint32_t slots = (*hog)->num_slots();
+  auto grab = Keys(slots, 50);
+  auto got = (*hog)->ReserveSlots(grab);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->size(), slots / 2) << "default limit: half the pool";
+  auto more = (*hog)->ReserveSlots(Keys(4, 51));
+  EXPECT_EQ(more.status().code(), StatusCode::kRejected) << more.status().ToString();
+  EXPECT_NE(more.status().message().find("limit"), std::string::npos);
+  // Another tenant still stores and loads.
+  ClientOptions o = server.Options();
+  o.ns.tenant_salt = "other";
+  auto other = Client::Connect(o);
+  ASSERT_TRUE(other.ok());
+  auto keys = Keys(16, 52);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**other, keys));
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**other, keys, 16));
+  // Pins count too: a load beyond the limit is a partial hit.
+  EXPECT_TRUE((*hog)->AbortSlots(*got).ok());
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**hog, Keys(8, 53)));
+  auto held = (*hog)->ReserveSlots(Keys(slots / 2 - 4, 54));
+  ASSERT_TRUE(held.ok());
+  auto load = (*hog)->PrepareLoad(Keys(8, 53));
+  ASSERT_TRUE(load.ok());
+  OpResult r = load->Wait();
+  EXPECT_EQ(r.slots.size(), 4u) << r.status.ToString();
+  EXPECT_TRUE((*hog)->Unpin(r.slots).ok());
+  EXPECT_TRUE((*hog)->AbortSlots(*held).ok());
+}
+
+TEST_F(ServerTest, PerClientSlotLimitIsConfigurable) {
+  ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "10"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok());
+  auto got = (*c)->ReserveSlots(Keys(20, 60));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->size(), 10u);
+  // A Store beyond the limit stores what fits and says why the rest was not.
+  EXPECT_TRUE((*c)->AbortSlots(*got).ok());
+  std::vector<std::vector<uint8_t>> data(20, std::vector<uint8_t>(kChunkBytes, 1));
+  std::vector<std::span<const uint8_t>> src(data.begin(), data.end());
+  auto op = (*c)->Store(Keys(20, 61), src);
+  ASSERT_TRUE(op.ok());
+  OpResult r = op->Wait();
+  EXPECT_EQ(r.chunks, 10u);
+  EXPECT_EQ(r.status.code(), StatusCode::kRejected);
 }
 
 }  // namespace

@@ -1,15 +1,14 @@
 // kvtier serve: one engine per node, shared by every inference process on it through a Unix
 // socket and a shared-memory L1 pool (docs/protocol.md).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 
 #include <cstdlib>
 #include <functional>
 #include <memory>
 #include <vector>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 
 #include "kvtier/client.h"
 #include "server/config.h"
@@ -22,8 +21,8 @@ namespace {
 using server::ServeConfig;
 
 struct ServeArgs {
-  ServeConfig flags;               // values given on the command line
-  std::vector<std::string> l2;     // raw --l2 JSON strings
+  ServeConfig flags;            // values given on the command line
+  std::vector<std::string> l2;  // raw --l2 JSON strings
   std::string config_path;
   std::string log_level = "info";
   // Copies a flag into the effective configuration when it was given on the command line.
@@ -93,8 +92,7 @@ int RunServe(ServeArgs& args) {
   if (!srv.ok()) return Fail(srv.status());
   const MemoryTier& mem = (*srv)->engine().memory_tier();
   spdlog::info("listening on {} ({}{}); pool {} slots, {:.2f} GiB shared", options->socket_path,
-               options->socket_group.empty() ? "owner only"
-                                             : "group " + options->socket_group,
+               options->socket_group.empty() ? "owner only" : "group " + options->socket_group,
                options->token.empty() ? "" : ", token required", mem.num_slots(),
                mem.arena_bytes() / double(1ull << 30));
   if ((*srv)->http_port() >= 0) {
@@ -184,9 +182,24 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   add(cmd->add_option("--worker-threads", f.worker_threads, "Engine copy threads")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.worker_threads = a->flags.worker_threads; });
-  add(cmd->add_option("--max-clients", f.max_clients, "Connections served at once")
+  add(cmd->add_option("--max-clients", f.max_clients,
+                      "Clients (connections past the handshake) served at once")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_clients = a->flags.max_clients; });
+  add(cmd->add_option("--max-client-slots", f.max_client_slots,
+                      "Pool slots one client may hold reserved or pinned at once (0: half the "
+                      "pool)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.max_client_slots = a->flags.max_client_slots; });
+  add(cmd->add_option("--max-pending-handshakes", f.max_pending_handshakes,
+                      "Connections kept while they have not said hello (the oldest is closed "
+                      "for a newcomer)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.max_pending_handshakes = a->flags.max_pending_handshakes; });
+  add(cmd->add_option("--hello-timeout-ms", f.hello_timeout_ms,
+                      "A connection that has not said hello within this is closed")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.hello_timeout_ms = a->flags.hello_timeout_ms; });
   add(cmd->add_flag("--huge-pages", f.huge_pages, "Try 2 MiB pages for the pool"),
       [a](ServeConfig& c) { c.huge_pages = a->flags.huge_pages; });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")

@@ -1,15 +1,14 @@
 #include "kvtier/memory_tier.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <linux/memfd.h>
+#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 namespace kvtier {
 namespace {
@@ -19,6 +18,13 @@ constexpr uint64_t kSlotAlign = 4096;
 constexpr uint64_t kHugePage = 2ull << 20;
 
 uint64_t RoundUp(uint64_t n, uint64_t align) { return (n + align - 1) / align * align; }
+
+// Fixes the arena's size for good. The descriptor is handed to other processes; one that could
+// shrink it would make every other mapping of the pool, the server's included, die of SIGBUS
+// on its next access.
+bool SealSize(int fd) {
+  return fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0;
+}
 
 struct Arena {
   int fd = -1;
@@ -32,8 +38,9 @@ Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
   Arena a;
   if (want_huge) {
     uint64_t huge_bytes = RoundUp(bytes, kHugePage);
-    int fd = memfd_create("kvtier-l1", MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB);
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(huge_bytes)) == 0) {
+    int fd =
+        memfd_create("kvtier-l1", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB | MFD_HUGE_2MB);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(huge_bytes)) == 0 && SealSize(fd)) {
       void* p = mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE,
                      MAP_SHARED | (prefault ? MAP_POPULATE : 0), fd, 0);
       if (p != MAP_FAILED) {
@@ -42,10 +49,12 @@ Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
     }
     int err = errno;
     if (fd >= 0) close(fd);
-    spdlog::warn("memory tier: 2 MiB huge pages unavailable ({}); using 4 KiB pages "
-                 "(reserve pages via /proc/sys/vm/nr_hugepages to enable)", std::strerror(err));
+    spdlog::warn(
+        "memory tier: 2 MiB huge pages unavailable ({}); using 4 KiB pages "
+        "(reserve pages via /proc/sys/vm/nr_hugepages to enable)",
+        std::strerror(err));
   }
-  int fd = memfd_create("kvtier-l1", MFD_CLOEXEC);
+  int fd = memfd_create("kvtier-l1", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Status::FromErrno(errno, "memfd_create for the memory tier");
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
@@ -61,6 +70,11 @@ Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
       close(fd);
       return Status::FromErrno(err, fmt::format("reserving {} bytes for the memory tier", bytes));
     }
+  }
+  if (!SealSize(fd)) {
+    int err = errno;
+    close(fd);
+    return Status::FromErrno(err, "sealing the size of the memory tier");
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (prefault ? MAP_POPULATE : 0),
                  fd, 0);
