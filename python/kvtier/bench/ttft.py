@@ -653,7 +653,8 @@ def measure(args) -> dict:
             save_engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=save_gib, l2=None)
             env.pin(save_engine)
         if "server" in arms:
-            server = ServeProcess(kvtier_bin, chunk_bytes, l1_gib, workdir)
+            # kvtier serve caps one client's reserved and pinned slots at half the pool
+            server = ServeProcess(kvtier_bin, chunk_bytes, 2 * l1_gib, workdir)
             client = kvtier.connect(ns, chunk_bytes, socket_path=server.socket,
                                     client_name="ttft-bench", rpc_timeout_ms=60_000)
             env.pin(client)
