@@ -618,7 +618,8 @@ def measure(args) -> dict:
     chunk_bytes = mover.chunk_bytes
     ns = kvtier.KeyNamespace(f"ttft-bench/{cfg.name}", chunk_tokens=args.chunk_tokens)
     prefix_gib_max = (max_ctx - args.suffix) * cfg.kv_bytes_per_token(dtype) / GiB
-    l1_gib = prefix_gib_max * 1.1 + chunk_bytes / GiB * 4
+    # twice the largest prefix: kvtier lets one client hold at most half the pool reserved or pinned
+    l1_gib = 2 * (prefix_gib_max * 1.1 + chunk_bytes / GiB * 4)
 
     result = {
         "model": cfg.name, "parameters": cfg.num_parameters(), "dtype": str(dtype).split(".")[-1],
@@ -649,12 +650,11 @@ def measure(args) -> dict:
         engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=None)
         env.pin(engine)
         if "save" in arms:
-            save_gib = max_ctx * cfg.kv_bytes_per_token(dtype) / GiB * 2.2
+            save_gib = max_ctx * cfg.kv_bytes_per_token(dtype) / GiB * 3
             save_engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=save_gib, l2=None)
             env.pin(save_engine)
         if "server" in arms:
-            # kvtier serve caps one client's reserved and pinned slots at half the pool
-            server = ServeProcess(kvtier_bin, chunk_bytes, 2 * l1_gib, workdir)
+            server = ServeProcess(kvtier_bin, chunk_bytes, l1_gib, workdir)
             client = kvtier.connect(ns, chunk_bytes, socket_path=server.socket,
                                     client_name="ttft-bench", rpc_timeout_ms=60_000)
             env.pin(client)
