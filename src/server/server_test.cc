@@ -1079,7 +1079,12 @@ TEST_F(ServerTest, AClientThatNeverReadsRepliesStallsNobodyAndIsDropped) {
     auto f = server::EncodeEmptyRequest(server::Opcode::kStats, 100 + i);
     burst.insert(burst.end(), f.begin(), f.end());
   }
-  std::thread writer([&] { ::send(slow->sock, burst.data(), burst.size(), MSG_NOSIGNAL); });
+  struct timeval tv {
+    5, 0
+  };  // a server that never reads must not hang this test
+  ::setsockopt(slow->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  std::jthread writer(  // joined however the test ends
+      [&] { ::send(slow->sock, burst.data(), burst.size(), MSG_NOSIGNAL); });
   // Meanwhile others are served: stats (which visit every connection), hellos, stores.
   ClientOptions o = server.Options();
   o.rpc_timeout = 3000ms;
