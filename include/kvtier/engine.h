@@ -13,9 +13,10 @@
 //
 // Store and Load copy between caller memory and L1 on a fixed worker pool whose bounded queue
 // refuses (kRejected) rather than blocks. Loads deliver the longest available prefix; a chunk
-// after a miss is not loaded. A load from L2 goes through an L1 slot and is reported as a miss
-// if it misses the load deadline, so a stalled storage server never stalls inference: the
-// caller recomputes instead.
+// after a miss is not loaded. A load from L2 is read into the file tier's own buffer and takes
+// an L1 slot only once the data is there; it is reported as a miss if it misses the load
+// deadline, so a stalled storage server never stalls inference (the caller recomputes) and holds
+// no L1 slot while it hangs.
 //
 // Thread-safety: every method is thread-safe. Caller buffers must stay valid until the
 // operation's handle reports done.
@@ -96,13 +97,18 @@ struct EngineStats {
   FileTierStats file_detail;
   uint64_t promotions = 0;       // chunks copied from L2 into L1 by loads
   uint64_t deadline_misses = 0;  // chunks reported missing because L2 missed the load deadline
+  // Write-through chunks L2's full write queue refused: retried as writes complete (deferred),
+  // or, past the bound, left dirty in L1 for write-back (dropped). Both logged.
+  uint64_t write_through_deferred = 0, write_through_dropped = 0;
   uint64_t stores = 0, loads = 0, rejected_ops = 0;
 };
 
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> Open(const EngineOptions& options);
-  ~Engine();  // finishes queued operations and write-backs
+  // Finishes queued operations and write-backs; gives up on file-tier operations stuck in the
+  // kernel after the file tier's stall timeout (bounded, see FileTierOptions::stall_timeout).
+  ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -135,10 +141,12 @@ class Engine {
   Result<OpHandle> PrepareLoad(std::span<const ChunkKey> keys);
   void Unpin(std::span<const SlotId> slots);
 
-  // Blocks until every queued operation, and every write to L2 already started, has finished.
-  void Drain();
-  // Writes every L1 chunk not yet in L2 to L2 (write-back at shutdown), then drains. Blocking.
-  // Returns the first error, if any; a no-op without L2 or with write policy kNone.
+  // Blocks until every queued operation, and every write to L2 already started or deferred, has
+  // finished: true. False if it stopped waiting on file-tier operations stuck in the kernel.
+  bool Drain();
+  // Writes every L1 chunk not yet in L2 to L2 (write-back at shutdown), then drains. Blocking,
+  // but bounded when L2 is stuck (kTimeout). Returns the first error, if any; a no-op without
+  // L2 or with write policy kNone.
   Status FlushDirty();
   EngineStats Stats() const;
   MemoryTier& memory_tier() { return *memory_; }
@@ -151,8 +159,12 @@ class Engine {
 
   bool StoresDirty() const;
   void PublishStored(SlotId slot, const ChunkKey& key);
-  Result<OpHandle> StartLoad(std::span<const ChunkKey> keys, std::span<const std::span<uint8_t>> dst);
+  Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
+                             std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);
+  Status StartWriteThrough(const ChunkKey& key);
+  void DeferWriteThrough(const ChunkKey& key);
+  void ResubmitDeferred();
   // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
   void StartFileReads(std::shared_ptr<struct OpHandle::State> state, std::span<const ChunkKey> keys,
                       const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);

@@ -5,10 +5,11 @@
 // host see a whole chunk or none. docs/file-format.md pins the format and what several processes
 // and hosts sharing one directory may assume of each other.
 //
-//   FileTierOptions o;  o.root = "/mnt/kv";  o.ns = ns;  o.chunk_bytes = layout.bytes_per_chunk(256);
-//   auto tier = FileTier::Open(o);                 // scans the directory, rebuilds the index
-//   tier.value()->Write(key, chunk);               // idempotent, crash-safe publish
-//   Status s = tier.value()->Read(key, buffer);    // OK, NotFound (a miss), or an error
+//   FileTierOptions o;  o.root = "/mnt/kv";  o.ns = ns;  o.chunk_bytes =
+//   layout.bytes_per_chunk(256); auto tier = FileTier::Open(o);                 // scans the
+//   directory, rebuilds the index tier.value()->Write(key, chunk);               // idempotent,
+//   crash-safe publish Status s = tier.value()->Read(key, buffer);    // OK, NotFound (a miss), or
+//   an error
 //
 // Reads verify the header and an XXH3 checksum of the payload; a corrupt file is a miss (counted,
 // logged, removed), a foreign one (another namespace or chunk size) is a miss left in place: a
@@ -23,6 +24,22 @@
 // memcpy of the chunk, ~0.1 ms per MiB, and chunk_bytes of memory per calling thread). Where
 // O_DIRECT is refused, the tier uses buffered I/O, logs it once and reports o_direct = false in
 // Stats(): never silently.
+//
+// A storage that hangs (a hung NFS server: a read stuck in the kernel cannot be interrupted)
+// must not hang its users. A path that is not a regular file (a directory, a FIFO) is a miss,
+// never opened in a way that could block. An asynchronous read or write that runs longer than
+// `stall_timeout` counts as stalled: the pool starts a replacement thread for it (up to
+// `max_replacement_threads`), and Drain and the destructor stop waiting for it after a stall
+// timeout without progress, abandoning it: its thread is detached and its callback never runs.
+// Asynchronous reads into the tier's own buffers (ReadAsync without a destination) are safe to
+// abandon; a caller buffer given to the other ReadAsync or to WriteAsync must then stay valid
+// (the engine keeps its L1 arena mapped).
+//
+// Write failures are never silent: each is counted once, by reason (FileTierStats), and logged at
+// a limited rate. ENOSPC is also a capacity signal: the tier evicts its least recently used
+// chunks and retries, and keeps its byte budget at what the filesystem held when it filled up
+// (`effective_capacity_bytes`) for a while, so an L2 whose configured capacity exceeds the free
+// space still evicts when the disk is full.
 //
 // Thread-safety: every method is thread-safe. No lock is held across I/O; at most one write or
 // eviction per key is in flight in a process.
@@ -42,43 +59,64 @@
 namespace kvtier {
 
 struct FileTierOptions {
-  std::string root;          // cache directory (created if absent)
-  KeyNamespace ns;           // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
-  uint64_t chunk_bytes = 0;  // REQUIRED: payload bytes of every chunk in this namespace
+  std::string root;             // cache directory (created if absent)
+  KeyNamespace ns;              // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
+  uint64_t chunk_bytes = 0;     // REQUIRED: payload bytes of every chunk in this namespace
   uint64_t capacity_bytes = 0;  // 0 = unlimited; counts whole files (header and padding included)
-  int read_threads = 4, write_threads = 2;  // ReadAsync / WriteAsync pools
+  int read_threads = 4, write_threads = 2;               // ReadAsync / WriteAsync pools
   size_t max_queued_reads = 64, max_queued_writes = 64;  // bounded queues: full -> kRejected
-  IoEngineKind io_engine = IoEngineKind::kAuto;  // used when env is null
-  int io_queue_depth = 8;                       // requests in flight per chunk (env null)
-  size_t io_request_bytes = 4u << 20;           // size of each of those read requests (env null)
-  size_t io_write_request_bytes = 64u << 20;    // and of write requests (env null)
+  IoEngineKind io_engine = IoEngineKind::kAuto;          // used when env is null
+  int io_queue_depth = 8;                                // requests in flight per chunk (env null)
+  size_t io_request_bytes = 4u << 20;         // size of each of those read requests (env null)
+  size_t io_write_request_bytes = 64u << 20;  // and of write requests (env null)
   bool use_o_direct = true;  // falls back to buffered I/O (logged once, in stats) where refused
   std::chrono::milliseconds negative_cache_ttl{500};  // re-check the disk on a miss after this
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
   bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
   bool sync_directory = false;  // also fsync the directory after publishing (power-loss safe)
-  Env* env = nullptr;  // nullptr = a POSIX env of our own; tests pass a fault-injecting one
+  // nullptr = a POSIX env of our own; tests pass a fault-injecting one, which must outlive the
+  // tier and any operation it abandons at shutdown.
+  Env* env = nullptr;
+  // An asynchronous read or write running longer than this is stalled (see above). 0 = never:
+  // Drain and the destructor wait for every operation, however long.
+  std::chrono::milliseconds stall_timeout{5000};
+  int max_replacement_threads = 16;  // per pool, beyond read_threads / write_threads
+  // After the filesystem answered ENOSPC, the byte budget stays at what it held then for this
+  // long before the configured capacity is tried again.
+  std::chrono::seconds disk_full_hold{30};
 };
 
 struct FileTierStats {
-  uint64_t chunks = 0;          // chunks in the index
-  uint64_t bytes = 0;           // their file bytes
-  uint64_t capacity_bytes = 0;  // 0 = unlimited
-  uint64_t reads = 0, writes = 0;      // Read/Write calls (async ones included)
-  uint64_t hits = 0, misses = 0;       // reads that returned data / NotFound
+  uint64_t chunks = 0;                         // chunks in the index
+  uint64_t bytes = 0;                          // their file bytes
+  uint64_t capacity_bytes = 0;                 // 0 = unlimited
+  uint64_t reads = 0, writes = 0;              // Read/Write calls (async ones included)
+  uint64_t hits = 0, misses = 0;               // reads that returned data / NotFound
   uint64_t bytes_read = 0, bytes_written = 0;  // payload bytes
-  uint64_t evictions = 0;       // chunks removed to make room
-  uint64_t rejections = 0;      // async calls refused (queue full) and writes refused (no room)
-  uint64_t errors = 0;          // I/O errors returned to callers
-  uint64_t corrupt = 0;         // files that failed a check (removed)
-  uint64_t foreign = 0;         // files of another namespace or chunk size (left in place)
-  uint64_t disk_rechecks = 0;   // index misses looked up on disk
-  uint64_t found_on_disk = 0;   // of those, chunks another process or host had written
+  uint64_t evictions = 0;                      // chunks removed to make room
+  uint64_t rejections = 0;     // async calls refused (queue full) and writes refused (no room)
+  uint64_t errors = 0;         // I/O errors returned to callers
+  uint64_t corrupt = 0;        // files that failed a check (removed)
+  uint64_t foreign = 0;        // files of another namespace or chunk size (left in place)
+  uint64_t disk_rechecks = 0;  // index misses looked up on disk
+  uint64_t found_on_disk = 0;  // of those, chunks another process or host had written
   uint64_t stale_temps_removed = 0;  // at Open
-  uint64_t bounce_copies = 0;   // transfers that went through a bounce buffer (unaligned caller)
+  uint64_t bounce_copies = 0;  // transfers that went through a bounce buffer (unaligned caller)
   uint64_t queued_reads = 0, queued_writes = 0;  // now
-  bool o_direct = false;        // every file so far was opened with O_DIRECT in effect
-  std::string io_engine;        // "io_uring", "threads", ...
+  // Failed writes by reason (each also counted once in `errors`, or in `rejections` for
+  // capacity taken by writes in flight).
+  uint64_t write_no_space = 0;    // ENOSPC / EDQUOT even after evicting to make room
+  uint64_t write_read_only = 0;   // EROFS
+  uint64_t write_permission = 0;  // EACCES / EPERM
+  // Async calls refused because the queue was full (counted in `rejections` too).
+  uint64_t read_queue_full = 0, write_queue_full = 0;
+  uint64_t disk_full = 0;                 // ENOSPC answers seen (evicted and retried)
+  uint64_t effective_capacity_bytes = 0;  // the budget now: capacity, or lower after ENOSPC
+  uint64_t non_regular = 0;  // chunk paths that were not regular files (counted as foreign)
+  uint64_t stalled_reads = 0, stalled_writes = 0;  // running longer than stall_timeout now
+  uint64_t replacement_threads = 0;  // threads started to replace stalled ones, so far
+  bool o_direct = false;             // every file so far was opened with O_DIRECT in effect
+  std::string io_engine;             // "io_uring", "threads", ...
 };
 
 class FileTier {
@@ -88,7 +126,7 @@ class FileTier {
   // index (by publish time), removes stale temporary files and evicts down to the capacity.
   // Fails with kInvalidArgument, or kIOError/kPermissionDenied if the directory is unusable.
   static Result<std::unique_ptr<FileTier>> Open(const FileTierOptions& options);
-  ~FileTier();  // waits for queued reads and writes
+  ~FileTier();  // Shutdown(), then releases what no abandoned operation still uses
   FileTier(const FileTier&) = delete;
   FileTier& operator=(const FileTier&) = delete;
 
@@ -101,8 +139,8 @@ class FileTier {
   // Reads the chunk into dst (REQUIRES: dst.size() >= chunk_bytes). If dst is 4 KiB-aligned and
   // at least chunk_bytes rounded up to 4 KiB long, the payload is read in place and the bytes
   // past chunk_bytes up to that rounding are overwritten (with the file's zero padding); nothing
-  // else past chunk_bytes is touched. Synchronous, on the calling thread. Returns OK; NotFound for a miss (absent,
-  // vanished, corrupt or foreign: never wrong data); or an I/O error.
+  // else past chunk_bytes is touched. Synchronous, on the calling thread. Returns OK; NotFound for
+  // a miss (absent, vanished, corrupt or foreign: never wrong data); or an I/O error.
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
   // Stores the chunk (REQUIRES: src.size() == chunk_bytes). Idempotent: OK at once if the key is
   // already indexed; waits for a write of the same key already in flight in this process.
@@ -111,14 +149,26 @@ class FileTier {
   Status Write(const ChunkKey& key, std::span<const uint8_t> src);
 
   // Asynchronous versions, run on the tier's own read / write pools. Return kRejected (and queue
-  // nothing, and never call `done`) when the queue is full; otherwise OK, and `done` runs later
-  // on a pool thread with what Read/Write returned. The caller keeps the buffer alive until then.
+  // nothing, and never call `done`) when the queue is full, kAborted after Shutdown; otherwise
+  // OK, and `done` runs later on a pool thread with what Read/Write returned, unless the
+  // operation is abandoned at shutdown (then never). The caller keeps the buffer alive until
+  // `done` runs, or, if it never does, for as long as the process lives.
   Status ReadAsync(const ChunkKey& key, std::span<uint8_t> dst, std::function<void(Status)> done);
   Status WriteAsync(const ChunkKey& key, std::span<const uint8_t> src,
                     std::function<void(Status)> done);
+  // Reads into a buffer of the pool thread's own; `done` gets the status and, when OK, the
+  // chunk_bytes of the chunk, valid only during the call. Nothing of the caller's is written,
+  // so an abandoned read harms nobody.
+  using ReadDone = std::function<void(Status, std::span<const uint8_t>)>;
+  Status ReadAsync(const ChunkKey& key, ReadDone done);
 
-  // Blocks until every queued and running asynchronous write (and read) has finished.
-  void Drain();
+  // Blocks until every queued and running asynchronous write (and read) has finished: true. Or
+  // false once only stalled operations have run for a stall timeout (they go on).
+  bool Drain();
+  // Stops the pools: waits for queued and running operations like Drain, abandons stalled ones
+  // (their callbacks never run), and refuses asynchronous calls from then on (kAborted).
+  // Returns the number of operations abandoned. Idempotent; the destructor calls it.
+  size_t Shutdown();
 
   FileTierStats Stats() const;
   const FileTierOptions& options() const { return options_; }
@@ -135,7 +185,7 @@ class FileTier {
   explicit FileTier(const FileTierOptions& options);
   FileTierOptions options_;
   std::string ns_dir_;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with operations in flight, which may outlive us
 };
 
 }  // namespace kvtier

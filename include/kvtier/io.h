@@ -19,6 +19,7 @@
 // once (positional I/O has no shared cursor). Env::Default() lives for the whole process.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -97,7 +98,7 @@ struct OpenOptions {
   bool create = false;     // create if absent (mode 0644)
   bool exclusive = false;  // with create: fail if the file exists
   bool truncate = false;
-  bool direct = false;     // try O_DIRECT; buffered where refused (File::direct() says which)
+  bool direct = false;  // try O_DIRECT; buffered where refused (File::direct() says which)
 };
 
 // Optional hooks into File::Submit, called on the submitting thread so that CPU work (checksums)
@@ -170,8 +171,10 @@ class Env {
   // Opens that fell back to buffered I/O because the filesystem refused O_DIRECT.
   virtual uint64_t direct_fallbacks() const = 0;
 
-  // Fails with kNotFound when the file (or its directory) does not exist, kPermissionDenied,
-  // kIOError for anything else (EEXIST with `exclusive` included).
+  // Opens a regular file. Fails with kNotFound when the file (or its directory) does not exist,
+  // kInvalidArgument when the path is not a regular file (a directory, a FIFO, a device: never
+  // opened in a way that could block), kPermissionDenied, kIOError for anything else (EEXIST
+  // with `exclusive` included).
   virtual Result<std::unique_ptr<File>> Open(const std::string& path,
                                              const OpenOptions& options) = 0;
   // rename(2): atomically replaces `to` if it exists.
@@ -217,6 +220,11 @@ struct FaultInjectionOptions {
   double bit_flip = 0;        // one random bit of a completed read is flipped
   double sync_error = 0;      // Sync or SyncDir fails with EIO
   double metadata_error = 0;  // Open, Rename, Unlink, CreateDirs, List or Stat fails with EIO
+  int write_errno = 5;        // what `write_error` fails with: EIO (5), or e.g. EROFS, EACCES
+  // A filesystem of this many bytes (0 = no limit): writes and preallocations that would grow
+  // the files written through this env beyond it fail with ENOSPC, as on a full disk. Files
+  // that existed before are not counted. Applies even while faults are disabled.
+  uint64_t space_bytes = 0;
 };
 
 // Wraps `base` (not owned; must outlive this) and injects faults. Also records which data and
@@ -240,6 +248,13 @@ class FaultInjectionEnv : public Env {
   void SetEnabled(bool enabled);
   Counters counters() const;
 
+  // Opens of paths containing `fragment` block, as on a hung NFS server, until ReleaseStalls();
+  // then they fail with EIO. An empty fragment stalls nothing. Works while faults are enabled.
+  void StallOpens(std::string fragment);
+  void ReleaseStalls();
+  // Opens blocked by StallOpens right now.
+  uint64_t stalled_now() const;
+
   // Simulates a power failure: data written to a file since its last Sync is lost (overwritten
   // with zeros), and files created or renamed into a directory since its last SyncDir disappear.
   // REQUIRES: no File of this env is open (close them first, as a dead process would).
@@ -262,19 +277,27 @@ class FaultInjectionEnv : public Env {
     uint64_t offset, len;
   };
   struct PathState {
-    std::vector<Range> unsynced;    // written since the last Sync
-    bool unsynced_entry = false;    // created or renamed here since the parent's last SyncDir
+    std::vector<Range> unsynced;  // written since the last Sync
+    bool unsynced_entry = false;  // created or renamed here since the parent's last SyncDir
+    uint64_t size = 0;            // bytes allocated through this env (for space_bytes)
   };
-  bool Draw(double p);          // REQUIRES: mu_ held
+  // Grows `path` to `end` bytes if space_bytes allows: false (nothing changed) if not.
+  bool ClaimSpaceLocked(const std::string& path, uint64_t end);
+  bool Draw(double p);           // REQUIRES: mu_ held
   uint64_t Uniform(uint64_t n);  // in [0, n); REQUIRES: mu_ held
 
   Env* const base_;
   mutable std::mutex mu_;
+  std::condition_variable stall_cv_;
+  std::string stall_fragment_;
+  uint64_t stall_generation_ = 0;  // bumped by ReleaseStalls
+  uint64_t stalled_now_ = 0;
   FaultInjectionOptions options_;
   std::mt19937_64 rng_;
   bool enabled_ = true;
   Counters counters_;
   std::unordered_map<std::string, PathState> paths_;
+  uint64_t space_used_ = 0;  // sum of paths_[*].size
 };
 
 }  // namespace kvtier

@@ -1,9 +1,9 @@
 #include "common/task_pool.h"
 
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <future>
-
-#include <gtest/gtest.h>
 
 namespace kvtier {
 namespace {
@@ -53,6 +53,65 @@ TEST(TaskPoolTest, ZeroLimitMeansUnbounded) {
   EXPECT_TRUE(pool.TrySubmit(batch).ok());
   pool.Drain();
   EXPECT_EQ(n.load(), 5000);
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A task stuck "in the kernel" (here: on a gate) is replaced, so the queue keeps moving; Drain
+// and shutdown stop waiting for it after a stall timeout instead of hanging.
+TEST(TaskPoolTest, StalledTaskIsReplacedAndAbandonedAtShutdown) {
+  TaskPoolOptions o;
+  o.threads = 1;
+  o.max_queued = 16;
+  o.name = "stall test pool";
+  o.stall_timeout = 50ms;
+  o.max_extra_threads = 2;
+  auto pool = std::make_unique<TaskPool>(o);
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  auto stuck_done = std::make_shared<std::atomic<bool>>(false);
+  ASSERT_TRUE(pool->TrySubmit([open, stuck_done] {
+                    open.wait();
+                    stuck_done->store(true);
+                  })
+                  .ok());
+  // Queued behind the stuck task: a replacement thread runs it once the stall is noticed.
+  std::promise<void> ran;
+  ASSERT_TRUE(pool->TrySubmit([&ran] { ran.set_value(); }).ok());
+  ASSERT_EQ(ran.get_future().wait_for(10s), std::future_status::ready);
+  EXPECT_GE(pool->replacements(), 1u);
+  EXPECT_EQ(pool->stalled(), 1u);
+  EXPECT_LE(pool->threads(), 3u);
+
+  EXPECT_FALSE(pool->Drain());  // gives up on the stuck task
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(pool->Shutdown(), 1u);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_TRUE(pool->TrySubmit([] {}).code() == StatusCode::kAborted);
+  pool.reset();  // the stuck thread is detached; the pool object can go
+  gate.set_value();
+  for (int i = 0; i < 1000 && !stuck_done->load(); ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(stuck_done->load());
+}
+
+// Without stall handling a slow task is waited for, as before.
+TEST(TaskPoolTest, WithoutStallHandlingShutdownWaits) {
+  std::atomic<bool> finished{false};
+  {
+    TaskPool pool(1, 4, "patient pool");
+    ASSERT_TRUE(pool.TrySubmit([&] {
+                      std::this_thread::sleep_for(100ms);
+                      finished = true;
+                    })
+                    .ok());
+  }
+  EXPECT_TRUE(finished.load());
 }
 
 }  // namespace

@@ -1,12 +1,16 @@
 #include "kvtier/engine.h"
 
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <thread>
 
-#include <fmt/format.h>
-
+#include "common/log_limiter.h"
 #include "common/task_pool.h"
 
 namespace kvtier {
@@ -21,9 +25,12 @@ Result<WritePolicy> ParseWritePolicy(std::string_view name) {
 
 std::string_view WritePolicyName(WritePolicy policy) {
   switch (policy) {
-    case WritePolicy::kWriteThrough: return "write_through";
-    case WritePolicy::kWriteBack: return "write_back";
-    case WritePolicy::kNone: return "none";
+    case WritePolicy::kWriteThrough:
+      return "write_through";
+    case WritePolicy::kWriteBack:
+      return "write_back";
+    case WritePolicy::kNone:
+      return "none";
   }
   return "unknown";
 }
@@ -79,8 +86,8 @@ struct OpHandle::State {
     } else if (!error.ok() && !error.IsNotFound()) {
       result.status = error;
     } else {
-      result.status = Status::NotFound(
-          fmt::format("{} of {} leading chunks available", n, outcome.size()));
+      result.status =
+          Status::NotFound(fmt::format("{} of {} leading chunks available", n, outcome.size()));
     }
     if (on_finish) on_finish(*this);
     done = true;
@@ -169,18 +176,39 @@ struct Engine::Impl {
   Counters memory, file;
   std::atomic<uint64_t> stores{0}, loads{0}, rejected_ops{0};
   std::atomic<uint64_t> promotions{0}, deadline_misses{0};
+
+  // Write-through chunks the file tier's write queue refused, retried as writes complete. Bounded
+  // (a chunk that does not fit stays dirty in L1: written back on eviction or at shutdown).
+  std::mutex deferred_mu;
+  std::deque<ChunkKey> deferred;
+  size_t max_deferred = 0;
+  std::atomic<uint64_t> write_through_deferred{0}, write_through_dropped{0};
+  LogLimiter deferred_log;
 };
 
 Engine::Engine(const EngineOptions& options) : options_(options) {}
 
 Engine::~Engine() {
   if (impl_) impl_->pool.Drain();
-  if (file_) file_->Drain();
+  if (!file_) return;
+  // Bounded: operations stuck in the kernel (a hung NFS server) are abandoned after the file
+  // tier's stall timeout. An abandoned write may still read from its L1 slot and an abandoned
+  // read may still write into L2's own buffer, so L1's arena must outlive them: it is left
+  // mapped (the process is usually exiting anyway).
+  size_t abandoned = file_->Shutdown();
+  if (abandoned > 0) {
+    spdlog::error(
+        "engine: {} file-tier operations are stuck in the kernel; leaving the L1 arena "
+        "mapped for them",
+        abandoned);
+    (void)memory_.release();
+  }
 }
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   KVTIER_RETURN_IF_ERROR(options.ns.Validate().WithContext("engine namespace"));
-  if (options.chunk_bytes == 0) return Status::InvalidArgument("engine: chunk_bytes must be positive");
+  if (options.chunk_bytes == 0)
+    return Status::InvalidArgument("engine: chunk_bytes must be positive");
   if (options.worker_threads < 1 || options.worker_threads > 256) {
     return Status::InvalidArgument(
         fmt::format("engine: worker_threads must be in [1, 256], got {}", options.worker_threads));
@@ -210,16 +238,13 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     // Write-back: a dirty chunk leaving L1 goes to L2 first. Runs on the thread that needed
     // the slot, without L1's lock.
     Engine* e = engine.get();
+    // A failure is counted (once) and logged by the file tier itself.
     engine->memory_->SetEvictionSink([e](const ChunkKey& key, std::span<const uint8_t> data) {
-      Status s = e->file_->Write(key, data);
-      if (s.ok()) return;
-      if (s.code() == StatusCode::kNoSpace || s.IsRejected()) {
-        e->impl_->file.rejections++;
-      } else {
-        e->impl_->file.errors++;
-      }
+      (void)e->file_->Write(key, data);
     });
   }
+  // Dirty chunks never outnumber L1's slots; twice that leaves room for re-stored keys.
+  engine->impl_->max_deferred = 2 * static_cast<size_t>(engine->memory_->num_slots());
   return engine;
 }
 
@@ -230,29 +255,69 @@ void Engine::PublishStored(SlotId slot, const ChunkKey& key) {
   if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
 }
 
-bool Engine::StoresDirty() const {
-  return file_ && options_.write_policy != WritePolicy::kNone;
-}
+bool Engine::StoresDirty() const { return file_ && options_.write_policy != WritePolicy::kNone; }
 
 // Write-through: the chunk goes to L2 in the background, from its L1 slot, pinned meanwhile.
 // It stays dirty until L2 has it, so if this write is refused or fails, eviction retries it.
+// A refused write (queue full under a burst) is deferred and retried as earlier writes complete,
+// never skipped in silence. Failures are counted by the file tier.
 void Engine::WriteThrough(const ChunkKey& key) {
+  if (StartWriteThrough(key).IsRejected()) DeferWriteThrough(key);
+}
+
+Status Engine::StartWriteThrough(const ChunkKey& key) {
   auto slot = memory_->Pin(key);
-  if (!slot.ok()) return;  // already evicted (and so written back)
+  if (!slot.ok()) return Status::Ok();  // already evicted (and so written back)
   SlotId pinned = *slot;
   Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, key, pinned](Status st) {
-    if (st.ok()) {
-      memory_->MarkClean(key);
-    } else if (st.code() == StatusCode::kNoSpace) {
-      impl_->file.rejections++;
-    } else {
-      impl_->file.errors++;
-    }
+    if (st.ok()) memory_->MarkClean(key);
     memory_->Unpin(pinned);
+    ResubmitDeferred();
   });
-  if (!s.ok()) {
-    impl_->file.rejections++;
-    memory_->Unpin(pinned);
+  if (!s.ok()) memory_->Unpin(pinned);
+  return s;
+}
+
+void Engine::DeferWriteThrough(const ChunkKey& key) {
+  bool dropped;
+  size_t depth;
+  {
+    std::lock_guard lock(impl_->deferred_mu);
+    dropped = impl_->deferred.size() >= impl_->max_deferred;
+    if (!dropped) impl_->deferred.push_back(key);
+    depth = impl_->deferred.size();
+  }
+  (dropped ? impl_->write_through_dropped : impl_->write_through_deferred)++;
+  if (auto held = impl_->deferred_log.Allow()) {
+    if (dropped) {
+      spdlog::warn(
+          "engine: write-through of {} not queued (file tier write queue full, {} "
+          "deferred already); the chunk stays dirty in L1 and is written back on "
+          "eviction or at shutdown{}",
+          key.ToHex(), depth, LogLimiter::Suppressed(*held));
+    } else {
+      spdlog::info("engine: file tier write queue full; write-through deferred ({} waiting){}",
+                   depth, LogLimiter::Suppressed(*held));
+    }
+  }
+}
+
+// Called as writes complete: refills the file tier's write queue from the deferred list.
+void Engine::ResubmitDeferred() {
+  for (int i = 0; i < 8; ++i) {
+    ChunkKey key;
+    {
+      std::lock_guard lock(impl_->deferred_mu);
+      if (impl_->deferred.empty()) return;
+      key = impl_->deferred.front();
+      impl_->deferred.pop_front();
+    }
+    Status s = StartWriteThrough(key);
+    if (s.IsRejected()) {
+      std::lock_guard lock(impl_->deferred_mu);
+      impl_->deferred.push_front(key);  // still full: the next completion retries
+      return;
+    }
   }
 }
 
@@ -279,7 +344,8 @@ LookupResult Engine::Lookup(std::span<const ChunkKey> keys) {
 
 Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
                                std::span<const std::span<const uint8_t>> src) {
-  KVTIER_RETURN_IF_ERROR(CheckChunkBuffers("store", "source", keys.size(), src, options_.chunk_bytes));
+  KVTIER_RETURN_IF_ERROR(
+      CheckChunkBuffers("store", "source", keys.size(), src, options_.chunk_bytes));
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kStore, keys.size());
   if (keys.empty()) {
     std::lock_guard lock(state->mu);
@@ -312,11 +378,12 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
   return OpHandle(state);
 }
 
-// Each L2 chunk is read into a freshly reserved L1 slot, never straight into caller memory: if
-// the read outlives the load's deadline, the caller has already been told "miss" and may reuse
-// its buffer, and the late bytes land harmlessly in L1 (promoted, or dropped).
-void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state,
-                            std::span<const ChunkKey> keys, const std::vector<size_t>& chunks,
+// Each L2 chunk is read into the file tier's own buffer, never into L1 or caller memory, and
+// reaches them only if the load is still open when the data arrives: a read stuck past the
+// load's deadline (a hung NFS server) holds no L1 slot, and whatever it delivers late lands
+// nowhere the caller can see (promoted into L1 at most).
+void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
+                            const std::vector<size_t>& chunks,
                             std::span<const std::span<uint8_t>> dst) {
   const bool pin_for_caller = dst.empty();  // PrepareLoad: leave the chunk pinned in L1
   std::vector<std::function<void()>> tasks;
@@ -324,19 +391,8 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state,
     std::span<uint8_t> out = pin_for_caller ? std::span<uint8_t>() : dst[i];
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, out, pin_for_caller] {
-      auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
-      if (!r.ok()) {
-        state->ChunkDone(i, r.status());
-        return;
-      }
-      if (r->already_present) {
-        // Another store or promotion of this key got there first: serve it from L1 if it is
-        // there now, else call it a miss rather than wait.
-        auto slot = memory_->Pin(key);
-        if (!slot.ok()) {
-          state->ChunkDone(i, Status::NotFound("chunk is being promoted by another load"));
-          return;
-        }
+      // Another store or promotion may have put the chunk in L1 meanwhile: serve it from there.
+      if (auto slot = memory_->Pin(key); slot.ok()) {
         bool taken = state->ChunkDone(i, Status::Ok(), [&] {
           if (pin_for_caller) {
             state->slots[i] = *slot;
@@ -347,38 +403,38 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state,
         if (!taken || !pin_for_caller) memory_->Unpin(*slot);
         return;
       }
-      SlotId slot = r->slot;
-      Status s = file_->ReadAsync(key, memory_->SlotData(slot), [this, state, i, key, slot, out,
-                                                                 pin_for_caller](Status st) {
-        if (!st.ok()) {
-          memory_->Abort(slot);
-          if (!st.IsNotFound()) impl_->file.errors++;
+      Status s = file_->ReadAsync(key, [this, state, i, key, parent, has_parent, out,
+                                        pin_for_caller](Status st, std::span<const uint8_t> data) {
+        if (!st.ok()) {  // a miss, or an error the file tier counted
           state->ChunkDone(i, st);
           return;
         }
-        impl_->promotions++;
-        if (pin_for_caller) {
-          memory_->Commit(slot, /*dirty=*/false);
-          auto pinned = memory_->Pin(key);
-          bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
-          if (!taken && pinned.ok()) memory_->Unpin(*pinned);
+        // Promoted into L1 first, so that stats never lag what the caller has been told.
+        Status promoted = Status::Ok();
+        if (pin_for_caller || options_.promote_on_load) {
+          auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
+          if (!r.ok()) {
+            promoted = r.status();  // L1 is full of pinned chunks
+          } else if (!r->already_present) {
+            std::memcpy(memory_->SlotData(r->slot).data(), data.data(), data.size());
+            memory_->Commit(r->slot, /*dirty=*/false);
+            impl_->promotions++;
+          }
+        }
+        if (!pin_for_caller) {
+          state->ChunkDone(i, Status::Ok(),
+                           [&] { std::memcpy(out.data(), data.data(), out.size()); });
           return;
         }
-        // Copy out while the slot is still reserved: once committed it could be evicted.
-        state->ChunkDone(i, Status::Ok(), [&] {
-          std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
-        });
-        if (options_.promote_on_load) {
-          memory_->Commit(slot, /*dirty=*/false);
-        } else {
-          memory_->Abort(slot);
+        if (!promoted.ok()) {  // for PrepareLoad, a miss
+          state->ChunkDone(i, promoted);
+          return;
         }
+        auto pinned = memory_->Pin(key);
+        bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
+        if (!taken && pinned.ok()) memory_->Unpin(*pinned);
       });
-      if (!s.ok()) {
-        memory_->Abort(slot);
-        impl_->file.rejections++;
-        state->ChunkDone(i, s);
-      }
+      if (!s.ok()) state->ChunkDone(i, s);  // queue full (counted by the file tier): a miss
     });
   }
   Status submitted = impl_->pool.TrySubmit(std::move(tasks));
@@ -510,28 +566,107 @@ void Engine::Unpin(std::span<const SlotId> slots) {
   }
 }
 
-void Engine::Drain() {
+bool Engine::Drain() {
   impl_->pool.Drain();
-  if (file_) file_->Drain();
+  if (!file_) return true;
+  for (;;) {
+    if (!file_->Drain()) return false;  // stuck in the kernel: stop waiting
+    {
+      std::lock_guard lock(impl_->deferred_mu);
+      if (impl_->deferred.empty()) return true;
+    }
+    // Deferred write-throughs whose retry no completion triggered (all finished before they
+    // were deferred).
+    ResubmitDeferred();
+  }
 }
 
 Status Engine::FlushDirty() {
-  Status first;
+  struct Outcome {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t in_flight = 0;
+    Status first;
+    void Done(const Status& s) {
+      std::lock_guard lock(mu);
+      if (!s.ok() && first.ok()) first = s;
+      --in_flight;
+      cv.notify_all();
+    }
+  };
+  auto outcome = std::make_shared<Outcome>();
+  auto note = [&](const Status& s) {
+    std::lock_guard lock(outcome->mu);
+    if (outcome->first.ok()) outcome->first = s;
+  };
   if (StoresDirty()) {
+    // Through the write pool, several at a time but never more than its queue holds, so the
+    // flush itself causes no refusals. If the tier's writes are stuck in the kernel, the flush
+    // stops after a stall timeout and the rest stays unwritten (kTimeout).
+    const FileTierOptions& fo = file_->options();
+    const size_t limit = std::max<size_t>(1, fo.max_queued_writes);
+    const auto stall = fo.stall_timeout;
+    bool gave_up = false;
     for (const ChunkKey& key : memory_->DirtyKeys()) {
+      {
+        std::unique_lock lock(outcome->mu);
+        auto since = std::chrono::steady_clock::now();
+        while (outcome->in_flight >= limit) {
+          outcome->cv.wait_for(lock, std::chrono::milliseconds(50));
+          if (stall.count() == 0 || outcome->in_flight < limit) continue;
+          lock.unlock();
+          const bool stalled = file_->Stats().stalled_writes > 0;
+          lock.lock();
+          if (!stalled) since = std::chrono::steady_clock::now();
+          if (stalled && std::chrono::steady_clock::now() - since >= stall) {
+            gave_up = true;
+            break;
+          }
+        }
+        if (gave_up) break;
+      }
       auto slot = memory_->Pin(key);
       if (!slot.ok()) continue;  // evicted meanwhile, and so written back
-      Status s = file_->Write(key, memory_->SlotData(*slot));
-      if (s.ok()) {
-        memory_->MarkClean(key);
-      } else if (first.ok()) {
-        first = s;
+      const SlotId pinned = *slot;
+      int64_t refusals = 0;
+      for (;;) {
+        {
+          std::lock_guard lock(outcome->mu);
+          ++outcome->in_flight;
+        }
+        Status s = file_->WriteAsync(key, memory_->SlotData(pinned),
+                                     [this, key, pinned, outcome](Status st) {
+                                       if (st.ok()) memory_->MarkClean(key);
+                                       memory_->Unpin(pinned);
+                                       outcome->Done(st);
+                                     });
+        if (s.ok()) break;
+        {
+          std::lock_guard lock(outcome->mu);
+          --outcome->in_flight;
+        }
+        if (s.IsRejected() && !(stall.count() > 0 && ++refusals > stall.count() &&
+                                file_->Stats().stalled_writes > 0)) {
+          // Other writers filled the queue: wait for room (about a stall timeout at most, if
+          // writes are stuck).
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          continue;
+        }
+        memory_->Unpin(pinned);
+        if (s.IsRejected()) {
+          gave_up = true;
+        } else {
+          note(s);
+        }
+        break;
       }
-      memory_->Unpin(*slot);
+      if (gave_up) break;
     }
+    if (gave_up) note(Status::Timeout("file tier writes are stalled; write-back incomplete"));
   }
-  Drain();
-  return first;
+  if (!Drain()) note(Status::Timeout("file tier writes are stalled"));
+  std::lock_guard lock(outcome->mu);
+  return outcome->first;
 }
 
 EngineStats Engine::Stats() const {
@@ -554,14 +689,17 @@ EngineStats Engine::Stats() const {
     st.file.bytes_in = st.file_detail.bytes_written;
     st.file.bytes_out = st.file_detail.bytes_read;
     st.file.evictions = st.file_detail.evictions;
-    st.file.rejections = impl_->file.rejections + st.file_detail.rejections;
-    st.file.errors = impl_->file.errors + st.file_detail.errors;
+    // The file tier counts each of its failures once; the engine adds nothing to them.
+    st.file.rejections = st.file_detail.rejections;
+    st.file.errors = st.file_detail.errors;
   }
   st.stores = impl_->stores;
   st.loads = impl_->loads;
   st.rejected_ops = impl_->rejected_ops;
   st.promotions = impl_->promotions;
   st.deadline_misses = impl_->deadline_misses;
+  st.write_through_deferred = impl_->write_through_deferred;
+  st.write_through_dropped = impl_->write_through_dropped;
   return st;
 }
 

@@ -1,13 +1,16 @@
 // The engine with a file tier (L2) on a real filesystem: write policies, promotion, restart
 // recovery, and load deadlines against stalled storage.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
-
-#include <gtest/gtest.h>
+#include <thread>
 
 #include "kvtier/engine.h"
 #include "kvtier/io.h"
@@ -30,7 +33,8 @@ std::vector<ChunkKey> Keys(size_t n, uint32_t seed = 0) {
 struct Chunks {
   Chunks(size_t n, uint8_t seed) : data(n, std::vector<uint8_t>(kChunk)) {
     std::mt19937 rng(seed);
-    for (auto& d : data) for (auto& b : d) b = static_cast<uint8_t>(rng());
+    for (auto& d : data)
+      for (auto& b : d) b = static_cast<uint8_t>(rng());
   }
   std::vector<std::span<const uint8_t>> In() const { return {data.begin(), data.end()}; }
   std::vector<std::span<uint8_t>> Out() { return {data.begin(), data.end()}; }
@@ -259,6 +263,133 @@ TEST(EngineFileTest, CorruptFileIsAMissNeverWrongData) {
   EXPECT_EQ(r.chunks, 0u);
   EXPECT_NE(out.data, in.data);
   EXPECT_GE(engine->Stats().file_detail.corrupt, 1u);
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Write-through under a burst larger than L2's write queue: every chunk reaches L2; the refused
+// ones are deferred (counted, logged) and retried, never skipped in silence.
+TEST(EngineFileTest, WriteThroughBurstSkipsNothing) {
+  testing::TempDir dir;
+  EngineOptions o = Options(dir.path(), 256, WritePolicy::kWriteThrough);
+  o.file->write_threads = 1;
+  o.file->max_queued_writes = 4;
+  o.file->sync_data = false;  // the queue is the point here, not the disk
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  auto keys = Keys(200, 7);
+  Chunks in(200, 7);
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  EXPECT_TRUE(engine->Drain());
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.file_detail.chunks, 200u);
+  EXPECT_GT(st.write_through_deferred, 0u);
+  EXPECT_EQ(st.write_through_dropped, 0u);
+  EXPECT_EQ(st.file.errors, 0u);
+  EXPECT_EQ(st.memory_detail.pinned, 0u);
+}
+
+// One failed L2 write is one error in the engine's stats (it was two: the tier's and the
+// engine's).
+TEST(EngineFileTest, FailedWriteIsCountedOnce) {
+  testing::TempDir dir;
+  FaultInjectionOptions f;
+  f.write_error = 1;
+  FaultInjectionEnv env(Env::Default(), f);
+  env.SetEnabled(false);
+  EngineOptions o = Options(dir.path(), 8, WritePolicy::kWriteThrough);
+  o.file->env = &env;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env.SetEnabled(true);
+  auto keys = Keys(1, 9);
+  Chunks in(1, 9);
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  EXPECT_TRUE(engine->Drain());
+  env.SetEnabled(false);
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.file.errors, 1u);
+  EXPECT_EQ(st.file_detail.errors, 1u);
+  EXPECT_EQ(st.file.rejections, 0u);
+}
+
+// A load from storage that hangs in the kernel: a miss at the deadline with no L1 slot held for
+// it, and the engine's destruction is bounded. The env outlives the test (abandoned reads return
+// into it).
+TEST(EngineFileTest, HungStorageHoldsNoSlotAndShutdownIsBounded) {
+  testing::TempDir dir;
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});
+  const uint32_t slots = 4;
+  auto keys = Keys(2, 11);
+  Chunks in(2, 11);
+  {
+    auto writer = OpenEngine(Options(dir.path(), slots, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  EngineOptions o = Options(dir.path(), slots, WritePolicy::kWriteBack);
+  o.file->env = env;
+  o.file->read_threads = 1;
+  o.file->stall_timeout = 100ms;
+  o.load_deadline = 100ms;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env->StallOpens(keys[0].ToHex());
+  Chunks out(2, 0);
+  OpResult r = engine->Load(keys, out.Out())->Wait();
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_GE(engine->Stats().deadline_misses, 1u);
+  r = engine->PrepareLoad(keys)->Wait();
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_TRUE(r.slots.empty());
+  // Every L1 slot is free to use: none is reserved for the stuck reads.
+  auto others = Keys(slots, 12);
+  Chunks more(slots, 12);
+  OpResult stored = engine->Store(others, more.In())->Wait();
+  EXPECT_TRUE(stored.status.ok()) << stored.status.ToString();
+  EXPECT_EQ(stored.chunks, slots);
+  EXPECT_EQ(engine->Stats().memory_detail.pinned, 0u);
+  // Shutdown gives up on the stuck reads instead of waiting for the kernel.
+  auto t0 = std::chrono::steady_clock::now();
+  engine.reset();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  env->ReleaseStalls();
+  for (int i = 0; i < 500 && env->stalled_now() > 0; ++i) std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(50ms);
+}
+
+// A FIFO where an indexed chunk was: a miss at once (not a read thread lost to a blocking open).
+TEST(EngineFileTest, FifoAtChunkPathIsAMiss) {
+  testing::TempDir dir;
+  auto keys = Keys(2, 13);
+  Chunks in(2, 13);
+  EngineOptions o = Options(dir.path(), 2, WritePolicy::kWriteThrough);
+  o.promote_on_load = false;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  EXPECT_TRUE(engine->Drain());
+  // Push both out of L1, then put a FIFO at the second's path.
+  auto others = Keys(2, 14);
+  Chunks more(2, 14);
+  ASSERT_TRUE(engine->Store(others, more.In())->Wait().status.ok());
+  const std::string path = engine->file_tier()->ChunkPath(keys[1]);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+  Chunks out(2, 0);
+  for (int round = 0; round < 3; ++round) {
+    OpResult r = engine->Load(keys, out.Out())->Wait();
+    EXPECT_EQ(r.chunks, 1u);
+    EXPECT_EQ(out.data[0], in.data[0]);
+  }
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.deadline_misses, 0u);
+  EXPECT_EQ(st.file.errors, 0u);
 }
 
 }  // namespace

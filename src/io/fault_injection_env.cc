@@ -1,10 +1,10 @@
 // FaultInjectionEnv: a seeded fault injector in front of a real Env, in the spirit of leveldb's
 // fault-injection env and RocksDB's FaultInjectionTestFS. The real I/O still happens (through the
 // base Env); faults replace or distort it.
+#include <fmt/format.h>
+
 #include <cerrno>
 #include <filesystem>
-
-#include <fmt/format.h>
 
 #include "kvtier/io.h"
 
@@ -42,7 +42,7 @@ class FaultFile final : public File {
           if (read && env_->Draw(o.read_error)) {
             fate[i] = kFail, err[i] = EIO, ++env_->counters_.read_errors;
           } else if (!read && env_->Draw(o.write_error)) {
-            fate[i] = kFail, err[i] = EIO, ++env_->counters_.write_errors;
+            fate[i] = kFail, err[i] = o.write_errno, ++env_->counters_.write_errors;
           } else if (!read && env_->Draw(o.no_space)) {
             fate[i] = kFail, err[i] = ENOSPC, ++env_->counters_.no_space;
           } else if (op.len > 1 && env_->Draw(read ? o.short_read : o.short_write)) {
@@ -55,6 +55,9 @@ class FaultFile final : public File {
               ++(read ? env_->counters_.short_reads : env_->counters_.short_writes);
             }
           }
+        }
+        if (fate[i] != kFail && !read && !env_->ClaimSpaceLocked(path(), op.offset + op.len)) {
+          fate[i] = kFail, err[i] = ENOSPC, ++env_->counters_.no_space;
         }
         if (fate[i] != kFail) {
           forward.push_back(op);
@@ -102,7 +105,8 @@ class FaultFile final : public File {
   Status Preallocate(uint64_t bytes) override {
     {
       std::lock_guard<std::mutex> lock(env_->mu_);
-      if (env_->enabled_ && env_->Draw(env_->options_.no_space)) {
+      if ((env_->enabled_ && env_->Draw(env_->options_.no_space)) ||
+          !env_->ClaimSpaceLocked(path(), bytes)) {
         ++env_->counters_.no_space;
         return Status::FromErrno(ENOSPC, fmt::format("fallocate {} (injected)", path()));
       }
@@ -136,6 +140,16 @@ FaultInjectionEnv::Counters FaultInjectionEnv::counters() const {
   return counters_;
 }
 
+bool FaultInjectionEnv::ClaimSpaceLocked(const std::string& path, uint64_t end) {
+  PathState& state = paths_[path];
+  if (end <= state.size) return true;
+  const uint64_t growth = end - state.size;
+  if (options_.space_bytes != 0 && space_used_ + growth > options_.space_bytes) return false;
+  space_used_ += growth;
+  state.size = end;
+  return true;
+}
+
 bool FaultInjectionEnv::Draw(double p) {
   if (p <= 0) return false;
   return std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < p;
@@ -149,17 +163,46 @@ std::string FaultInjectionEnv::io_engine_name() const {
   return base_->io_engine_name() + "+faults";
 }
 
-#define KVTIER_MAYBE_FAIL_METADATA(what)                                      \
-  do {                                                                        \
-    std::lock_guard<std::mutex> lock(mu_);                                    \
-    if (enabled_ && Draw(options_.metadata_error)) {                          \
-      ++counters_.metadata_errors;                                            \
-      return Status::FromErrno(EIO, fmt::format("{} (injected)", what));      \
-    }                                                                         \
+#define KVTIER_MAYBE_FAIL_METADATA(what)                                 \
+  do {                                                                   \
+    std::lock_guard<std::mutex> lock(mu_);                               \
+    if (enabled_ && Draw(options_.metadata_error)) {                     \
+      ++counters_.metadata_errors;                                       \
+      return Status::FromErrno(EIO, fmt::format("{} (injected)", what)); \
+    }                                                                    \
   } while (0)
+
+void FaultInjectionEnv::StallOpens(std::string fragment) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stall_fragment_ = std::move(fragment);
+}
+
+void FaultInjectionEnv::ReleaseStalls() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stall_fragment_.clear();
+    ++stall_generation_;
+  }
+  stall_cv_.notify_all();
+}
+
+uint64_t FaultInjectionEnv::stalled_now() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stalled_now_;
+}
 
 Result<std::unique_ptr<File>> FaultInjectionEnv::Open(const std::string& path,
                                                       const OpenOptions& options) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (enabled_ && !stall_fragment_.empty() && path.find(stall_fragment_) != std::string::npos) {
+      ++stalled_now_;
+      const uint64_t generation = stall_generation_;
+      stall_cv_.wait(lock, [&] { return stall_generation_ != generation; });
+      --stalled_now_;
+      return Status::FromErrno(EIO, fmt::format("open {} (stalled, injected)", path));
+    }
+  }
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("open {}", path));
   bool existed = options.create && base_->Stat(path).ok();
   KVTIER_ASSIGN_OR_RETURN(auto file, base_->Open(path, options));
@@ -179,6 +222,7 @@ Status FaultInjectionEnv::Rename(const std::string& from, const std::string& to)
     state = std::move(it->second);
     paths_.erase(it);
   }
+  if (auto it = paths_.find(to); it != paths_.end()) space_used_ -= it->second.size;  // replaced
   state.unsynced_entry = true;  // the new name exists only once `to`'s directory is synced
   paths_[to] = std::move(state);
   return Status::Ok();
@@ -188,7 +232,10 @@ Status FaultInjectionEnv::Unlink(const std::string& path) {
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("unlink {}", path));
   KVTIER_RETURN_IF_ERROR(base_->Unlink(path));
   std::lock_guard<std::mutex> lock(mu_);
-  paths_.erase(path);
+  if (auto it = paths_.find(path); it != paths_.end()) {
+    space_used_ -= it->second.size;
+    paths_.erase(it);
+  }
   return Status::Ok();
 }
 
@@ -230,6 +277,7 @@ Status FaultInjectionEnv::SimulateCrash() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     paths.swap(paths_);
+    space_used_ = 0;  // what survives now counts as having existed before
   }
   Status first;
   for (auto& [path, state] : paths) {

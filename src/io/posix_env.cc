@@ -1,6 +1,8 @@
 // The POSIX Env: open/stat/rename/... as plain system calls, data transfers through an IoEngine.
 #include <dirent.h>
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,9 +11,6 @@
 #include <cstring>
 #include <filesystem>
 
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
-
 #include "io/io_engine.h"
 #include "kvtier/io.h"
 
@@ -19,9 +18,12 @@ namespace kvtier {
 
 std::string_view IoEngineKindName(IoEngineKind kind) {
   switch (kind) {
-    case IoEngineKind::kAuto: return "auto";
-    case IoEngineKind::kIoUring: return "io_uring";
-    case IoEngineKind::kThreadPool: return "threads";
+    case IoEngineKind::kAuto:
+      return "auto";
+    case IoEngineKind::kIoUring:
+      return "io_uring";
+    case IoEngineKind::kThreadPool:
+      return "threads";
   }
   return "?";
 }
@@ -89,33 +91,69 @@ class PosixEnv final : public Env {
     direct_fallbacks_.fetch_add(1);
     // Once per env at warning level, then at debug: the count is in direct_fallbacks().
     if (!warned_.exchange(true)) {
-      spdlog::warn("O_DIRECT refused {} for {} ({}): using buffered I/O (page cache) instead",
-                   when, path, std::strerror(err));
+      spdlog::warn("O_DIRECT refused {} for {} ({}): using buffered I/O (page cache) instead", when,
+                   path, std::strerror(err));
     } else {
       spdlog::debug("O_DIRECT refused {} for {}: buffered", when, path);
     }
   }
 
-  Result<std::unique_ptr<File>> Open(const std::string& path,
-                                     const OpenOptions& o) override {
+  Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override {
     int flags = (o.write ? O_RDWR : O_RDONLY) | O_CLOEXEC;
     if (o.create) flags |= O_CREAT;
     if (o.create && o.exclusive) flags |= O_EXCL;
     if (o.truncate) flags |= O_TRUNC;
+    // O_NONBLOCK: a FIFO put where a file should be would block the open until a writer
+    // appears (forever, for a cache); non-blocking, the open returns and fstat refuses it.
+    // O_NOCTTY: a terminal device must never become our controlling terminal.
+    flags |= O_NONBLOCK | O_NOCTTY;
     bool direct = o.direct;
     int fd = -1;
     for (;;) {
       fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
       if (fd >= 0) break;
       if (errno == EINTR) continue;
+      if (errno == EISDIR) return NotRegular(path, "a directory");
       if (direct && errno == EINVAL) {
+        // Also what a FIFO or device may answer to O_DIRECT: that is no fallback to report.
+        struct stat st;
+        if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+          return NotRegular(path, FileTypeName(st.st_mode));
+        }
         ReportFallback(path, EINVAL, "at open");
         direct = false;
         continue;
       }
       return Status::FromErrno(errno, fmt::format("open {}", path));
     }
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      return Status::FromErrno(err, fmt::format("fstat {}", path));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return NotRegular(path, FileTypeName(st.st_mode));
+    }
+    // Blocking again for the transfers (io_uring would otherwise answer EAGAIN where it waits).
+    if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
+      int err = errno;
+      ::close(fd);
+      return Status::FromErrno(err, fmt::format("fcntl {}", path));
+    }
     return std::unique_ptr<File>(new PosixFile(this, path, fd, direct));
+  }
+
+  static Status NotRegular(const std::string& path, std::string_view what) {
+    return Status::InvalidArgument(fmt::format("open {}: not a regular file ({})", path, what));
+  }
+  static std::string_view FileTypeName(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+    return "not a regular file";
   }
 
   Status Rename(const std::string& from, const std::string& to) override {
@@ -125,7 +163,8 @@ class PosixEnv final : public Env {
     return Status::Ok();
   }
   Status Unlink(const std::string& path) override {
-    if (::unlink(path.c_str()) != 0) return Status::FromErrno(errno, fmt::format("unlink {}", path));
+    if (::unlink(path.c_str()) != 0)
+      return Status::FromErrno(errno, fmt::format("unlink {}", path));
     return Status::Ok();
   }
   Status CreateDirs(const std::string& path) override {
@@ -172,7 +211,8 @@ class PosixEnv final : public Env {
   }
   Result<FileInfo> Stat(const std::string& path) override {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, fmt::format("stat {}", path));
+    if (::stat(path.c_str(), &st) != 0)
+      return Status::FromErrno(errno, fmt::format("stat {}", path));
     FileInfo info;
     info.size = static_cast<uint64_t>(st.st_size);
     info.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
@@ -258,9 +298,9 @@ Status TransferExact(File& file, std::span<IoOp> ops, bool reads, IoObserver* ob
     std::vector<IoOp> rest;
     for (const IoOp& op : todo) {
       if (op.result < 0) {
-        return Status::FromErrno(static_cast<int>(-op.result),
-                                 fmt::format("{} {} at offset {}", reads ? "read" : "write",
-                                             file.path(), op.offset));
+        return Status::FromErrno(
+            static_cast<int>(-op.result),
+            fmt::format("{} {} at offset {}", reads ? "read" : "write", file.path(), op.offset));
       }
       size_t n = static_cast<size_t>(op.result);
       if (n == op.len) continue;
@@ -269,8 +309,8 @@ Status TransferExact(File& file, std::span<IoOp> ops, bool reads, IoObserver* ob
       // retry from there would be refused as unaligned.
       if (n == 0 || (reads && file.direct() && n % kDirectIoAlignment != 0)) {
         if (reads) {
-          return Status::Corruption(fmt::format("unexpected end of file in {} at offset {}",
-                                                file.path(), op.offset + n));
+          return Status::Corruption(
+              fmt::format("unexpected end of file in {} at offset {}", file.path(), op.offset + n));
         }
         return Status::IOError(fmt::format("write to {} made no progress", file.path()));
       }

@@ -1,13 +1,13 @@
 #include "kvtier/cache_dir.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
-#include <thread>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "tier/file/chunk_file.h"
 
@@ -17,10 +17,14 @@ using namespace file_tier_internal;  // NOLINT
 
 std::string_view FsckFindingKindName(FsckFinding::Kind kind) {
   switch (kind) {
-    case FsckFinding::Kind::kCorrupt: return "corrupt";
-    case FsckFinding::Kind::kForeign: return "foreign";
-    case FsckFinding::Kind::kStaleTemp: return "stale_temp";
-    case FsckFinding::Kind::kUnknown: return "unknown";
+    case FsckFinding::Kind::kCorrupt:
+      return "corrupt";
+    case FsckFinding::Kind::kForeign:
+      return "foreign";
+    case FsckFinding::Kind::kStaleTemp:
+      return "stale_temp";
+    case FsckFinding::Kind::kUnknown:
+      return "unknown";
   }
   return "?";
 }
@@ -74,8 +78,7 @@ Status Walk(Env* env, const std::string& root, std::vector<Item>* items, uint64_
     for (const DirEntry& a : *l1) {
       const std::string apath = fmt::format("{}/{}", npath, a.name);
       if (a.name == kNamespaceFileName) continue;
-      if (a.name.starts_with(kNamespaceFileName) &&
-          a.name.find(kTempInfix) != std::string::npos) {
+      if (a.name.starts_with(kNamespaceFileName) && a.name.find(kTempInfix) != std::string::npos) {
         items->push_back({Item::Kind::kTemp, apath, n.name, "", a.name});
         continue;
       }
@@ -97,9 +100,13 @@ Status Walk(Env* env, const std::string& root, std::vector<Item>* items, uint64_
           Item::Kind kind = IsChunkName(f.name)  ? Item::Kind::kChunk
                             : IsTempName(f.name) ? Item::Kind::kTemp
                                                  : Item::Kind::kUnknown;
-          if (f.type == DirEntry::Type::kDirectory) kind = Item::Kind::kUnknown;
-          items->push_back({kind, fmt::format("{}/{}", bpath, f.name), n.name, a.name + b.name,
-                            f.name});
+          // A chunk name that is not a regular file (a directory, a FIFO) is checked like a
+          // chunk, and judged as the read path judges it (CheckChunk).
+          if (f.type == DirEntry::Type::kDirectory && kind != Item::Kind::kChunk) {
+            kind = Item::Kind::kUnknown;
+          }
+          items->push_back(
+              {kind, fmt::format("{}/{}", bpath, f.name), n.name, a.name + b.name, f.name});
         }
       }
     }
@@ -120,10 +127,17 @@ Verdict CheckChunk(Env* env, const Item& item, AlignedBuffer* buf) {
     return info.status().IsNotFound() ? Verdict{W::kGone, "", 0}
                                       : Verdict{W::kCorrupt, info.status().ToString(), 0};
   }
+  if (!info->is_regular) {
+    // The read path calls it a miss and leaves it (it may be someone's on purpose): foreign.
+    return {W::kForeign,
+            info->is_directory ? "a directory at a chunk path, not a chunk file"
+                               : "not a regular file (a FIFO, socket or device) at a chunk path",
+            0};
+  }
   const uint64_t size = info->size;
   if (size < kHeaderBytes || size % kDirectIoAlignment != 0) {
-    return {W::kCorrupt, fmt::format("file size {} is not a 4 KiB header plus padded payload",
-                                     size), size};
+    return {W::kCorrupt,
+            fmt::format("file size {} is not a 4 KiB header plus padded payload", size), size};
   }
   OpenOptions oo;
   oo.direct = true;  // do not pull the whole cache through the page cache
@@ -136,22 +150,23 @@ Verdict CheckChunk(Env* env, const Item& item, AlignedBuffer* buf) {
   IoOp op = IoOp::Read(0, buf->first(size));
   Status s = ReadExact(**file, std::span<IoOp>(&op, 1));
   if (!s.ok()) return {W::kCorrupt, s.ToString(), size};
-  DecodedHeader d =
-      DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf->data(), kHeaderBytes));
+  DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf->data(), kHeaderBytes));
   if (d.verdict == HeaderVerdict::kCorrupt) return {W::kCorrupt, d.reason, size};
   if (d.verdict == HeaderVerdict::kForeign) return {W::kForeign, d.reason, size};
   const ChunkHeader& h = d.header;
   const std::string root_hex = h.namespace_root.ToHex();
   if (root_hex.substr(0, 16) != item.ns) {
-    return {W::kForeign, fmt::format("chunk of namespace {} in folder {}", root_hex.substr(0, 16),
-                                     item.ns), size};
+    return {W::kForeign,
+            fmt::format("chunk of namespace {} in folder {}", root_hex.substr(0, 16), item.ns),
+            size};
   }
-  if (h.key.ToHex() != item.name) return {W::kForeign, "file name is not the key in its header",
-                                          size};
+  if (h.key.ToHex() != item.name)
+    return {W::kForeign, "file name is not the key in its header", size};
   if (item.name.substr(0, 4) != item.place) return {W::kForeign, "chunk in the wrong folder", size};
   if (size != ChunkFileBytes(h.payload_bytes)) {
-    return {W::kCorrupt, fmt::format("file size {} does not match a payload of {} bytes", size,
-                                     h.payload_bytes), size};
+    return {W::kCorrupt,
+            fmt::format("file size {} does not match a payload of {} bytes", size, h.payload_bytes),
+            size};
   }
   if (PayloadChecksum(std::span<const uint8_t>(buf->data() + kHeaderBytes, h.payload_bytes)) !=
       h.payload_checksum) {
@@ -171,7 +186,8 @@ Status CheckCacheDir(const std::string& root, Env* env) {
     }
     return info.status();
   }
-  if (!info->is_directory) return Status::InvalidArgument(fmt::format("{} is not a directory", root));
+  if (!info->is_directory)
+    return Status::InvalidArgument(fmt::format("{} is not a directory", root));
   auto marker = env->Stat(fmt::format("{}/{}", root, kMarkerName));
   if (!marker.ok()) {
     if (marker.status().IsNotFound()) {
@@ -211,10 +227,10 @@ Result<FsckReport> FsckCacheDir(const std::string& root, const FsckOptions& opti
         if (!info.ok()) {
           verdicts[i] = {W::kGone, "", 0};
         } else if (now - info->mtime_ns > grace) {
-          verdicts[i] = {W::kStaleTemp,
-                         fmt::format("temporary file {} s old",
-                                     (now - info->mtime_ns) / 1000000000),
-                         info->size};
+          verdicts[i] = {
+              W::kStaleTemp,
+              fmt::format("temporary file {} s old", (now - info->mtime_ns) / 1000000000),
+              info->size};
         } else {
           verdicts[i] = {W::kFreshTemp, "", info->size};
         }
@@ -249,7 +265,9 @@ Result<FsckReport> FsckCacheDir(const std::string& root, const FsckOptions& opti
         ++report.good;
         report.good_bytes += v.bytes;
         continue;
-      case W::kFreshTemp: ++report.fresh_temps; continue;
+      case W::kFreshTemp:
+        ++report.fresh_temps;
+        continue;
       case W::kCorrupt:
         ++report.corrupt;
         f.kind = FsckFinding::Kind::kCorrupt;
@@ -264,8 +282,11 @@ Result<FsckReport> FsckCacheDir(const std::string& root, const FsckOptions& opti
         ++report.foreign;
         f.kind = FsckFinding::Kind::kForeign;
         break;
-      case W::kUnknown: ++report.unknown; break;
-      case W::kGone: break;
+      case W::kUnknown:
+        ++report.unknown;
+        break;
+      case W::kGone:
+        break;
     }
     if (removable && options.repair) {
       Status s = env->Unlink(f.path);

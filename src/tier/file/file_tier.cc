@@ -1,18 +1,22 @@
 #include "kvtier/file_tier.h"
 
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <nlohmann/json.hpp>
+#include <shared_mutex>
 #include <unordered_map>
 #include <unordered_set>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
-
+#include "common/log_limiter.h"
 #include "common/task_pool.h"
 #include "tier/file/chunk_file.h"
 
@@ -26,13 +30,20 @@ namespace {
 // Per-thread aligned scratch: the header block, a tail block for payloads that are not a multiple
 // of 4 KiB, and a bounce buffer for unaligned caller buffers (grown on demand, kept for reuse so
 // that page faults are paid once per thread, not once per chunk).
+// `owned` receives the reads that hand the tier's own buffer to their callback: being the
+// thread's, it stays valid for as long as a read stuck in the kernel may still write into it.
 struct ThreadScratch {
   AlignedBuffer header{kHeaderBytes};
   AlignedBuffer tail{kDirectIoAlignment};
   AlignedBuffer bounce;
+  AlignedBuffer owned;
   std::span<uint8_t> Bounce(size_t n) {
     if (bounce.size() < n) bounce = AlignedBuffer(n);
     return bounce.first(n);
+  }
+  std::span<uint8_t> Owned(size_t n) {
+    if (owned.size() < n) owned = AlignedBuffer(n);
+    return owned.first(n);
   }
 };
 thread_local ThreadScratch tls_scratch;
@@ -78,21 +89,37 @@ class FileTier::Impl {
         ns_root_(o.ns.Root()),
         file_bytes_(ChunkFileBytes(o.chunk_bytes)) {}
 
-  ~Impl() {
-    // Pools first: their queued tasks use everything else.
-    read_pool_.reset();
-    write_pool_.reset();
-  }
+  ~Impl() { Shutdown(); }
 
   Status Init();
+  // Stops both pools (see FileTier::Shutdown); then no callback runs any more.
+  size_t Shutdown() {
+    size_t abandoned = 0;
+    {
+      std::lock_guard<std::mutex> lock(shutdown_mu_);
+      if (read_pool_) abandoned += read_pool_->Shutdown();
+      if (write_pool_) abandoned += write_pool_->Shutdown();
+    }
+    std::unique_lock<std::shared_mutex> gate(callbacks_mu_);
+    callbacks_closed_ = true;
+    return abandoned;
+  }
+  // Runs an operation's completion callback unless the tier has shut down: a callback of an
+  // operation abandoned at shutdown would call into objects its owner has since destroyed.
+  template <typename F>
+  void Deliver(F&& f) {
+    std::shared_lock<std::shared_mutex> gate(callbacks_mu_);
+    if (!callbacks_closed_) f();
+  }
 
   size_t LookupPrefix(std::span<const ChunkKey> keys);
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
   Status Write(const ChunkKey& key, std::span<const uint8_t> src);
   Status Submit(bool write, std::function<void()> task);
-  void Drain() {
-    write_pool_->Drain();
-    read_pool_->Drain();
+  bool Drain() {
+    bool writes = write_pool_->Drain();
+    bool reads = read_pool_->Drain();
+    return writes && reads;
   }
   FileTierStats Stats() const;
   std::string ChunkPath(const ChunkKey& key) const {
@@ -130,7 +157,7 @@ class FileTier::Impl {
   // mutated) until `incoming` more bytes fit under the capacity. False, with nothing changed, if
   // they cannot fit even with the index empty (the rest of the room is reserved by writes).
   bool MakeRoomLocked(uint64_t incoming, std::vector<ChunkKey>* victims) {
-    const uint64_t cap = options_.capacity_bytes;
+    const uint64_t cap = EffectiveCapacityLocked();
     if (cap == 0) return true;
     if (reserved_bytes_ + incoming > cap) return false;
     while (used_bytes_ + reserved_bytes_ + incoming > cap && !lru_.empty()) {
@@ -140,6 +167,13 @@ class FileTier::Impl {
       victims->push_back(victim);
     }
     return true;
+  }
+  // The byte budget: the configured capacity (0 = unlimited), or less for a while after the
+  // filesystem said ENOSPC (what we held on it then).
+  uint64_t EffectiveCapacityLocked() const {
+    const uint64_t cap = options_.capacity_bytes;
+    if (disk_full_cap_ == 0 || Clock::now() >= disk_full_until_) return cap;
+    return cap == 0 ? disk_full_cap_ : std::min(cap, disk_full_cap_);
   }
   void NegativeInsertLocked(const ChunkKey& key) {
     if (options_.negative_cache_ttl.count() <= 0) return;
@@ -165,7 +199,8 @@ class FileTier::Impl {
   // fine: the point is that it is not on disk.
   // A victim whose unlink fails is still on disk, so it goes back into the index (as the least
   // recently used) and the first such error is returned: a write must not publish on top of it.
-  Status RemoveVictims(const std::vector<ChunkKey>& victims) {
+  // `count_errors`: false where the caller counts the failure it causes (a write).
+  Status RemoveVictims(const std::vector<ChunkKey>& victims, bool count_errors = true) {
     Status first;
     for (const ChunkKey& v : victims) {
       Status s = env_->Unlink(ChunkPath(v));
@@ -180,8 +215,11 @@ class FileTier::Impl {
       }
       mutation_cv_.notify_all();
       if (kept) {
-        errors_.fetch_add(1);
-        spdlog::warn("file tier: evicting {}: {}", ChunkPath(v), s.ToString());
+        if (count_errors) errors_.fetch_add(1);
+        if (auto held = evict_log_.Allow()) {
+          spdlog::warn("file tier: evicting {}: {}{}", ChunkPath(v), s.ToString(),
+                       LogLimiter::Suppressed(*held));
+        }
         if (first.ok()) first = s;
       } else {
         evictions_.fetch_add(1);
@@ -199,10 +237,10 @@ class FileTier::Impl {
       if (mutating_.count(key)) return;  // our own write or eviction of it is in flight
       InsertLocked(key, file_bytes_);
       negative_.erase(key);
-      if (options_.capacity_bytes != 0 &&
-          used_bytes_ + reserved_bytes_ > options_.capacity_bytes) {
+      const uint64_t cap = EffectiveCapacityLocked();
+      if (cap != 0 && used_bytes_ + reserved_bytes_ > cap) {
         // Evict others first; the found chunk is the most recent.
-        while (used_bytes_ + reserved_bytes_ > options_.capacity_bytes && lru_.size() > 1) {
+        while (used_bytes_ + reserved_bytes_ > cap && lru_.size() > 1) {
           ChunkKey victim = lru_.back();
           EraseLocked(victim);
           mutating_.insert(victim);
@@ -224,6 +262,10 @@ class FileTier::Impl {
   bool CheckDisk(const ChunkKey& key);
   Status EnsureLeafDir(const std::string& dir, bool force);
   Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
+  // The filesystem is full: lower the budget to what we hold on it minus this write's file, and
+  // pick victims to make that room. False if there is nothing of ours to evict.
+  bool DiskFull(std::vector<ChunkKey>* victims);
+  void CountWriteFailure(const ChunkKey& key, const Status& s);
   Status ScanNamespace();
   void NoteDirect(const File& f) {
     if (!f.direct() && options_.use_o_direct) all_direct_.store(false);
@@ -239,20 +281,28 @@ class FileTier::Impl {
   mutable std::mutex mu_;
   std::condition_variable mutation_cv_;  // signalled whenever a mutation ends
   std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_;
-  std::list<ChunkKey> lru_;  // front = most recently used
-  uint64_t used_bytes_ = 0;      // file bytes of the index
-  uint64_t reserved_bytes_ = 0;  // file bytes of writes in flight
+  std::list<ChunkKey> lru_;                              // front = most recently used
+  uint64_t used_bytes_ = 0;                              // file bytes of the index
+  uint64_t reserved_bytes_ = 0;                          // file bytes of writes in flight
   std::unordered_set<ChunkKey, ChunkKeyHash> mutating_;  // writes and evictions in flight
   std::unordered_map<ChunkKey, Clock::time_point, ChunkKeyHash> negative_;
+  uint64_t disk_full_cap_ = 0;           // 0: no ENOSPC lately
+  Clock::time_point disk_full_until_{};  // the lowered budget holds until then
 
   std::mutex dirs_mu_;
   std::unordered_set<std::string> leaf_dirs_;  // created (or seen) by us
 
   std::atomic<uint64_t> reads_{0}, writes_{0}, hits_{0}, misses_{0}, bytes_read_{0},
       bytes_written_{0}, evictions_{0}, rejections_{0}, errors_{0}, corrupt_{0}, foreign_{0},
-      disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0};
+      disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0},
+      write_no_space_{0}, write_read_only_{0}, write_permission_{0}, read_queue_full_{0},
+      write_queue_full_{0}, disk_full_{0}, non_regular_{0};
   std::atomic<bool> all_direct_{true};
+  LogLimiter write_log_, reject_log_, evict_log_, read_log_;
 
+  std::mutex shutdown_mu_;
+  std::shared_mutex callbacks_mu_;
+  bool callbacks_closed_ = false;
   std::unique_ptr<TaskPool> read_pool_, write_pool_;
 };
 
@@ -298,10 +348,33 @@ Status FileTier::Impl::Init() {
                         {"tenant_salted", !ns.tenant_salt.empty()}};
   KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(env_, ns_dir_, kNamespaceFileName, nsj.dump(2) + "\n"));
   KVTIER_RETURN_IF_ERROR(ScanNamespace());
-  read_pool_ = std::make_unique<TaskPool>(options_.read_threads, options_.max_queued_reads,
-                                          "file tier read queue");
-  write_pool_ = std::make_unique<TaskPool>(options_.write_threads, options_.max_queued_writes,
-                                           "file tier write queue");
+  if (options_.capacity_bytes != 0) {
+    // Informational: a capacity above the free space is legal (ENOSPC makes the tier evict), but
+    // an operator should know.
+    struct statvfs vfs;
+    if (::statvfs(ns_dir_.c_str(), &vfs) == 0) {
+      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      if (options_.capacity_bytes > used_bytes_ + free_bytes) {
+        spdlog::warn(
+            "file tier: capacity {:.2f} GB at {} exceeds what the filesystem can hold "
+            "({:.2f} GB free + {:.2f} GB cached); the tier will evict when it is full",
+            options_.capacity_bytes / 1e9, options_.root, free_bytes / 1e9, used_bytes_ / 1e9);
+      }
+    }
+  }
+  auto pool_options = [&](int threads, size_t queued, const char* name) {
+    TaskPoolOptions p;
+    p.threads = threads;
+    p.max_queued = queued;
+    p.name = fmt::format("file tier {} at {}", name, options_.root);
+    p.stall_timeout = options_.stall_timeout;
+    p.max_extra_threads = options_.max_replacement_threads;
+    return p;
+  };
+  read_pool_ = std::make_unique<TaskPool>(
+      pool_options(options_.read_threads, options_.max_queued_reads, "reads"));
+  write_pool_ = std::make_unique<TaskPool>(
+      pool_options(options_.write_threads, options_.max_queued_writes, "writes"));
   return Status::Ok();
 }
 
@@ -359,7 +432,7 @@ Status FileTier::Impl::ScanNamespace() {
           ++wrong_size;  // a chunk in the wrong folder: never ours to serve
           continue;
         }
-        if (info->size != file_bytes_) {
+        if (info->size != file_bytes_ || !info->is_regular) {
           ++wrong_size;
           continue;
         }
@@ -369,9 +442,10 @@ Status FileTier::Impl::ScanNamespace() {
   }
   if (wrong_size > 0) {
     foreign_.fetch_add(wrong_size);
-    spdlog::warn("file tier: {} files in {} do not have this tier's chunk size ({} bytes) or "
-                 "place; they are ignored (run kvtier fsck)",
-                 wrong_size, ns_dir_, file_bytes_);
+    spdlog::warn(
+        "file tier: {} files in {} do not have this tier's chunk size ({} bytes) or "
+        "place; they are ignored (run kvtier fsck)",
+        wrong_size, ns_dir_, file_bytes_);
   }
   // Oldest first, so that the newest ends up at the front of the LRU list.
   std::sort(found.begin(), found.end(),
@@ -481,19 +555,30 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
       Forget(key);
       return Status::NotFound("chunk not in the file tier");
     }
+    if (opened.status().code() == StatusCode::kInvalidArgument) {
+      // Not a regular file (a directory, a FIFO): not ours to serve or to remove. fsck names it.
+      non_regular_.fetch_add(1);
+      return Foreign(key, path, opened.status().message());
+    }
     errors_.fetch_add(1);
+    if (auto held = read_log_.Allow()) {
+      spdlog::warn("file tier: {}{}", opened.status().ToString(), LogLimiter::Suppressed(*held));
+    }
     return opened.status();
   }
   File& file = **opened;
   NoteDirect(file);
+  // The header records the payload's length, so a file of any other size than the one it
+  // implies is not a chunk as written (docs/file-format.md, check 1): judged after the header.
+  auto file_size = file.Size();
 
   // Plan the transfer: header block, then the payload straight into dst where alignment allows.
   ThreadScratch& scratch = tls_scratch;
   const uint64_t padded = AlignUp(n);
   std::vector<IoOp> ops;
   ops.push_back(IoOp::Read(0, scratch.header.span()));
-  std::span<uint8_t> bounce;        // whole payload through the bounce buffer
-  size_t tail_len = 0;              // or only the last partial block through scratch.tail
+  std::span<uint8_t> bounce;  // whole payload through the bounce buffer
+  size_t tail_len = 0;        // or only the last partial block through scratch.tail
   // The checksum follows the payload op as it completes, so that it overlaps the transfer.
   struct Hashing final : IoObserver {
     PayloadHasher hasher;
@@ -533,8 +618,8 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     IoOp op = IoOp::Read(0, scratch.header.span());
     bool header_ok = ReadExact(file, std::span<IoOp>(&op, 1)).ok();
     opened.value().reset();
-    DecodedHeader d = DecodeHeader(
-        std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
+    DecodedHeader d =
+        DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
     if (header_ok && d.verdict == HeaderVerdict::kOk && d.header.payload_bytes != n) {
       return Foreign(key, path,
                      fmt::format("payload of {} bytes, not {}", d.header.payload_bytes, n));
@@ -549,13 +634,17 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
       return s;
     }
     errors_.fetch_add(1);
+    if (auto held = read_log_.Allow()) {
+      spdlog::warn("file tier: reading {}: {}{}", path, s.ToString(),
+                   LogLimiter::Suppressed(*held));
+    }
     return s;
   }
   if (!bounce.empty()) std::memcpy(dst.data(), bounce.data(), n);
   if (tail_len > 0) std::memcpy(dst.data() + (n - tail_len), scratch.tail.data(), tail_len);
 
-  DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(),
-                                                                        kHeaderBytes));
+  DecodedHeader d =
+      DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
   if (d.verdict == HeaderVerdict::kCorrupt) return Corrupt(key, path, d.reason);
   if (d.verdict == HeaderVerdict::kForeign) return Foreign(key, path, d.reason);
   const ChunkHeader& h = d.header;
@@ -567,6 +656,10 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     return Foreign(key, path, fmt::format("payload of {} bytes, not {}", h.payload_bytes, n));
   }
   if (h.key != key) return Foreign(key, path, "header names another key");
+  if (file_size.ok() && *file_size != file_bytes_) {
+    return Corrupt(key, path,
+                   fmt::format("file size {} does not match a payload of {} bytes", *file_size, n));
+  }
   hashing.Finish(dst.data(), n);
   if (hashing.hasher.Digest() != h.payload_checksum) {
     return Corrupt(key, path, "payload checksum mismatch");
@@ -613,7 +706,8 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   std::unique_ptr<File> file = std::move(opened).value();
   NoteDirect(*file);
   // Unsupported is fine (the writes then extend the file); no space is not.
-  if (Status p = file->Preallocate(file_bytes_); !p.ok() && p.code() != StatusCode::kUnimplemented) {
+  if (Status p = file->Preallocate(file_bytes_);
+      !p.ok() && p.code() != StatusCode::kUnimplemented) {
     file.reset();
     (void)env_->Unlink(tmp_path);
     return p;
@@ -704,15 +798,31 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
     }
     if (!MakeRoomLocked(file_bytes_, &victims)) {
       rejections_.fetch_add(1);
-      return Status::NoSpace(fmt::format(
-          "file tier capacity {} bytes is taken by writes in flight", options_.capacity_bytes));
+      const uint64_t cap = EffectiveCapacityLocked();
+      lock.unlock();
+      if (auto held = reject_log_.Allow()) {
+        spdlog::warn(
+            "file tier: write of {} refused: the budget of {} bytes is taken by writes "
+            "in flight{}",
+            key.ToHex(), cap, LogLimiter::Suppressed(*held));
+      }
+      return Status::NoSpace(
+          fmt::format("file tier budget {} bytes is taken by writes in flight", cap));
     }
     mutating_.insert(key);
     reserved_bytes_ += file_bytes_;
   }
   // Victims go before we publish: published bytes never exceed the capacity, crash or not.
-  Status s = RemoveVictims(victims);
+  Status s = RemoveVictims(victims, /*count_errors=*/false);
   if (s.ok()) s = WriteAndPublish(key, src);
+  // A full filesystem is a capacity signal: make room among our own chunks and retry (a few
+  // times: other writers may fill what we free).
+  for (int attempt = 0; s.code() == StatusCode::kNoSpace && attempt < 4; ++attempt) {
+    victims.clear();
+    if (!DiskFull(&victims)) break;
+    s = RemoveVictims(victims, /*count_errors=*/false);
+    if (s.ok()) s = WriteAndPublish(key, src);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     reserved_bytes_ -= file_bytes_;
@@ -724,20 +834,75 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
   }
   mutation_cv_.notify_all();
   if (!s.ok()) {
-    errors_.fetch_add(1);
+    CountWriteFailure(key, s);
     return s;
   }
   bytes_written_.fetch_add(options_.chunk_bytes);
   return Status::Ok();
 }
 
+bool FileTier::Impl::DiskFull(std::vector<ChunkKey>* victims) {
+  disk_full_.fetch_add(1);
+  uint64_t budget, evicted_bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // What we hold on the filesystem (published plus in flight), this write's file aside: the
+    // filesystem could not take one more file on top of it.
+    const uint64_t held = used_bytes_ + reserved_bytes_ - file_bytes_;
+    budget = std::max<uint64_t>(held, file_bytes_);
+    disk_full_cap_ = budget;
+    disk_full_until_ = Clock::now() + options_.disk_full_hold;
+    while (used_bytes_ + reserved_bytes_ > budget && !lru_.empty()) {
+      ChunkKey victim = lru_.back();
+      EraseLocked(victim);
+      mutating_.insert(victim);
+      victims->push_back(victim);
+      evicted_bytes += file_bytes_;
+    }
+  }
+  if (auto held = write_log_.Allow()) {
+    spdlog::warn(
+        "file tier: the filesystem at {} is full (ENOSPC); budget lowered to {:.3f} GB "
+        "for {} s, evicting {} chunks to retry{}",
+        options_.root, budget / 1e9, options_.disk_full_hold.count(), victims->size(),
+        LogLimiter::Suppressed(*held));
+  }
+  return !victims->empty();
+}
+
+void FileTier::Impl::CountWriteFailure(const ChunkKey& key, const Status& s) {
+  errors_.fetch_add(1);
+  // Status keeps the errno only as text: EROFS has no code of its own.
+  static const std::string kReadOnly = std::strerror(EROFS);
+  const char* reason = "I/O error";
+  if (s.code() == StatusCode::kNoSpace) {
+    write_no_space_.fetch_add(1);
+    reason = "no space";
+  } else if (s.code() == StatusCode::kPermissionDenied) {
+    write_permission_.fetch_add(1);
+    reason = "permission denied";
+  } else if (s.message().find(kReadOnly) != std::string::npos) {
+    write_read_only_.fetch_add(1);
+    reason = "read-only filesystem";
+  }
+  if (auto held = write_log_.Allow()) {
+    spdlog::warn("file tier: writing chunk {} failed ({}): {}{}", key.ToHex(), reason, s.ToString(),
+                 LogLimiter::Suppressed(*held));
+  }
+}
+
 Status FileTier::Impl::Submit(bool write, std::function<void()> task) {
   TaskPool& pool = write ? *write_pool_ : *read_pool_;
-  if (!pool.TrySubmit(std::move(task)).ok()) {
-    rejections_.fetch_add(1);
-    return Status::Rejected(fmt::format("file tier {} queue is full", write ? "write" : "read"));
+  Status s = pool.TrySubmit(std::move(task));
+  if (s.ok() || !s.IsRejected()) return s;  // OK, or kAborted after shutdown
+  rejections_.fetch_add(1);
+  (write ? write_queue_full_ : read_queue_full_).fetch_add(1);
+  if (auto held = reject_log_.Allow()) {
+    spdlog::warn("file tier: {} queue full ({} queued, {} stalled): operation refused{}",
+                 write ? "write" : "read", pool.queued(), pool.stalled(),
+                 LogLimiter::Suppressed(*held));
   }
-  return Status::Ok();
+  return Status::Rejected(fmt::format("file tier {} queue is full", write ? "write" : "read"));
 }
 
 FileTierStats FileTier::Impl::Stats() const {
@@ -746,6 +911,22 @@ FileTierStats FileTier::Impl::Stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     st.chunks = index_.size();
     st.bytes = used_bytes_;
+    st.effective_capacity_bytes = EffectiveCapacityLocked();
+  }
+  st.write_no_space = write_no_space_.load();
+  st.write_read_only = write_read_only_.load();
+  st.write_permission = write_permission_.load();
+  st.read_queue_full = read_queue_full_.load();
+  st.write_queue_full = write_queue_full_.load();
+  st.disk_full = disk_full_.load();
+  st.non_regular = non_regular_.load();
+  if (read_pool_) {
+    st.stalled_reads = read_pool_->stalled();
+    st.replacement_threads += read_pool_->replacements();
+  }
+  if (write_pool_) {
+    st.stalled_writes = write_pool_->stalled();
+    st.replacement_threads += write_pool_->replacements();
   }
   st.capacity_bytes = options_.capacity_bytes;
   st.reads = reads_.load();
@@ -773,7 +954,9 @@ FileTierStats FileTier::Impl::Stats() const {
 // --- FileTier ---
 
 FileTier::FileTier(const FileTierOptions& options) : options_(options) {}
-FileTier::~FileTier() = default;
+FileTier::~FileTier() {
+  if (impl_) impl_->Shutdown();
+}
 
 Result<std::unique_ptr<FileTier>> FileTier::Open(const FileTierOptions& options) {
   if (options.root.empty()) return Status::InvalidArgument("file tier root is empty");
@@ -791,15 +974,15 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const FileTierOptions& options)
   }
   const uint64_t file_bytes = ChunkFileBytes(options.chunk_bytes);
   if (options.capacity_bytes != 0 && options.capacity_bytes < file_bytes) {
-    return Status::InvalidArgument(fmt::format(
-        "capacity {} bytes is below one chunk file ({} bytes)", options.capacity_bytes,
-        file_bytes));
+    return Status::InvalidArgument(
+        fmt::format("capacity {} bytes is below one chunk file ({} bytes)", options.capacity_bytes,
+                    file_bytes));
   }
   std::unique_ptr<FileTier> tier(new FileTier(options));
   tier->ns_dir_ = fmt::format("{}/{}", options.root, options.ns.Id());
-  tier->impl_ = std::make_unique<Impl>(options, tier->ns_dir_);
-  KVTIER_RETURN_IF_ERROR(tier->impl_->Init().WithContext(
-      fmt::format("opening file tier at {}", options.root)));
+  tier->impl_ = std::make_shared<Impl>(options, tier->ns_dir_);
+  KVTIER_RETURN_IF_ERROR(
+      tier->impl_->Init().WithContext(fmt::format("opening file tier at {}", options.root)));
   return tier;
 }
 
@@ -815,25 +998,40 @@ Status FileTier::Write(const ChunkKey& key, std::span<const uint8_t> src) {
   return impl_->Write(key, src);
 }
 
+// Each task holds a reference to the Impl: a task abandoned at shutdown may return long after
+// the FileTier is gone, and must still find everything it touches.
 Status FileTier::ReadAsync(const ChunkKey& key, std::span<uint8_t> dst,
                            std::function<void(Status)> done) {
-  Impl* impl = impl_.get();
+  std::shared_ptr<Impl> impl = impl_;
   return impl->Submit(false, [impl, key, dst, done = std::move(done)] {
     Status s = impl->Read(key, dst);
-    if (done) done(std::move(s));
+    if (done) impl->Deliver([&] { done(std::move(s)); });
+  });
+}
+
+Status FileTier::ReadAsync(const ChunkKey& key, ReadDone done) {
+  std::shared_ptr<Impl> impl = impl_;
+  const uint64_t n = options_.chunk_bytes;
+  return impl->Submit(false, [impl, key, n, done = std::move(done)] {
+    std::span<uint8_t> buf = tls_scratch.Owned(AlignUp(n));
+    Status s = impl->Read(key, buf);
+    if (done) {
+      impl->Deliver([&] { done(s, s.ok() ? buf.first(n) : std::span<uint8_t>()); });
+    }
   });
 }
 
 Status FileTier::WriteAsync(const ChunkKey& key, std::span<const uint8_t> src,
                             std::function<void(Status)> done) {
-  Impl* impl = impl_.get();
+  std::shared_ptr<Impl> impl = impl_;
   return impl->Submit(true, [impl, key, src, done = std::move(done)] {
     Status s = impl->Write(key, src);
-    if (done) done(std::move(s));
+    if (done) impl->Deliver([&] { done(std::move(s)); });
   });
 }
 
-void FileTier::Drain() { impl_->Drain(); }
+bool FileTier::Drain() { return impl_->Drain(); }
+size_t FileTier::Shutdown() { return impl_->Shutdown(); }
 FileTierStats FileTier::Stats() const { return impl_->Stats(); }
 std::string FileTier::ChunkPath(const ChunkKey& key) const { return impl_->ChunkPath(key); }
 uint64_t FileTier::file_bytes() const { return impl_->file_bytes(); }
