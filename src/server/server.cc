@@ -255,7 +255,8 @@ struct Connection;
 // send_timeout: a client that does not read its replies never blocks a thread of the server.
 class OutputPump {
  public:
-  explicit OutputPump(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  OutputPump(std::chrono::milliseconds timeout, prometheus::Counter* dropped)
+      : timeout_(timeout), dropped_(dropped) {}
   ~OutputPump() { Stop(); }
   Status Start();
   void Stop();
@@ -268,6 +269,7 @@ class OutputPump {
   void Run();
 
   const std::chrono::milliseconds timeout_;
+  prometheus::Counter* const dropped_;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::thread thread_;
@@ -332,7 +334,13 @@ struct Connection : std::enable_shared_from_this<Connection> {
         continue;
       }
       if (w < 0 && errno == EINTR) continue;
-      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (out_begin > out.size() / 2) {  // the buffer stays under twice what is queued
+          out.erase(out.begin(), out.begin() + static_cast<ptrdiff_t>(out_begin));
+          out_begin = 0;
+        }
+        return true;
+      }
       DropLocked();
       return false;
     }
@@ -437,6 +445,7 @@ void OutputPump::Run() {
           "dropping client {} (pid {}, \"{}\"): it left {} bytes of replies unread for "
           "{} ms",
           c->id, c->peer_pid, c->name, c->out.size() - c->out_begin, timeout_.count());
+      dropped_->Increment();
       c->DropLocked();
     }
   }
@@ -444,7 +453,8 @@ void OutputPump::Run() {
 
 class Server::Impl {
  public:
-  explicit Impl(const ServerOptions& o) : options_(o), pump_(o.send_timeout) {}
+  explicit Impl(const ServerOptions& o)
+      : options_(o), pump_(o.send_timeout, metrics_.dropped_by.at("slow")) {}
   ~Impl() {
     Stop();
     if (listen_fd_ >= 0) ::close(listen_fd_);
