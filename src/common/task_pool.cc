@@ -4,10 +4,15 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace kvtier {
 
 using Clock = std::chrono::steady_clock;
+
+namespace {
+std::atomic<size_t> detached_running{0};
+}  // namespace
 
 // Everything the workers touch lives here, shared with them, so that a worker detached at
 // shutdown (stuck in a task) can still finish its loop after the TaskPool object is gone.
@@ -17,6 +22,7 @@ struct TaskPool::State {
   struct WorkerInfo {
     bool busy = false;
     bool exited = false;  // its thread has left the loop (a finished thread to join)
+    bool detached = false;  // abandoned at shutdown; counted in detached_running
     Clock::time_point busy_since;
   };
 
@@ -132,7 +138,13 @@ size_t TaskPool::Shutdown() {
       }
     }
     handles.swap(s.handles);
-    for (const auto& w : s.workers) detach.push_back(w.busy);
+    for (auto& w : s.workers) {
+      detach.push_back(w.busy);
+      if (w.busy) {
+        w.detached = true;
+        detached_running.fetch_add(1);
+      }
+    }
   }
   if (abandoned > 0) {
     spdlog::error(
@@ -249,8 +261,11 @@ void TaskPool::Worker(std::shared_ptr<State> state, size_t index) {
   }
   --s.alive;
   s.workers[index].exited = true;
+  if (s.workers[index].detached) detached_running.fetch_sub(1);
   s.idle_cv.notify_all();
 }
+
+size_t TaskPool::DetachedRunning() { return detached_running.load(); }
 
 void TaskPool::Watchdog(std::shared_ptr<State> state) {
   State& s = *state;

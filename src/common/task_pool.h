@@ -65,6 +65,10 @@ class TaskPool {
   size_t threads() const;         // live worker threads (stalled ones included)
   size_t stalled() const;         // tasks running longer than the stall timeout now
   uint64_t replacements() const;  // threads started to replace stalled ones, so far
+  // Threads detached at shutdown (by any pool of this process) whose task has not returned yet.
+  // A process that exits while this is not 0 should skip static destructors (quick_exit), which
+  // those threads could still reach when their task returns.
+  static size_t DetachedRunning();
 
  private:
   struct State;

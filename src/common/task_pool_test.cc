@@ -96,7 +96,11 @@ TEST(TaskPoolTest, StalledTaskIsReplacedAndAbandonedAtShutdown) {
   EXPECT_TRUE(pool->TrySubmit([] {}).code() == StatusCode::kAborted);
   pool.reset();  // the stuck thread is detached; the pool object can go
   gate.set_value();
-  for (int i = 0; i < 1000 && !stuck_done->load(); ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(TaskPool::DetachedRunning(), 1u);
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
   EXPECT_TRUE(stuck_done->load());
 }
 

@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "common/task_pool.h"
 #include "kvtier/engine.h"
 #include "kvtier/io.h"
 #include "testing/temp_dir.h"
@@ -359,8 +360,11 @@ TEST(EngineFileTest, HungStorageHoldsNoSlotAndShutdownIsBounded) {
   engine.reset();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
   env->ReleaseStalls();
-  for (int i = 0; i < 500 && env->stalled_now() > 0; ++i) std::this_thread::sleep_for(10ms);
-  std::this_thread::sleep_for(50ms);
+  // The abandoned threads finish now; wait for them, so that nothing of theirs outlives the test.
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
 }
 
 // A FIFO where an indexed chunk was: a miss at once (not a read thread lost to a blocking open).

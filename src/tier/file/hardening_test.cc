@@ -14,6 +14,7 @@
 #include <future>
 #include <thread>
 
+#include "common/task_pool.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
 #include "testing/temp_dir.h"
@@ -230,8 +231,11 @@ TEST(FileTierHardeningTest, StuckReadsAreReplacedAndAbandonedAtShutdown) {
   tier.reset();
   EXPECT_LT(Seconds(t0), 5.0) << "shutdown waited for reads stuck in the kernel";
   env->ReleaseStalls();
-  for (int i = 0; i < 500 && env->stalled_now() > 0; ++i) std::this_thread::sleep_for(10ms);
-  std::this_thread::sleep_for(50ms);
+  // The abandoned threads finish now; wait for them, so that nothing of theirs outlives the test.
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
   EXPECT_EQ(late_callbacks->load(), 0);
 }
 
