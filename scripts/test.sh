@@ -2,6 +2,7 @@
 # The whole test suite: installs dependencies, then builds and runs every test in a Release build
 # and in an AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA data path
 # where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh),
+# crash-tests the server (kvtier stress), runs the concurrent parts under ThreadSanitizer,
 # fuzzes the server's protocol decoders, and runs the Python package's tests and the vLLM
 # connector's tests against real vLLM (its CPU build, installed into $VLLM_VENV).
 set -euo pipefail
@@ -29,6 +30,22 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON
 run_tests asan
+
+echo "== Stress and crash test: kvtier serve with a file tier, SIGKILLs, faults, 75 s"
+# docs/stress.md. A fixed seed per CI run would only ever test one schedule: the seed comes from
+# the clock and is printed, so a failure can be replayed with --seed.
+./build/release/kvtier stress --seconds 75
+
+echo "== ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, server), 30 s of stress"
+# Only the components that run threads (and their tests), to keep the stage short; the server's
+# tests start the `kvtier` binary, which this build lacks, so the server runs under TSan in
+# kvtier_stress (every server it starts is in-process).
+build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON \
+  -DKVTIER_COMPONENTS="common;testing;io;tier/memory;tier/file;engine;server;testing/stress"
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan-suppressions.txt"
+run_tests tsan
+./build/tsan/src/testing/stress/kvtier_stress stress --seconds 30
+unset TSAN_OPTIONS
 
 if command -v nvcc >/dev/null; then
   # Compile and link check only: CI has no GPU (the GPU tests skip themselves there); the GPU
