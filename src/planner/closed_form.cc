@@ -61,6 +61,25 @@ double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_toke
   return static_cast<double>(tokens) * kv_bytes_per_token / prefill.Full(tokens);
 }
 
+SingleRequestHit PredictSingleRequestHit(const EngineModel& engine, uint32_t layers,
+                                         const std::vector<TierSpec>& tiers, uint64_t context,
+                                         uint64_t suffix) {
+  SingleRequestHit h;
+  h.context_tokens = context;
+  h.prefix_tokens = context - suffix;
+  h.recompute_s = engine.step_overhead_s + engine.prefill.Full(context);
+  h.suffix_s = engine.prefill.HitSuffix(h.prefix_tokens, suffix);
+  const double bytes = static_cast<double>(h.prefix_tokens) * engine.kv_bytes_per_token;
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    const double read = bytes / tiers[t].read_bytes_per_s;
+    h.read_s.push_back(read);
+    const double hit = t == 0 ? std::max(read, h.suffix_s) + read / std::max(1u, layers)
+                              : read + h.suffix_s;
+    h.hit_ttft_s.push_back(engine.step_overhead_s + hit);
+  }
+  return h;
+}
+
 FastArm FastEstimate(const EngineModel& engine, const Workload& w,
                      const std::vector<TierSpec>& tiers, WritePolicy policy) {
   FastArm out;

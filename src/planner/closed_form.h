@@ -42,6 +42,24 @@ std::optional<uint64_t> PayoffTokens(const PrefillCost& prefill, uint64_t kv_byt
 // The read bandwidth at which reading `tokens` costs exactly as much as recomputing them.
 double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_token, uint64_t tokens);
 
+// One request alone on an idle engine: the time to first token when its first `context - suffix`
+// tokens come from a tier, against recomputing the whole prompt. The first tier is host memory
+// (kvtier's L1): its copy to the GPU goes layer by layer, each layer's copy overlapped with the
+// previous layer's compute, so a hit costs max(copy, suffix compute) plus one layer's copy that
+// nothing hides. A later tier (storage) reads into host memory first, then the suffix is computed:
+// read + suffix compute. Every figure includes one engine step overhead.
+struct SingleRequestHit {
+  uint64_t context_tokens = 0, prefix_tokens = 0;
+  double recompute_s = 0;
+  double suffix_s = 0;             // the suffix's compute after the hit (HitSuffix)
+  std::vector<double> read_s;      // per tier: prefix bytes / read bandwidth
+  std::vector<double> hit_ttft_s;  // per tier
+};
+// REQUIRES: suffix < context, layers >= 1, every tier's read bandwidth > 0.
+SingleRequestHit PredictSingleRequestHit(const EngineModel& engine, uint32_t layers,
+                                         const std::vector<TierSpec>& tiers, uint64_t context,
+                                         uint64_t suffix);
+
 // The closed-form TTFT estimate (`kvtier plan --fast`) for one arm: each user's conversation
 // keeps min(1, capacity / working set) of its prefix in each level (GPU, then each tier in
 // order); round 0 recomputes all but the shared system prompt; a later round's request reads its

@@ -36,6 +36,51 @@ TEST(ClosedFormTest, EvictionOnsetForEightUsersIn19GB) {
   EXPECT_EQ(EvictionOnsetContext(1e6, kQwenBytes, w), 0u);  // nothing fits
 }
 
+TEST(ClosedFormTest, SingleRequestHitOverlapsTheHostTierLayerByLayer) {
+  EngineModel e;
+  e.kv_bytes_per_token = kQwenBytes;
+  e.step_overhead_s = 0;
+  // A table with a point at the suffix's length: its fixed cost of one forward pass is in it.
+  e.prefill = *PrefillCost::FromTable({{256, 0.026},
+                                       {4096, 0.137},
+                                       {8192, 0.284},
+                                       {16384, 0.660},
+                                       {24576, 1.069},
+                                       {32768, 1.569}});
+  const std::vector<TierSpec> tiers = {{"cpu", 1e12, 55e9, 55e9}, {"disk", 1e12, 2e9, 2e9}};
+  const SingleRequestHit h = PredictSingleRequestHit(e, 36, tiers, 24576, 256);
+  EXPECT_EQ(h.prefix_tokens, 24320u);
+  EXPECT_DOUBLE_EQ(h.recompute_s, 1.069);
+  // The suffix: the 256-token prefill plus its attention over the cached 24,320 tokens.
+  EXPECT_GT(h.suffix_s, 0.026);
+  EXPECT_NEAR(h.suffix_s, 0.026 + e.prefill.CachedAttention(24320, 256), 1e-12);
+  EXPECT_NEAR(e.prefill.CachedAttention(24320, 256), 0.006, 0.003);  // ~2cmn of the fit
+  const double bytes = 24320.0 * kQwenBytes;
+  ASSERT_EQ(h.hit_ttft_s.size(), 2u);
+  // Host tier: the copy (65 ms) hides the suffix; one layer's copy is exposed.
+  EXPECT_NEAR(h.read_s[0], bytes / 55e9, 1e-12);
+  EXPECT_NEAR(h.hit_ttft_s[0], bytes / 55e9 * (1 + 1.0 / 36), 1e-12);
+  // Storage: read, then compute.
+  EXPECT_NEAR(h.hit_ttft_s[1], bytes / 2e9 + h.suffix_s, 1e-12);
+  // A short prefix: the suffix's compute is the longer leg.
+  const SingleRequestHit s = PredictSingleRequestHit(e, 36, tiers, 4096, 256);
+  EXPECT_NEAR(s.hit_ttft_s[0], s.suffix_s + s.read_s[0] / 36, 1e-12);
+  // The step overhead is paid once by every arm.
+  e.step_overhead_s = 0.004;
+  const SingleRequestHit o = PredictSingleRequestHit(e, 36, tiers, 24576, 256);
+  EXPECT_NEAR(o.recompute_s - h.recompute_s, 0.004, 1e-12);
+  EXPECT_NEAR(o.hit_ttft_s[1] - h.hit_ttft_s[1], 0.004, 1e-12);
+}
+
+TEST(ClosedFormTest, CachedAttentionOfTheFlopModel) {
+  ModelSpec m = *LoadModel("qwen3-8b", 1);
+  auto c = *PrefillCost::FromFlops(m, 989e12, 0.5);
+  // The cross term is exactly what the new tokens' pairs with the cached ones cost.
+  const double direct = (m.PrefillFlops(1000, 100) - m.PrefillFlops(0, 100)) / (989e12 * 0.5);
+  EXPECT_NEAR(c.CachedAttention(1000, 100), direct, 1e-12);
+  EXPECT_NEAR(c.HitSuffix(1000, 100), c.Suffix(1000, 100), 1e-12);
+}
+
 TEST(ClosedFormTest, PeakSession) {
   Workload w;
   w.system_prompt_tokens = 1000;

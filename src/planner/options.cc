@@ -95,6 +95,10 @@ const std::vector<FlagInfo>& Flags() {
        "Fraction of that copy the engine step waits for: 1 = synchronous save, 0 = fully "
        "overlapped",
        &F::save_blocking},
+      {"hit-suffix",
+       "Tokens computed after a hit in the single-request table (each context's prefix, all but "
+       "these, comes from a tier)",
+       &F::hit_suffix},
       {"no-sensitivity", "Skip the 0.9x/1.1x GPU-memory re-runs", nullptr, nullptr,
        &F::no_sensitivity},
       {"json", "Print one JSON object instead of the table", nullptr, nullptr, &F::json},
@@ -343,6 +347,7 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     }
     in.calibrate = table[0];
   }
+  KVTIER_ASSIGN_OR_RETURN(in.hit_suffix_tokens, ParseCount(f.hit_suffix, "hit-suffix", 1));
   in.sensitivity = !f.no_sensitivity;
   return in;
 }

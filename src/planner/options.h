@@ -42,6 +42,7 @@ struct PlannerFlags {
   std::string chunk_tokens = "256";
   std::string save_copy_bw = "50GB/s";
   std::string save_blocking = "1";
+  std::string hit_suffix = "256";
   bool no_sensitivity = false;
   bool json = false;
   std::string plot;

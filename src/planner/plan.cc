@@ -253,6 +253,13 @@ Result<PlanReport> Planner::Run() {
     }
     rep.points.push_back(std::move(p));
   }
+  rep.hit_suffix_tokens = in_.hit_suffix_tokens;
+  for (uint64_t c : contexts) {
+    if (c > in_.hit_suffix_tokens && !in_.tiers.empty()) {
+      rep.single_hits.push_back(PredictSingleRequestHit(engine, in_.model.num_layers, in_.tiers, c,
+                                                        in_.hit_suffix_tokens));
+    }
+  }
 
   // Recommendation.
   std::string rec;
@@ -395,6 +402,30 @@ std::string FormatReport(const PlanReport& r) {
   }
   out += "\n";
 
+  if (!r.single_hits.empty()) {
+    out += fmt::format(
+        "One request alone: TTFT when all but its last {} tokens come from a tier (the first "
+        "tier's copy overlapped layer by layer with the suffix's compute; later tiers read, then "
+        "compute)\n",
+        r.hit_suffix_tokens);
+    std::string header = fmt::format("{:>8} {:>10} {:>10}", "context", "recompute", "suffix");
+    for (const auto& n : r.tier_names) {
+      header += fmt::format(" {:>10} {:>10} {:>7}", "rd " + n.substr(0, 7),
+                            "hit " + n.substr(0, 6), "speedup");
+    }
+    out += header + "\n";
+    for (const SingleRequestHit& h : r.single_hits) {
+      std::string line = fmt::format("{:>8} {:>10} {:>10}", h.context_tokens,
+                                     FormatSeconds(h.recompute_s), FormatSeconds(h.suffix_s));
+      for (size_t t = 0; t < h.hit_ttft_s.size(); ++t) {
+        line += fmt::format(" {:>10} {:>10} {:>6.1f}x", FormatSeconds(h.read_s[t]),
+                            FormatSeconds(h.hit_ttft_s[t]), h.recompute_s / h.hit_ttft_s[t]);
+      }
+      out += line + "\n";
+    }
+    out += "\n";
+  }
+
   bool any_sens = std::any_of(r.points.begin(), r.points.end(),
                               [](const PointReport& p) { return p.has_sensitivity; });
   if (any_sens) {
@@ -457,10 +488,25 @@ nlohmann::json ReportToJson(const PlanReport& r) {
                           {"baseline", arm(p.baseline)},
                           {"offload", arm(p.offload)}});
   }
+  json single = json::array();
+  for (const SingleRequestHit& h : r.single_hits) {
+    json hit = json::object(), read = json::object();
+    for (size_t t = 0; t < h.hit_ttft_s.size(); ++t) {
+      hit[r.tier_names[t]] = h.hit_ttft_s[t];
+      read[r.tier_names[t]] = h.read_s[t];
+    }
+    single.push_back(json{{"context_tokens", h.context_tokens},
+                          {"prefix_tokens", h.prefix_tokens},
+                          {"recompute_s", h.recompute_s},
+                          {"suffix_s", h.suffix_s},
+                          {"read_s", read},
+                          {"hit_ttft_s", hit}});
+  }
   return json{{"kv_bytes_per_token", r.kv_bytes_per_token},
               {"thresholds",
                json{{"eviction_onset_tokens", r.eviction_onset_tokens}, {"payoff_tokens", payoff}}},
-              {"points", points}};
+              {"points", points},
+              {"single_request", json{{"suffix_tokens", r.hit_suffix_tokens}, {"rows", single}}}};
 }
 
 std::string PlotScript(const PlanReport& r, const std::string& path) {

@@ -35,6 +35,8 @@ struct PlanInputs {
   // One measured point (context tokens, mean TTFT of the no-offload arm) to calibrate the
   // engine's per-step overhead.
   std::optional<std::pair<uint64_t, double>> calibrate;
+  // The single-request table: each context's last `hit_suffix_tokens` computed after a hit.
+  uint64_t hit_suffix_tokens = 256;
 };
 
 struct ArmReport {
@@ -80,6 +82,8 @@ struct PlanReport {
   double step_overhead_s = 0;
   bool calibrated = false;
   std::vector<PointReport> points;
+  uint64_t hit_suffix_tokens = 0;
+  std::vector<SingleRequestHit> single_hits;  // contexts longer than the suffix
   std::string recommendation;
   double total_sim_wall_s = 0;
 };

@@ -77,7 +77,14 @@ TEST(PlanTest, JsonHasExactlyTheIssueFields) {
   nlohmann::json j = ReportToJson(*r);
   std::vector<std::string> keys;
   for (auto& [k, v] : j.items()) keys.push_back(k);
-  EXPECT_EQ(keys, (std::vector<std::string>{"kv_bytes_per_token", "points", "thresholds"}));
+  EXPECT_EQ(keys, (std::vector<std::string>{"kv_bytes_per_token", "points", "single_request",
+                                            "thresholds"}));
+  EXPECT_EQ(j["single_request"]["suffix_tokens"], 256);
+  ASSERT_EQ(j["single_request"]["rows"].size(), 3u);
+  const auto& hit = j["single_request"]["rows"][2];
+  EXPECT_EQ(hit["prefix_tokens"], 32768 - 256);
+  EXPECT_LT(hit["hit_ttft_s"]["cpu"], hit["hit_ttft_s"]["nfs"]);
+  EXPECT_LT(hit["hit_ttft_s"]["cpu"], hit["recompute_s"]);
   EXPECT_EQ(j["kv_bytes_per_token"], kQwenBytes);
   EXPECT_TRUE(j["thresholds"]["eviction_onset_tokens"].is_number());
   EXPECT_TRUE(j["thresholds"]["payoff_tokens"]["nfs"].is_number());

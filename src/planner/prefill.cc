@@ -70,6 +70,15 @@ Result<PrefillCost> PrefillCost::FromFlops(const ModelSpec& model, double peak_f
   return c;
 }
 
+double PrefillCost::CachedAttention(uint64_t cached, uint64_t new_tokens) const {
+  const double m = static_cast<double>(cached);
+  const double n = static_cast<double>(new_tokens);
+  // F(m+n) - F(m) - F(n) of the quadratic part: c*((m+n)^2 - m^2 - n^2) = 2cmn, and for the
+  // FLOP model's L*(L+1)/2 causal pairs, m*n pairs.
+  if (table_.empty()) return flops_quadratic_ * m * n / flops_per_s_;
+  return 2 * fit_quadratic_ * m * n;
+}
+
 double PrefillCost::Cumulative(uint64_t tokens) const {
   const double l = static_cast<double>(tokens);
   if (table_.empty()) {

@@ -39,6 +39,16 @@ class PrefillCost {
   double Suffix(uint64_t cached, uint64_t new_tokens) const {
     return Cumulative(cached + new_tokens) - Cumulative(cached);
   }
+  // Seconds the attention of `new_tokens` over `cached` earlier tokens adds to a prefill (the
+  // quadratic term's cross part: the table's fit, or the FLOP model's query-key pairs).
+  double CachedAttention(uint64_t cached, uint64_t new_tokens) const;
+  // Seconds to prefill `new_tokens` in a call of their own after a prefix hit of `cached`
+  // tokens: a full prefill of new_tokens (so a table point near that length brings the fixed
+  // cost of one forward pass with it) plus CachedAttention. Suffix() differences the cumulative
+  // cost instead, which is right inside a long prefill but leaves out that fixed cost.
+  double HitSuffix(uint64_t cached, uint64_t new_tokens) const {
+    return Full(new_tokens) + CachedAttention(cached, new_tokens);
+  }
   // "table (5 points, measured)" or "FLOPs at 50% of 989 TFLOP/s".
   const std::string& description() const { return description_; }
   const std::vector<std::pair<uint64_t, double>>& table() const { return table_; }
