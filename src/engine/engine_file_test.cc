@@ -296,6 +296,45 @@ TEST(EngineFileTest, WriteThroughBurstSkipsNothing) {
   EXPECT_EQ(st.memory_detail.pinned, 0u);
 }
 
+// A load of more chunks than the file tier's read queue holds waits for room instead of
+// reporting the rest of the prefix as missing; so do loads running side by side.
+TEST(EngineFileTest, LoadLargerThanTheReadQueueDeliversEverything) {
+  testing::TempDir dir;
+  auto keys = Keys(40, 8);
+  Chunks in(40, 8);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 64, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  EngineOptions o = Options(dir.path(), 128, WritePolicy::kWriteThrough);
+  o.file->read_threads = 1;
+  o.file->max_queued_reads = 3;
+  o.worker_threads = 2;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  OpResult r = engine->PrepareLoad(keys)->Wait();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_EQ(r.slots.size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto d = engine->memory_tier().SlotData(r.slots[i]);
+    ASSERT_TRUE(std::equal(d.begin(), d.end(), in.data[i].begin())) << "chunk " << i;
+  }
+  engine->Unpin(r.slots);
+  // Two Loads into caller buffers at once, from a fresh engine (nothing in L1).
+  auto cold = OpenEngine(o);
+  ASSERT_TRUE(cold);
+  Chunks out_a(40, 0), out_b(40, 0);
+  auto a = cold->Load(keys, out_a.Out());
+  auto b = cold->Load(keys, out_b.Out());
+  ASSERT_TRUE(a.ok() && b.ok());
+  OpResult ra = a->Wait(), rb = b->Wait();
+  EXPECT_TRUE(ra.status.ok()) << ra.status.ToString();
+  EXPECT_TRUE(rb.status.ok()) << rb.status.ToString();
+  EXPECT_EQ(out_a.data, in.data);
+  EXPECT_EQ(out_b.data, in.data);
+  EXPECT_GT(cold->Stats().file_detail.read_queue_full, 0u);  // the queue did fill
+}
+
 // One failed L2 write is one error in the engine's stats (it was two: the tier's and the
 // engine's).
 TEST(EngineFileTest, FailedWriteIsCountedOnce) {
