@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kvtier
+from kvtier.bench import model as model_mod
 from kvtier.bench.model import DecoderModel, ModelConfig, PagedKvCache, blocks_for
 
 ALL_ARMS = ("recompute", "gpu", "l1", "l1-serial", "server", "file", "save")
@@ -239,7 +240,13 @@ def store_prefix(store, keys: list[bytes], mover: ChunkMover, env: Env) -> None:
     """Gathers the cache's first len(keys) chunks into reserved slots and commits them."""
     slots = store.reserve_slots(keys)
     if len(slots) != len(keys):
-        raise RuntimeError(f"kvtier reserved {len(slots)} of {len(keys)} slots: pool too small")
+        store.abort_slots(slots)
+        try:
+            stats = json.dumps(store.stats())[:3000]
+        except Exception as e:  # noqa: BLE001 - only for the message
+            stats = f"(stats failed: {e})"
+        raise RuntimeError(f"{store!r}: kvtier reserved {len(slots)} of {len(keys)} slots; "
+                           f"stats: {stats}")
     todo = [(k, s) for k, s in zip(keys, slots) if s >= 0]
     if not todo:
         return
@@ -719,16 +726,70 @@ def measure(args) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
         if own_file_dir:
             shutil.rmtree(file_dir, ignore_errors=True)
+    if "recompute" in arms:
+        # The suffix's length as a prefill of its own: the prefill table's shortest point, which
+        # carries the fixed cost of one forward pass into `kvtier plan`'s hit prediction.
+        result["suffix_prefill_s"] = short_prefill(env, model, cache, cfg, args)
     result["h2d_GBps_end"] = copy_bandwidth(env)["h2d_GBps"]
-    from kvtier.bench import model as model_mod
     result["attention"] = {None: "not used", True: "SDPA, lower-right causal, grouped KV heads",
                            False: "SDPA, lower-right causal, KV heads expanded"}[
                                model_mod._LOWER_RIGHT_GQA_OK]
     result["torch"] = torch.__version__
-    result["prefill_table"] = ",".join(f"{r['context']}:{r['recompute_s']:.4f}"
-                                       for r in result["rows"])
+    points = [(r["context"], r["recompute_s"]) for r in result["rows"] if "recompute_s" in r]
+    if "suffix_prefill_s" in result:
+        points.insert(0, (args.suffix, result["suffix_prefill_s"]))
+    result["prefill_table"] = ",".join(f"{c}:{t:.4f}" for c, t in points)
+    if kvtier_bin is not None and points and ("l1" in arms or "file" in arms):
+        result["plan"] = plan_comparison(kvtier_bin, result, args, dtype)
     result["targets"] = targets(result)
     return result
+
+
+def short_prefill(env: Env, model, cache, cfg: ModelConfig, args) -> float:
+    """Median seconds of a full prefill of --suffix tokens from an empty cache."""
+    g = torch.Generator().manual_seed(args.seed + 7)
+    tokens = torch.randint(0, cfg.vocab_size, (args.suffix,), generator=g).to(env.device)
+    times = []
+    for rep in range(args.warmup + args.repeats):
+        env.sync()
+        t0 = time.perf_counter()
+        model.prefill(tokens, cache).argmax().item()
+        if rep >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
+    """`kvtier plan`'s single-request hit prediction from this run's prefill table, PCIe and disk
+    bandwidths, against the measured hits (the L1 arm for the host tier, the file arm for disk)."""
+    model_path = args.model if os.path.exists(args.model) else \
+        os.path.join(model_mod.CONFIG_DIR, args.model + ".json")
+    contexts = ",".join(str(r["context"]) for r in result["rows"])
+    cmd = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
+           "--dtype", str(dtype).split(".")[-1], "--prefill-table", result["prefill_table"],
+           "--context", contexts, "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
+           "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
+    if "disk" in result:
+        cmd += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
+    log("+ " + " ".join(cmd))
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
+    predicted = {r["context_tokens"]: r for r in json.loads(out.stdout)["single_request"]["rows"]}
+    rows = []
+    for r in result["rows"]:
+        p = predicted.get(r["context"])
+        if p is None:
+            continue
+        row = {"context": r["context"], "plan_recompute_s": p["recompute_s"],
+               "plan_suffix_s": p["suffix_s"]}
+        for arm, tier in (("l1", "cpu"), ("file", "disk")):
+            if f"{arm}_s" in r and tier in p["hit_ttft_s"]:
+                row[f"plan_{arm}_s"] = p["hit_ttft_s"][tier]
+                row[f"{arm}_s"] = r[f"{arm}_s"]
+                row[f"{arm}_error"] = p["hit_ttft_s"][tier] / r[f"{arm}_s"] - 1
+        rows.append(row)
+    return {"command": " ".join(cmd), "rows": rows}
 
 
 def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
@@ -796,6 +857,10 @@ def targets(result: dict) -> dict:
     sv = [r["save_overhead"] for r in rows.values() if "save_overhead" in r]
     if sv:
         t["save_overhead_le_1pct"] = max(sv) <= 0.01
+    errs = [abs(p[k]) for p in result.get("plan", {}).get("rows", [])
+            for k in ("l1_error", "file_error") if k in p]
+    if errs:
+        t["plan_within_10pct"] = max(errs) <= 0.10
     t["all_hits_verified"] = not any(r["errors"] for r in rows.values())
     return t
 
@@ -837,6 +902,15 @@ def print_table(result: dict) -> None:
                 parts.append(f"{k} {r[k]:.3f}")
         print("  ".join(parts))
     print(f"prefill table (kvtier plan --prefill-table): {result['prefill_table']}")
+    if "plan" in result:
+        print("kvtier plan's single-request prediction against the measured hit, ms:")
+        for p in result["plan"]["rows"]:
+            parts = [f"{p['context']:>7}  suffix {p['plan_suffix_s'] * 1e3:.1f}"]
+            for arm in ("l1", "file"):
+                if f"plan_{arm}_s" in p:
+                    parts.append(f"{arm} {p[f'plan_{arm}_s'] * 1e3:.1f} predicted, "
+                                 f"{p[f'{arm}_s'] * 1e3:.1f} measured ({p[f'{arm}_error']:+.1%})")
+            print("  ".join(parts))
     for k, v in result["targets"].items():
         print(f"target {k}: {'met' if v else 'NOT MET'}")
     for r in result["rows"]:
