@@ -368,6 +368,8 @@ class ContextRun:
         res = op.wait()
         if res is None or not res.ok or len(res.slots) != len(keys):
             self.errors.append(f"{arm}: prepare_load failed ({res})")
+            if res is not None and res.slots:
+                store.unpin(res.slots)
             return
         t_pinned = time.perf_counter()
         addrs = [store.slot_address(s) for s in res.slots]
@@ -682,12 +684,22 @@ def measure(args) -> dict:
             log(f"context {ctx}: reference prefill")
             run.make_references()
             keys = run.keys()
-            store_prefix(engine, keys, mover, env)
+            ctx_arms = list(arms)
+
+            def stored(store, names) -> None:
+                # A store that cannot take the prefix fails its arms for this context, not the run.
+                try:
+                    store_prefix(store, keys, mover, env)
+                except RuntimeError as e:
+                    run.errors.append(f"{'/'.join(names)}: storing the prefix failed: {e}")
+                    ctx_arms[:] = [a for a in ctx_arms if a not in names]
+
+            stored(engine, ("l1", "l1-serial"))
             if client is not None:
-                store_prefix(client, keys, mover, env)
+                stored(client, ("server",))
             if "file" in arms:
                 fs = open_file_store("write_through")
-                store_prefix(fs, keys, mover, env)
+                stored(fs, ("file",))
                 env.unpin(fs)
                 fs.close()  # waits for every chunk file to be written
             for rep in range(args.warmup + args.repeats):
@@ -695,7 +707,7 @@ def measure(args) -> dict:
                 # Every other repeat runs the arms in reverse: an arm that always follows the
                 # idle file arm (a cool GPU boosts higher) or a busy one would otherwise carry
                 # that order in its figures (seen: saves "faster" than plain prefills by 1-4 %).
-                for arm in (arms if rep % 2 == 0 else arms[::-1]):
+                for arm in (ctx_arms if rep % 2 == 0 else ctx_arms[::-1]):
                     if arm == "recompute":
                         run.run_recompute(timed)
                     elif arm == "gpu":
@@ -740,7 +752,11 @@ def measure(args) -> dict:
         points.insert(0, (args.suffix, result["suffix_prefill_s"]))
     result["prefill_table"] = ",".join(f"{c}:{t:.4f}" for c, t in points)
     if kvtier_bin is not None and points and ("l1" in arms or "file" in arms):
-        result["plan"] = plan_comparison(kvtier_bin, result, args, dtype)
+        try:
+            result["plan"] = plan_comparison(kvtier_bin, result, args, dtype)
+        except (RuntimeError, ValueError, KeyError) as e:
+            result["plan_error"] = str(e)
+            log(f"ERROR kvtier plan: {e}")
     result["targets"] = targets(result)
     return result
 
