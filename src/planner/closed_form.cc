@@ -73,7 +73,8 @@ SingleRequestHit PredictSingleRequestHit(const EngineModel& engine, uint32_t lay
   for (size_t t = 0; t < tiers.size(); ++t) {
     const double read = bytes / tiers[t].read_bytes_per_s;
     h.read_s.push_back(read);
-    const double hit = t == 0 ? std::max(read, h.suffix_s) + read / std::max(1u, layers)
+    const double compute = h.suffix_s + layers * engine.layer_load_overhead_s;
+    const double hit = t == 0 ? std::max(read, compute) + read / std::max(1u, layers)
                               : read + h.suffix_s;
     h.hit_ttft_s.push_back(engine.step_overhead_s + hit);
   }

@@ -47,7 +47,9 @@ double BreakEvenBandwidth(const PrefillCost& prefill, uint64_t kv_bytes_per_toke
 // (kvtier's L1): its copy to the GPU goes layer by layer, each layer's copy overlapped with the
 // previous layer's compute, so a hit costs max(copy, suffix compute) plus one layer's copy that
 // nothing hides. A later tier (storage) reads into host memory first, then the suffix is computed:
-// read + suffix compute. Every figure includes one engine step overhead.
+// read + suffix compute. Every figure includes one engine step overhead. Issuing the host tier's
+// layer loads costs the launching thread layers x engine.layer_load_overhead_s, added to the
+// compute leg (it matters when the suffix's compute is launch-bound).
 struct SingleRequestHit {
   uint64_t context_tokens = 0, prefix_tokens = 0;
   double recompute_s = 0;

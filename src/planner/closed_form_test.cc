@@ -65,6 +65,12 @@ TEST(ClosedFormTest, SingleRequestHitOverlapsTheHostTierLayerByLayer) {
   // A short prefix: the suffix's compute is the longer leg.
   const SingleRequestHit s = PredictSingleRequestHit(e, 36, tiers, 4096, 256);
   EXPECT_NEAR(s.hit_ttft_s[0], s.suffix_s + s.read_s[0] / 36, 1e-12);
+  // Issuing 36 layer loads at 200 us each lengthens a launch-bound suffix by 7.2 ms.
+  EngineModel issued = e;
+  issued.layer_load_overhead_s = 200e-6;
+  const SingleRequestHit i = PredictSingleRequestHit(issued, 36, tiers, 4096, 256);
+  EXPECT_NEAR(i.hit_ttft_s[0], s.suffix_s + 36 * 200e-6 + s.read_s[0] / 36, 1e-12);
+  EXPECT_NEAR(i.hit_ttft_s[1], s.hit_ttft_s[1], 1e-12);  // storage: not layer by layer
   // The step overhead is paid once by every arm.
   e.step_overhead_s = 0.004;
   const SingleRequestHit o = PredictSingleRequestHit(e, 36, tiers, 24576, 256);

@@ -99,6 +99,10 @@ const std::vector<FlagInfo>& Flags() {
        "Tokens computed after a hit in the single-request table (each context's prefix, all but "
        "these, comes from a tier)",
        &F::hit_suffix},
+      {"layer-load-overhead-us",
+       "Host time to start one layer's load from the first tier (copy calls, events) on the "
+       "thread that launches the model, microseconds (single-request table)",
+       &F::layer_load_overhead_us},
       {"no-sensitivity", "Skip the 0.9x/1.1x GPU-memory re-runs", nullptr, nullptr,
        &F::no_sensitivity},
       {"json", "Print one JSON object instead of the table", nullptr, nullptr, &F::json},
@@ -305,6 +309,10 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   // Every GPU copies its own rank's KV over its own link.
   e.save_copy_bytes_per_s = *save_bw * tp;
   KVTIER_ASSIGN_OR_RETURN(e.save_blocking, ParseNumber(f.save_blocking, "--save-blocking"));
+  KVTIER_ASSIGN_OR_RETURN(double layer_us,
+                          ParseNumber(f.layer_load_overhead_us, "--layer-load-overhead-us"));
+  if (!(layer_us >= 0)) return Status::InvalidArgument("--layer-load-overhead-us must be >= 0");
+  e.layer_load_overhead_s = layer_us / 1e6;
   if (e.save_blocking > 1) return Status::InvalidArgument("--save-blocking must be in [0, 1]");
 
   Workload& w = in.workload;

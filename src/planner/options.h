@@ -43,6 +43,7 @@ struct PlannerFlags {
   std::string save_copy_bw = "50GB/s";
   std::string save_blocking = "1";
   std::string hit_suffix = "256";
+  std::string layer_load_overhead_us = "0";
   bool no_sensitivity = false;
   bool json = false;
   std::string plot;

@@ -87,6 +87,9 @@ struct EngineModel {
   uint32_t chunk_tokens = 256;          // offload chunk
   double save_copy_bytes_per_s = 50e9;  // device->host copy of KV being saved
   double save_blocking = 1.0;           // fraction of that copy the engine waits for
+  // Host time to start one layer's load from the host tier (copy calls, events) on the thread
+  // that launches the model: it lengthens a launch-bound suffix by layers x this.
+  double layer_load_overhead_s = 0;
 };
 
 struct SimOptions {

@@ -381,13 +381,17 @@ class ContextRun:
             logits = model.prefill(self.tokens[self.prefix:], self.cache, start=self.prefix)
         else:
             events = []
+            issue_s = 0.0  # host time spent starting the layer loads
 
             def issue(layer: int) -> None:
+                nonlocal issue_s
+                t = time.perf_counter()
                 mover.scatter_layer(layer, addrs, stream)
                 if stream is not None:
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events.append(ev)
+                issue_s += time.perf_counter() - t
 
             issue(0)
             x = model.embed(self.tokens[self.prefix:])
@@ -403,7 +407,8 @@ class ContextRun:
         t = time.perf_counter() - t0
         store.unpin(res.slots)
         self.check_hit(arm, logits)
-        self.record(arm, t, timed, pin_s=t_pinned - t0, host_s=t_issued - t0)
+        extra = {} if serial else {"issue_s": issue_s}
+        self.record(arm, t, timed, pin_s=t_pinned - t0, host_s=t_issued - t0, **extra)
 
     def run_save(self, store, timed: bool, rep: int) -> None:
         """A 0 %-hit prefill of fresh tokens that saves each layer's KV as soon as it is written."""
@@ -635,7 +640,7 @@ def measure(args) -> dict:
         "device": torch.cuda.get_device_name(env.device) if cuda else "cpu",
         "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype), "suffix_tokens": args.suffix,
         "chunk_tokens": args.chunk_tokens, "block_tokens": args.block_tokens,
-        "chunk_bytes": chunk_bytes, "copy_mechanism": mover.whole.auto_mechanism
+        "chunk_bytes": chunk_bytes, "num_layers": cfg.num_layers, "copy_mechanism": mover.whole.auto_mechanism
         if mechanism == "auto" else mechanism,
         "layer_copy_mechanism": mover.per_layer[0].auto_mechanism
         if mechanism == "auto" else mechanism,
@@ -780,32 +785,37 @@ def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
     bandwidths, against the measured hits (the L1 arm for the host tier, the file arm for disk)."""
     model_path = args.model if os.path.exists(args.model) else \
         os.path.join(model_mod.CONFIG_DIR, args.model + ".json")
-    contexts = ",".join(str(r["context"]) for r in result["rows"])
-    cmd = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
-           "--dtype", str(dtype).split(".")[-1], "--prefill-table", result["prefill_table"],
-           "--context", contexts, "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
-           "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
-    if "disk" in result:
-        cmd += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
-    log("+ " + " ".join(cmd))
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
-    predicted = {r["context_tokens"]: r for r in json.loads(out.stdout)["single_request"]["rows"]}
-    rows = []
+    layers = result["num_layers"]
+    rows, commands = [], []
     for r in result["rows"]:
-        p = predicted.get(r["context"])
-        if p is None:
+        # The host time the L1 arm spent starting its layer loads, per layer: an input like the
+        # bandwidths (it lengthens the launch-bound suffix), measured in the same run.
+        issue_us = r.get("l1_issue_s", 0.0) / layers * 1e6
+        cmd = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
+               "--dtype", str(dtype).split(".")[-1], "--prefill-table", result["prefill_table"],
+               "--context", str(r["context"]), "--hit-suffix", str(args.suffix),
+               "--step-overhead-ms", "0", "--layer-load-overhead-us", f"{issue_us:.1f}",
+               "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
+        if "disk" in result:
+            cmd += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
+        log("+ " + " ".join(cmd))
+        commands.append(" ".join(cmd))
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
+        singles = json.loads(out.stdout)["single_request"]["rows"]
+        if not singles:
             continue
+        p = singles[0]
         row = {"context": r["context"], "plan_recompute_s": p["recompute_s"],
-               "plan_suffix_s": p["suffix_s"]}
+               "plan_suffix_s": p["suffix_s"], "layer_load_overhead_us": issue_us}
         for arm, tier in (("l1", "cpu"), ("file", "disk")):
             if f"{arm}_s" in r and tier in p["hit_ttft_s"]:
                 row[f"plan_{arm}_s"] = p["hit_ttft_s"][tier]
                 row[f"{arm}_s"] = r[f"{arm}_s"]
                 row[f"{arm}_error"] = p["hit_ttft_s"][tier] / r[f"{arm}_s"] - 1
         rows.append(row)
-    return {"command": " ".join(cmd), "rows": rows}
+    return {"commands": commands, "rows": rows}
 
 
 def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
@@ -819,7 +829,7 @@ def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
             row[f"{key}_s"] = median(s[arm])
             row[f"{key}_samples"] = s[arm]
     for k in ("l1:pin_s", "server:pin_s", "file:pin_s", "l1:host_s", "server:host_s",
-              "file:host_s", "save:done_s"):
+              "file:host_s", "save:done_s", "l1:issue_s", "server:issue_s"):
         if k in s:
             row[k.replace(":", "_").replace("-", "_")] = median(s[k])
     if "file:page_cache_dropped" in s:
@@ -921,7 +931,8 @@ def print_table(result: dict) -> None:
     if "plan" in result:
         print("kvtier plan's single-request prediction against the measured hit, ms:")
         for p in result["plan"]["rows"]:
-            parts = [f"{p['context']:>7}  suffix {p['plan_suffix_s'] * 1e3:.1f}"]
+            parts = [f"{p['context']:>7}  suffix {p['plan_suffix_s'] * 1e3:.1f}, layer loads "
+                     f"{p['layer_load_overhead_us']:.0f} us each"]
             for arm in ("l1", "file"):
                 if f"plan_{arm}_s" in p:
                     parts.append(f"{arm} {p[f'plan_{arm}_s'] * 1e3:.1f} predicted, "
