@@ -102,7 +102,7 @@ TEST(ClosedFormTest, PeakSession) {
 
 TEST(ClosedFormTest, PayoffMatchesTheMeasuredBreakEven) {
   const PrefillCost prefill = Measured();
-  // LIMITS.md: break-even storage bandwidth at 24k is 147456 x 24576 / 1.049 s = 3.45 GB/s.
+  // docs/limits.md: break-even storage bandwidth at 24k is 147456 x 24576 / 1.049 s = 3.45 GB/s.
   const double bw = BreakEvenBandwidth(prefill, kQwenBytes, 24576);
   EXPECT_NEAR(bw, 3.4546e9, 0.001e9);
   auto payoff = PayoffTokens(prefill, kQwenBytes, bw * 1.0001);
@@ -123,7 +123,7 @@ TEST(ClosedFormTest, PayoffMatchesTheMeasuredBreakEven) {
 
 TEST(ClosedFormTest, HitCostIsTransferPlusSuffix) {
   const PrefillCost prefill = Measured();
-  // LIMITS.md: 3.62 GB from pinned memory at 55 GB/s takes 0.066 s.
+  // docs/limits.md: 3.62 GB from pinned memory at 55 GB/s takes 0.066 s.
   EXPECT_NEAR(HitCost(prefill, kQwenBytes, 55e9, 24576, 0), 0.066, 0.001);
   EXPECT_NEAR(HitCost(prefill, kQwenBytes, 55e9, 24320, 256),
               24320.0 * kQwenBytes / 55e9 + prefill.Suffix(24320, 256), 1e-12);

@@ -7,7 +7,7 @@
 namespace kvtier::planner {
 namespace {
 
-// The Qwen3-8B prefill measured on the H200 (LIMITS.md).
+// The Qwen3-8B prefill measured on the H200 (docs/limits.md).
 const std::vector<std::pair<uint64_t, double>> kMeasured = {
     {4096, 0.135}, {8192, 0.280}, {16384, 0.652}, {24576, 1.049}, {32768, 1.530}};
 
