@@ -110,7 +110,17 @@ def test_every_arm_runs_and_verifies(tiny_config, tmp_path, capsys):
         for arm in ("gpu", "l1", "l1-serial", "server", "file"):
             assert r["logit_rel_err"][arm] == 0.0, arm
         assert r["file_o_direct"] is True
-    assert result["prefill_table"].startswith("384:")
+    # The suffix's own prefill first, then one point per context.
+    table = [p.split(":") for p in result["prefill_table"].split(",")]
+    assert [int(t) for t, _ in table] == [128, 384, 640]
+    # kvtier plan predicted both hits of every context from this run's table and bandwidths.
+    plan = result["plan"]["rows"]
+    assert [p["context"] for p in plan] == [384, 640]
+    for p in plan:
+        assert p["plan_l1_s"] > 0 and p["plan_file_s"] > p["plan_suffix_s"] > 0
+        assert p["l1_error"] == p["plan_l1_s"] / p["l1_s"] - 1
+        assert p["layer_load_overhead_us"] > 0
+    assert "plan_within_10pct" in result["targets"]
     assert result["targets"]["all_hits_verified"]
     assert result["disk"]["read_GBps"] > 0
     svg = out_svg.read_text()
