@@ -897,10 +897,12 @@ Status FileTier::Impl::Submit(bool write, std::function<void()> task) {
   if (s.ok() || !s.IsRejected()) return s;  // OK, or kAborted after shutdown
   rejections_.fetch_add(1);
   (write ? write_queue_full_ : read_queue_full_).fetch_add(1);
+  // Counted here; logged by the caller, which knows what the refusal means (the engine defers a
+  // refused write and waits for room for a read, so a warning here would only be noise).
   if (auto held = reject_log_.Allow()) {
-    spdlog::warn("file tier: {} queue full ({} queued, {} stalled): operation refused{}",
-                 write ? "write" : "read", pool.queued(), pool.stalled(),
-                 LogLimiter::Suppressed(*held));
+    spdlog::debug("file tier: {} queue full ({} queued, {} stalled): operation refused{}",
+                  write ? "write" : "read", pool.queued(), pool.stalled(),
+                  LogLimiter::Suppressed(*held));
   }
   return Status::Rejected(fmt::format("file tier {} queue is full", write ? "write" : "read"));
 }
