@@ -267,23 +267,12 @@ void DropFromPageCache(const std::vector<ProbeFile>& files) {
 }
 
 // Fraction of the files' pages present in the page cache.
-double ResidentFraction(const std::vector<ProbeFile>& files, uint64_t file_size) {
-  const long page = ::sysconf(_SC_PAGESIZE);
-  const uint64_t pages_per_file = (file_size + page - 1) / page;
-  std::vector<unsigned char> vec(pages_per_file);
-  uint64_t resident = 0, total = 0;
-  for (const auto& f : files) {
-    Fd fd(::open(f.path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) continue;
-    void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_SHARED, fd.get(), 0);
-    if (map == MAP_FAILED) continue;
-    if (::mincore(map, file_size, vec.data()) == 0) {
-      for (unsigned char v : vec) resident += (v & 1);
-      total += pages_per_file;
-    }
-    ::munmap(map, file_size);
-  }
-  return total == 0 ? 0.0 : static_cast<double>(resident) / static_cast<double>(total);
+double ResidentFraction(const std::vector<ProbeFile>& files) {
+  std::vector<std::string> paths;
+  for (const auto& f : files) paths.push_back(f.path);
+  const PageCacheResidency r = MeasurePageCacheResidency(paths);
+  if (r.total_bytes == 0) return 0.0;
+  return static_cast<double>(r.resident_bytes) / static_cast<double>(r.total_bytes);
 }
 
 // First half of the O_DIRECT check, on a file already written: open flag and alignment.
@@ -418,6 +407,31 @@ void AddPlausibilityWarnings(StorageProbeReport& r) {
 
 }  // namespace
 
+PageCacheResidency MeasurePageCacheResidency(const std::vector<std::string>& paths) {
+  PageCacheResidency r;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec;
+  for (const auto& path : paths) {
+    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) continue;
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0 || st.st_size <= 0) continue;
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (map == MAP_FAILED) continue;
+    vec.resize((size + page - 1) / page);
+    if (::mincore(map, size, vec.data()) == 0) {
+      for (size_t i = 0; i < vec.size(); ++i) {
+        // The last page counts only the file's bytes in it.
+        if (vec[i] & 1) r.resident_bytes += std::min<uint64_t>(page, size - i * page);
+      }
+      r.total_bytes += size;
+    }
+    ::munmap(map, size);
+  }
+  return r;
+}
+
 Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   KVTIER_RETURN_IF_ERROR(ValidateOptions(o));
   auto progress = [&](const std::string& line) {
@@ -496,7 +510,7 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
     progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
     report.reads.push_back(phase);
   }
-  const double pool_resident = ResidentFraction(pool, o.file_size);
+  const double pool_resident = ResidentFraction(pool);
 
   // The control comes after the pool phases, not right after the writes: storage that is still
   // absorbing the writes (a hypervisor's or server's write-back) would slow it down.
@@ -504,7 +518,7 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   KVTIER_ASSIGN_OR_RETURN(report.control,
                           ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop));
   progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
-  const double control_resident = ResidentFraction(control, o.file_size);
+  const double control_resident = ResidentFraction(control);
 
   if (!direct) DropFromPageCache(control);
   progress("control again: the same files, second read");

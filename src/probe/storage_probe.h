@@ -85,6 +85,16 @@ struct StorageProbeReport {
   std::vector<std::string> warnings;
 };
 
+// How much of a set of files the page cache holds, from mincore over a read-only mapping of each
+// file: the control that shows whether reads bypassed the page cache (O_DIRECT honoured) or not
+// (tmpfs, or a filesystem that ignores the flag). Files that cannot be opened or mapped are
+// skipped and not counted in total_bytes. Thread-safe; blocks for a few system calls per file.
+struct PageCacheResidency {
+  uint64_t resident_bytes = 0;  // bytes of the files found in the page cache
+  uint64_t total_bytes = 0;     // bytes of the files examined
+};
+PageCacheResidency MeasurePageCacheResidency(const std::vector<std::string>& paths);
+
 // Runs the probe. Fails with InvalidArgument for bad options or a directory that is missing or
 // not writable, NoSpace when the files would not fit, IOError for failed I/O, Corruption when a
 // read returns bytes this run did not write, and Aborted when `stop` was raised. Blocks for the

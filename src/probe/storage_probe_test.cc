@@ -103,6 +103,23 @@ TEST(StorageProbe, SeesThatTmpfsDoesNotHonourODirect) {
   EXPECT_NE(report->warnings.front().find("not honoured"), std::string::npos);
 }
 
+TEST(StorageProbe, MeasuresPageCacheResidencyOfFiles) {
+  if (!fs::is_directory("/dev/shm") || !IsTmpfs("/dev/shm")) GTEST_SKIP() << "no tmpfs at /dev/shm";
+  char pattern[] = "/dev/shm/kvtier-probe-test-XXXXXX";
+  ASSERT_NE(mkdtemp(pattern), nullptr);
+  const std::string shm = pattern;
+  {
+    std::ofstream f(shm + "/a", std::ios::binary);
+    f << std::string(10000, 'x');  // not a multiple of the page size
+  }
+  // On tmpfs every byte of a file is in the page cache; a missing file is skipped.
+  const PageCacheResidency r = MeasurePageCacheResidency({shm + "/a", shm + "/missing"});
+  std::error_code ec;
+  fs::remove_all(shm, ec);
+  EXPECT_EQ(r.total_bytes, 10000u);
+  EXPECT_EQ(r.resident_bytes, 10000u);
+}
+
 TEST(StorageProbe, DetectsBytesItDidNotWrite) {
   testing::TempDir dir("probe");
   auto options = SmallOptions(dir.path());

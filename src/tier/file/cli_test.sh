@@ -96,4 +96,28 @@ expect 0 "$KVTIER" stats "$T/bench" --json
 expect 1 "$KVTIER" bench tier --dir "$T/bench" --chunks 0
 expect 1 "$KVTIER" bench tier --dir "$T/plain" --chunk-mib 1 --chunks 1
 grep -q "not a kvtier cache" "$T/out" || fail "bench tier into a non-cache directory"
+# bench tier on tmpfs: open accepts O_DIRECT (Linux 6.6 and later) but every byte stays in the
+# page cache, so o_direct must be false, loudly, and the run must fail. (Older kernels refuse
+# O_DIRECT on tmpfs, and the run fails before it has figures.)
+if [ "$(stat -f -c %T /dev/shm 2>/dev/null)" = tmpfs ]; then
+  SHM=$(mktemp -d /dev/shm/kvtier-cli-XXXXXX)
+  set +e
+  "$KVTIER" bench tier --dir "$SHM/bench" --chunk-mib 1 --chunks 2 --repeats 1 --json \
+      >"$T/shm.json" 2>"$T/shm.err"
+  got=$?
+  set -e
+  rm -rf "$SHM"
+  [ "$got" = 1 ] || { cat "$T/shm.err" >&2; fail "bench tier on tmpfs exited $got, expected 1"; }
+  if grep -q '"o_direct"' "$T/shm.json"; then
+    python3 - "$T/shm.json" <<'PY' || fail "bench tier on tmpfs reported o_direct"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["o_direct"] is False, "o_direct"
+assert d["page_cache_resident_bytes"] > 0, "page cache"
+assert d["warnings"] and "not honoured" in d["warnings"][0], d["warnings"]
+PY
+    grep -q "WARNING: O_DIRECT was accepted but not honoured" "$T/shm.err" \
+      || fail "bench tier on tmpfs did not warn"
+  fi
+fi
 echo "cli_test: all passed"
