@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# End-to-end checks of `kvtier bench engine` and `kvtier bench server` on small runs: that each
+# compares itself with a limit measured on equal terms (memcpy on as many threads as the engine's
+# workers, interleaved pass by pass; the bare Unix-socket round trip of the same clients on the
+# same schedule), and reports latency per operation.
+# Usage: bench_cli_test.sh KVTIER_BINARY
+set -euo pipefail
+KVTIER=$1
+T=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-bench-cli-XXXXXX")
+trap 'rm -rf "$T"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$KVTIER" bench engine --chunk-mib 1 --chunks 8 --threads 2 --repeats 3 --json \
+    > "$T/engine.json" 2> "$T/engine.err" || { cat "$T/engine.err" >&2; fail "bench engine"; }
+python3 - "$T/engine.json" <<'PY' || fail "bench engine --json"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["memcpy_threads"] == d["threads"] == 2, "memcpy on the workers' thread count"
+assert d["interleaved"] is True
+for k in ("memcpy", "store", "load"):
+    assert len(d[f"{k}_GBps_passes"]) == 3 and all(v > 0 for v in d[f"{k}_GBps_passes"]), k
+# The chained SHA-256 derivation of 1,000 keys costs far more than the lookup itself.
+assert d["lookup_1000_with_key_derivation_us"] > d["lookup_1000_us"] > 0, "lookup times"
+PY
+
+"$KVTIER" bench server --clients 2 --chunk-mib 1 --chunks 2 --repeats 1 --rpc-rounds 200 \
+    --rpc-interval-us 200 --json > "$T/server.json" 2> "$T/server.err" \
+    || { cat "$T/server.err" >&2; fail "bench server"; }
+python3 - "$T/server.json" <<'PY' || fail "bench server --json"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["rpc_paced_timed_from"] == "scheduled send time"
+assert d["rpc_floor_p50_us"] > 0 and d["rpc_saturated_floor_p50_us"] > 0, "floor measured"
+assert d["rpc_floor_followup_p50_us"] > 0, "floor follow-up trips measured"
+assert d["rpc_send_late_p50_us"] >= 0
+for op, count in (("lookup", 400), ("prepare_load", 200), ("release", 200)):
+    assert d[f"rpc_{op}_count"] == count, (op, d[f"rpc_{op}_count"])
+    assert d[f"rpc_{op}_p99_us"] >= d[f"rpc_{op}_p50_us"] > 0, op
+    floor = d["rpc_floor_p50_us"] if op == "lookup" else d["rpc_floor_followup_p50_us"]
+    ratio = d[f"rpc_{op}_p50_us"] / floor
+    assert abs(d[f"rpc_{op}_p50_vs_floor"] - ratio) < 1e-6 * ratio, op
+assert "rpc_p50_us" not in d, "a pooled figure is back"
+met = all(d[f"rpc_{op}_p50_vs_floor"] <= 1.5 for op in ("lookup", "prepare_load", "release"))
+assert d["rpc_goal_met"] is met
+PY
+"$KVTIER" bench server --clients 1 --chunk-mib 1 --chunks 2 --repeats 1 --rpc-rounds 50 \
+    > "$T/server.txt" 2>&1 || { cat "$T/server.txt" >&2; fail "bench server (text)"; }
+grep -q "floor: bare socket, first of round" "$T/server.txt" || fail "no floor line"
+grep -Eq "^goal .*: (met|NOT met)$" "$T/server.txt" || fail "no goal verdict"
+echo "bench_cli_test: all passed"
