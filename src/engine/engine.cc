@@ -56,18 +56,35 @@ struct OpHandle::State {
 
   State(Kind k, size_t n) : kind(k), outcome(n, kPending), slots(n, kNoSlot), remaining(n) {}
 
-  // Records chunk i's outcome. `deliver` (may be empty) runs first, under the lock, only if the
-  // operation is still open: it is where data reaches the caller, so nothing is written into
-  // caller memory once the caller has been told the operation is over. Returns false if the
-  // operation had already finished (the chunk came too late).
+  // Records chunk i's outcome. `deliver` (may be empty) runs first, only if the operation is
+  // still open: it is where data reaches the caller. It runs outside the lock, so the chunks of
+  // one operation are copied in parallel, and the operation can neither finish nor expire while
+  // a delivery is under way: nothing is written into caller memory once the caller has been
+  // told the operation is over. Returns false if the operation had already finished (the chunk
+  // came too late).
   bool ChunkDone(size_t i, const Status& s, const std::function<void()>& deliver = {}) {
-    std::lock_guard lock(mu);
+    std::unique_lock lock(mu);
     if (done) return false;
-    if (s.ok() && deliver) deliver();
+    if (s.ok() && deliver) {
+      ++delivering;
+      lock.unlock();
+      deliver();
+      lock.lock();
+      --delivering;
+    }
     outcome[i] = s.ok() ? kDone : kFailed;
     if (!s.ok() && error.ok()) error = s;
-    if (--remaining == 0) Finish();
+    if (--remaining == 0) {
+      Finish();
+    } else if (delivering == 0) {
+      cv.notify_all();  // a waiter past the deadline held back by deliveries can expire it now
+    }
     return true;
+  }
+  // With mu held: when a waiter should wake up next (the deadline, unless deliveries hold the
+  // operation open past it: then their end, which notifies).
+  Clock::time_point WakeAt() const {
+    return delivering > 0 && Clock::now() >= deadline ? Clock::time_point::max() : deadline;
   }
   // False once the operation is over (every chunk reported, or the deadline passed).
   bool Open() {
@@ -77,7 +94,7 @@ struct OpHandle::State {
   }
   // With mu held: gives up on pending chunks once the deadline has passed.
   void ExpireIfLate() {
-    if (done || Clock::now() < deadline) return;
+    if (done || delivering > 0 || Clock::now() < deadline) return;
     size_t late = 0;
     for (auto& o : outcome) {
       if (o == kPending) {
@@ -117,6 +134,7 @@ struct OpHandle::State {
   std::vector<Outcome> outcome;
   std::vector<SlotId> slots;  // PrepareLoad: the pinned slot of each delivered chunk
   size_t remaining;
+  size_t delivering = 0;  // deliveries running outside the lock
   Status error;
   bool done = false;
   OpResult result;
@@ -134,12 +152,13 @@ bool OpHandle::Done() const {
 OpResult OpHandle::Wait() const {
   std::unique_lock lock(state_->mu);
   while (!state_->done) {
-    if (state_->deadline == State::Clock::time_point::max()) {
+    const auto wake = state_->WakeAt();
+    if (wake == State::Clock::time_point::max()) {
       state_->cv.wait(lock);
     } else {
-      state_->cv.wait_until(lock, state_->deadline);
-      state_->ExpireIfLate();
+      state_->cv.wait_until(lock, wake);
     }
+    state_->ExpireIfLate();
   }
   return state_->result;
 }
@@ -148,7 +167,7 @@ std::optional<OpResult> OpHandle::WaitFor(std::chrono::nanoseconds timeout) cons
   auto until = State::Clock::now() + timeout;
   std::unique_lock lock(state_->mu);
   while (!state_->done) {
-    auto wake = std::min(until, state_->deadline);
+    auto wake = std::min(until, state_->WakeAt());
     state_->cv.wait_until(lock, wake);
     state_->ExpireIfLate();
     if (!state_->done && State::Clock::now() >= until) return std::nullopt;
