@@ -286,13 +286,24 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
       for (const Op& op :
            {Op{"gather", true, false, report.peak_d2h}, Op{"scatter", false, true, report.peak_h2d},
             Op{"bidir", true, true, report.peak_bidir}}) {
-        std::memset(gp, 0xA5, batch);  // poison: a chunk the copy missed cannot verify
+        // Poison both destinations, so that a chunk or page the copy missed cannot verify: the
+        // gather pool, and the scatter's target pages (an earlier variant wrote the same bytes
+        // there).
+        std::memset(gp, 0xA5, batch);
+        if (op.s) {
+          for (uint32_t c = 0; c < o.chunks; ++c) {
+            for (const CopySegment& seg : PlanSegments(cache, ids(true, c), /*merge=*/true)) {
+              BENCH_CUDA(cudaMemsetAsync(seg.page, 0x5A, seg.bytes, st.a));
+            }
+          }
+          BENCH_CUDA(cudaStreamSynchronize(st.a));
+        }
         const uint64_t bytes = (op.g ? batch : 0) + (op.s ? batch : 0);
         KVTIER_ASSIGN_OR_RETURN(double gbps,
                                 TimeBatch(st, o.chunks, o.reps, bytes, op.g ? gather : IssueFn(),
                                           op.s ? scatter : IssueFn()));
         bool ok = true;
-        for (uint32_t c : {0u, o.chunks - 1}) {
+        for (uint32_t c = 0; c < o.chunks && ok; ++c) {  // every chunk of the batch
           if (op.g) {
             KVTIER_ASSIGN_OR_RETURN(bool m,
                                     ChunkMatchesPages(cache, ids(false, c), gp + c * cb, scratch));

@@ -43,7 +43,7 @@ struct GpuBenchRow {
   double peak_gbps = 0;   // the matching pinned cudaMemcpy peak of the same run (the larger of
                           // the start and end measurements)
   double ratio = 0;       // gbps / peak_gbps
-  bool verified = false;  // a gathered/scattered chunk matched page-by-page copies
+  bool verified = false;  // every gathered/scattered chunk matched page-by-page copies
 };
 
 struct GpuBenchReport {
