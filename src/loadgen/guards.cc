@@ -1,6 +1,7 @@
 #include "loadgen/guards.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -72,8 +73,12 @@ Status CheckContextWindow(const WorkloadConfig& c, int64_t max_model_len, double
 std::string SaturationWarning(const Summary& s, const WorkloadConfig& config, double min_ratio) {
   const double expected = config.expected_qps();
   const double gap_s = config.gap_between_requests();
-  const bool slow = expected > 0 && s.actual_qps < min_ratio * expected;
-  const bool held = s.sent > 0 && s.held_back * 10 > s.sent;
+  // A window in which the pacing sends only a few requests cannot tell a slow server from the
+  // rounding of a handful of sends: judge it only with about ten sends behind it.
+  const bool enough = s.sent >= kMinSendsToJudgePacing ||
+                      expected * s.seconds >= static_cast<double>(kMinSendsToJudgePacing);
+  const bool slow = enough && expected > 0 && s.actual_qps < min_ratio * expected;
+  const bool held = enough && s.sent > 0 && s.held_back * 10 > s.sent;
   if (!slow && !held) return "";
   std::string why;
   if (slow) {
@@ -91,6 +96,19 @@ std::string SaturationWarning(const Summary& s, const WorkloadConfig& config, do
       "{} ({} of {} sends held back behind an unanswered request). Lower --qps to about 65 % of "
       "the service rate (--find-capacity measures it){}",
       why, s.held_back, s.sent, held && !slow ? ", or shorten --answer-len / raise --num-users" : "");
+}
+
+std::string ShortRunNote(const Summary& s, const WorkloadConfig& config) {
+  const double expected = config.expected_qps();
+  if (s.sent >= kMinSendsToJudgePacing ||
+      expected * s.seconds >= static_cast<double>(kMinSendsToJudgePacing)) {
+    return "";
+  }
+  return fmt::format(
+      "the run lasted {:.1f} s and sent {} requests, too few to check the pacing (a user asks "
+      "every {:.1f} s); the saturation check needs about {} sends: --time {:.0f} or more",
+      s.seconds, s.sent, config.gap_between_requests(), kMinSendsToJudgePacing,
+      std::ceil(kMinSendsToJudgePacing / expected));
 }
 
 }  // namespace kvtier::loadgen

@@ -42,7 +42,13 @@ Status CheckContextWindow(const WorkloadConfig& config, int64_t max_model_len, d
 // rate the pacing should send (config.expected_qps(): the server is saturated), or more than a
 // tenth of the sends held back behind unanswered requests (answers take longer than a user's gap
 // between questions). Empty when the pacing held.
+// A window in which the pacing should send fewer than kMinSendsToJudgePacing requests (and did)
+// is not judged: a few sends more or less are rounding, not saturation.
 std::string SaturationWarning(const Summary& summary, const WorkloadConfig& config,
                               double min_ratio = 0.9);
+inline constexpr int kMinSendsToJudgePacing = 10;
+
+// A note when the window was too short for SaturationWarning to judge it; empty otherwise.
+std::string ShortRunNote(const Summary& summary, const WorkloadConfig& config);
 
 }  // namespace kvtier::loadgen

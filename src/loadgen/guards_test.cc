@@ -75,5 +75,24 @@ TEST(SaturationWarning, FiresWhenTheServerCannotKeepUp) {
   EXPECT_NE(held.find("longer than a user's gap of 2.000 s"), std::string::npos) << held;
 }
 
+TEST(SaturationWarning, DoesNotJudgeARunTooShortToTell) {
+  WorkloadConfig c;  // 10 users, 5 rounds, 0.5 qps: a user asks every 20 s, 0.625 requests/s
+  Summary s;
+  s.config_qps = 0.5;
+  s.seconds = 3;
+  s.sent = 1;  // 1 instead of 1.9: rounding, not saturation
+  s.actual_qps = 1.0 / 3;
+  EXPECT_EQ(SaturationWarning(s, c), "");
+  const std::string note = ShortRunNote(s, c);
+  EXPECT_NE(note.find("too few to check the pacing"), std::string::npos) << note;
+  EXPECT_NE(note.find("--time 16"), std::string::npos) << note;
+  // Long enough, and as slow: judged.
+  s.seconds = 60;
+  s.sent = 20;
+  s.actual_qps = 20.0 / 60;
+  EXPECT_NE(SaturationWarning(s, c).find("saturated"), std::string::npos);
+  EXPECT_EQ(ShortRunNote(s, c), "");
+}
+
 }  // namespace
 }  // namespace kvtier::loadgen

@@ -43,11 +43,13 @@ const char* FailureKindName(FailureKind kind) {
     case FailureKind::kNone: return "ok";
     case FailureKind::kConnect: return "connect";
     case FailureKind::kHttpStatus: return "http_status";
+    case FailureKind::kRejected: return "rejected";
     case FailureKind::kEarlyClose: return "early_close";
     case FailureKind::kTimeout: return "timeout";
     case FailureKind::kStreamError: return "stream_error";
     case FailureKind::kEmpty: return "empty_answer";
     case FailureKind::kOther: return "other";
+    case FailureKind::kUnfinished: return "unfinished";
   }
   return "other";
 }
@@ -156,7 +158,10 @@ void HttpStreamClient::Complete(Transfer* t, int curl_code) {
     return t->curl_error[0] != '\0' ? std::string(t->curl_error) : curl_easy_strerror(code);
   };
   if (code == CURLE_OK && t->status >= 400) {
-    r.failure = FailureKind::kHttpStatus;
+    // A 4xx names a fault in the request (too long a prompt, an unknown model, a bad field): a
+    // retry sends the same request and gets the same answer. 408 and 429 are about timing.
+    const bool refused = t->status < 500 && t->status != 408 && t->status != 429;
+    r.failure = refused ? FailureKind::kRejected : FailureKind::kHttpStatus;
     r.error = fmt::format("HTTP {}: {}", t->status, ErrorMessage(t->error_body));
   } else if (code == CURLE_COULDNT_CONNECT || code == CURLE_COULDNT_RESOLVE_HOST ||
              code == CURLE_COULDNT_RESOLVE_PROXY) {
@@ -238,6 +243,27 @@ size_t HttpStreamClient::AbortAll() {
   }
   transfers_.clear();
   return n;
+}
+
+size_t HttpStreamClient::CancelAll() {
+  auto* multi = static_cast<CURLM*>(multi_);
+  std::vector<std::unique_ptr<Transfer>> cancelled;
+  for (Transfer* t : transfers_) {
+    if (multi != nullptr) curl_multi_remove_handle(multi, t->easy);
+    cancelled.emplace_back(t);
+  }
+  transfers_.clear();
+  const auto now = SteadyClock::now();
+  for (auto& t : cancelled) {
+    ChatResult& r = t->result;
+    r.finish = now;
+    r.failure = FailureKind::kUnfinished;
+    r.error = r.got_content ? "still streaming when the run ended"
+                            : "no answer yet when the run ended";
+    r.content = t->decoder.content();
+    if (t->done) t->done(std::move(r));
+  }
+  return cancelled.size();
 }
 
 Result<HttpResponse> HttpGet(const std::string& url, const std::string& api_key, double timeout_s) {

@@ -24,12 +24,16 @@ using SteadyClock = std::chrono::steady_clock;
 enum class FailureKind {
   kNone,
   kConnect,      // could not connect or resolve
-  kHttpStatus,   // the server answered with an HTTP error status
+  kHttpStatus,   // the server answered with an HTTP error status that a retry may cure (5xx,
+                 // 408, 429)
+  kRejected,     // the server refused the request itself (HTTP 4xx other than 408 and 429): the
+                 // same request would be refused again
   kEarlyClose,   // the stream ended before [DONE] / a finish reason
   kTimeout,      // no complete answer within the request timeout
   kStreamError,  // the stream carried an error object or unparseable data
   kEmpty,        // the stream completed without any generated text
   kOther,
+  kUnfinished,   // still unanswered when the caller gave up on it (CancelAll)
 };
 const char* FailureKindName(FailureKind kind);
 
@@ -75,6 +79,10 @@ class HttpStreamClient {
   size_t in_flight() const;
   // Drops every unfinished request without running its callback; returns how many there were.
   size_t AbortAll();
+  // Ends every unfinished request now and runs its callback with failure kUnfinished, `finish`
+  // set to now, and `first_content`/`got_content` as far as the stream had come; returns how
+  // many there were. Must not be called from inside a callback.
+  size_t CancelAll();
 
  private:
   struct Transfer;

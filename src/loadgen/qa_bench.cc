@@ -69,10 +69,21 @@ class Console {
 struct PhaseState {
   std::vector<RequestRecord> records;
   std::vector<FailureRecord> failures;
+  std::vector<UnfinishedRecord> unfinished;
   std::vector<double> launches;
   int64_t peak_in_flight = 0;
   std::string first_error;
   bool missing_usage = false;
+  // By round (the request's place in its conversation as sent): answers, and requests the
+  // server refused (never retried).
+  std::map<int, int64_t> answered_by_round;
+  std::map<int, int64_t> refused_by_round;
+  std::string first_refusal;
+  int64_t abandoned_users = 0;
+  // Connection failures since the last answer, and when the first of them came.
+  int connect_failures_in_a_row = 0;
+  double first_connect_failure = 0;
+  std::string first_connect_error;
 };
 
 // Logs the first failure of each kind at once, then a count at most every 10 s.
@@ -118,15 +129,28 @@ std::string BuildChatBody(const std::string& model, const std::vector<ChatMessag
 class HttpLauncher : public Launcher {
  public:
   HttpLauncher(HttpStreamClient& client, const QaBenchOptions& o, const std::string& model,
-               const Timebase& tb, PhaseState& state, FailureLog& failures)
-      : client_(client), o_(o), model_(model), tb_(tb), state_(state), failures_(failures) {}
+               const Timebase& tb, PhaseState& state, FailureLog& failures, Console& console)
+      : client_(client),
+        o_(o),
+        model_(model),
+        tb_(tb),
+        state_(state),
+        failures_(failures),
+        console_(console) {}
 
   void Launch(UserSession& session, int question_id) override {
     state_.launches.push_back(tb_.Now());
     UserSession* s = &session;
+    // The request's place in its conversation as sent (users created mid-session at the start
+    // begin theirs at a later question): what its prompt length depends on.
+    const int turn = static_cast<int>(session.history().size() + 1) / 2;
+    if (o_.verbose) {
+      console_.Log(fmt::format("user {} asks question #{} ({} messages)", session.user_id(),
+                               question_id, session.history().size()));
+    }
     client_.Submit(
         BuildChatBody(model_, session.history(), o_.workload.answer_len, o_.ignore_eos),
-        std::to_string(session.user_id()), [this, s, question_id](ChatResult&& r) {
+        std::to_string(session.user_id()), [this, s, question_id, turn](ChatResult&& r) {
           if (r.ok()) {
             RequestRecord rec;
             rec.prompt_tokens = r.prompt_tokens;
@@ -139,27 +163,67 @@ class HttpLauncher : public Launcher {
             rec.finish_time = tb_.Unix(r.finish);
             if (!r.usage_reported) state_.missing_usage = true;
             state_.records.push_back(rec);
+            ++state_.answered_by_round[turn];
+            state_.connect_failures_in_a_row = 0;
+            if (o_.verbose) {
+              console_.Log(fmt::format(
+                  "user {} question #{} answered: TTFT {:.3f} s, {} prompt tokens, {} generated "
+                  "in {:.3f} s",
+                  rec.user_id, question_id, rec.ttft, rec.prompt_tokens, rec.generation_tokens,
+                  rec.generation_time));
+            }
             s->OnAnswer(r.content);
+            return;
+          }
+          const double when = tb_.Unix(r.finish);
+          if (r.failure == FailureKind::kUnfinished) {
+            // Given up on at the end of the drain: censored, not failed.
+            UnfinishedRecord u;
+            u.user_id = s->user_id();
+            u.question_id = question_id;
+            u.launch_time = tb_.Unix(r.launch);
+            u.waited = std::chrono::duration<double>(r.finish - r.launch).count();
+            if (r.got_content) {
+              u.ttft = std::chrono::duration<double>(r.first_content - r.launch).count();
+            }
+            state_.unfinished.push_back(u);
+            s->OnFailure();
+            return;
+          }
+          state_.failures.push_back({when, FailureKindName(r.failure)});
+          if (state_.first_error.empty()) state_.first_error = r.error;
+          failures_.Report(r.failure, r.error, when);
+          if (r.failure == FailureKind::kConnect) {
+            if (state_.connect_failures_in_a_row++ == 0) {
+              state_.first_connect_failure = when;
+              state_.first_connect_error = r.error;
+            }
+          }
+          if (r.failure == FailureKind::kRejected) {
+            // The same request would be refused again, and the next round's is longer: the
+            // conversation ends here.
+            ++state_.refused_by_round[turn];
+            if (state_.first_refusal.empty()) state_.first_refusal = r.error;
+            ++state_.abandoned_users;
+            s->OnRejected();
           } else {
-            const double when = tb_.Unix(r.finish);
-            state_.failures.push_back({when, FailureKindName(r.failure)});
-            if (state_.first_error.empty()) state_.first_error = r.error;
-            failures_.Report(r.failure, r.error, when);
             s->OnFailure();
           }
         });
   }
 
- private:
+  private:
   HttpStreamClient& client_;
   const QaBenchOptions& o_;
   const std::string& model_;
   const Timebase& tb_;
   PhaseState& state_;
   FailureLog& failures_;
+  Console& console_;
 };
 
 bool Stopped(const QaBenchOptions& o) { return o.stop != nullptr && o.stop->load(); }
+bool GaveUp(const QaBenchOptions& o) { return o.give_up != nullptr && o.give_up->load(); }
 
 int PollTimeoutMs(double now, double until) {
   const double ms = (until - now) * 1000.0;
@@ -182,6 +246,72 @@ std::string CapacityTable(const std::vector<CapacityStage>& stages) {
   return out;
 }
 
+// Answers every request at once, as soon as the step that sent it is over.
+class InstantLauncher : public Launcher {
+ public:
+  InstantLauncher(const QaBenchOptions& o, Console& console, const double& now)
+      : o_(o), console_(console), now_(now) {}
+  void Launch(UserSession& session, int question_id) override {
+    ++sends_;
+    const int round = static_cast<int>(session.history().size() + 1) / 2;
+    const int64_t prompt = EstimatePromptTokens(o_.workload, round);
+    peak_prompt_ = std::max(peak_prompt_, prompt);
+    if (o_.verbose) {
+      console_.Log(fmt::format("[{:>8.2f} s] user {} asks question #{} ({} messages, about {} "
+                               "prompt tokens)",
+                               now_, session.user_id(), question_id, session.history().size(),
+                               prompt));
+    }
+    pending_.push_back(&session);
+  }
+  void AnswerAll() {
+    for (UserSession* s : pending_) s->OnAnswer(FillerWords(o_.workload.answer_len));
+    pending_.clear();
+  }
+  int64_t sends() const { return sends_; }
+  int64_t peak_prompt() const { return peak_prompt_; }
+
+ private:
+  const QaBenchOptions& o_;
+  Console& console_;
+  const double& now_;
+  std::vector<UserSession*> pending_;
+  int64_t sends_ = 0;
+  int64_t peak_prompt_ = 0;
+};
+
+Result<QaBenchResult> DryRun(const QaBenchOptions& o, Console& console) {
+  const WorkloadConfig& w = o.workload;
+  QaBenchResult result;
+  result.model = o.model;
+  result.max_model_len = o.max_model_len;
+  KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, o.max_model_len, 1.0));
+  // One conversation's life when no --time: every user seen from its first question to its last.
+  const double seconds =
+      o.duration_s > 0 ? o.duration_s : w.gap_between_requests() * std::max(1, w.num_rounds - 1);
+  SessionManager manager(w);
+  double now = 0;
+  InstantLauncher launcher(o, console, now);
+  while (now < seconds) {
+    manager.Step(now, launcher);
+    launcher.AnswerAll();
+    now = std::max(manager.NextEventTime(now), now + 1e-3);
+  }
+  result.dry_run_sends = launcher.sends();
+  result.dry_run_users = manager.users_joined();
+  result.dry_run_seconds = seconds;
+  result.peak_prompt_estimate = std::max(launcher.peak_prompt(), EstimatePeakPromptTokens(w));
+  console.Print(fmt::format(
+      "==================== Dry run (nothing sent) ====================\n"
+      "  Simulated time:                   {:.1f} s\n"
+      "  Requests that would be sent:      {} ({:.4f} reqs/s; the pacing's expected {:.4f})\n"
+      "  Users joined:                     {}\n"
+      "  Largest prompt:                   about {} tokens (+ {} to generate)\n",
+      seconds, result.dry_run_sends, static_cast<double>(result.dry_run_sends) / seconds,
+      w.expected_qps(), result.dry_run_users, result.peak_prompt_estimate, w.answer_len));
+  return result;
+}
+
 }  // namespace
 
 Status ValidateQaBenchOptions(const QaBenchOptions& o) {
@@ -201,6 +331,8 @@ Status ValidateQaBenchOptions(const QaBenchOptions& o) {
   if (!(o.log_interval_s > 0)) return Status::InvalidArgument("--log-interval must be > 0");
   if (o.warmup_requests < 0) return Status::InvalidArgument("--warmup-requests must be >= 0");
   if (!(o.request_timeout_s > 0)) return Status::InvalidArgument("--request-timeout must be > 0");
+  if (!(o.drain_timeout_s >= 0)) return Status::InvalidArgument("--drain-timeout must be >= 0");
+  if (o.server_gone_after < 1) return Status::InvalidArgument("server_gone_after must be >= 1");
   if (o.find_capacity && !(o.capacity_stage_s > 0)) {
     return Status::InvalidArgument("--capacity-stage-time must be > 0");
   }
@@ -252,6 +384,9 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   Console console(o);
   QaBenchResult result;
   const WorkloadConfig& w = o.workload;
+  // Found now, not after an hour of measurement.
+  for (const auto& [flag, path] : o.output_files) KVTIER_RETURN_IF_ERROR(CheckWritable(path, flag));
+  if (o.dry_run) return DryRun(o, console);
 
   // Guard 1: a cache directory left warm by an earlier run.
   if (!o.cache_dir.empty()) {
@@ -287,30 +422,58 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   Timebase tb;
 
   // Warm-up: first-round prompts of users outside the run's id range, excluded from results;
-  // their reported prompt sizes calibrate the token estimate.
+  // their reported prompt sizes calibrate the token estimate. --time bounds it, so a stuck
+  // server cannot hold the command for a request timeout.
   if (o.warmup_requests > 0) {
-    console.Log(fmt::format("warming up with {} requests", o.warmup_requests));
+    console.Log(fmt::format("warming up with {} requests{}{}", o.warmup_requests,
+                            o.warmup_shared_prefix ? " (they cache the shared system prompt)" : "",
+                            o.duration_s > 0 ? fmt::format(", for at most {:.0f} s", o.duration_s)
+                                             : std::string()));
     int ok = 0;
     std::vector<double> ratios;
     std::string first_error;
     for (int i = 0; i < o.warmup_requests; ++i) {
+      // Without the shared prefix, a text of its own comes first: prefix caches match from the
+      // first token, so nothing this request leaves behind serves a prompt of the run.
+      const std::string lead =
+          o.warmup_shared_prefix ? "" : fmt::format("Warm-up request {}, not part of the run. ", i + 1);
+      const int64_t lead_tokens = o.warmup_shared_prefix ? 0 : 8;
       std::vector<ChatMessage> messages = {
-          {"user", BuildContext(w, -(i + 1)) + BuildQuestion(1)}};
+          {"user", lead + BuildContext(w, -(i + 1)) + BuildQuestion(1)}};
       client->Submit(BuildChatBody(result.model, messages, w.answer_len, o.ignore_eos), "",
-                     [&](ChatResult&& r) {
+                     [&, lead_tokens](ChatResult&& r) {
                        if (r.ok()) {
                          ++ok;
                          if (r.usage_reported && r.prompt_tokens > 0) {
-                           ratios.push_back(static_cast<double>(r.prompt_tokens) /
-                                            static_cast<double>(EstimatePromptTokens(w, 1)));
+                           ratios.push_back(
+                               static_cast<double>(r.prompt_tokens) /
+                               static_cast<double>(EstimatePromptTokens(w, 1) + lead_tokens));
                          }
                        } else if (first_error.empty()) {
                          first_error = r.error;
                        }
                      });
     }
-    while (client->in_flight() > 0 && !Stopped(o)) KVTIER_RETURN_IF_ERROR(client->Poll(50));
+    const double warmup_start = tb.Now();
+    const double warmup_end = o.duration_s > 0 ? warmup_start + o.duration_s
+                                               : std::numeric_limits<double>::infinity();
+    double last_note = warmup_start;
+    while (client->in_flight() > 0 && !Stopped(o) && tb.Now() < warmup_end) {
+      KVTIER_RETURN_IF_ERROR(client->Poll(PollTimeoutMs(tb.Now(), std::min(warmup_end, tb.Now() + 0.05))));
+      if (tb.Now() - last_note >= 10) {
+        last_note = tb.Now();
+        console.Log(fmt::format("warm-up: {} of {} requests answered after {:.0f} s", ok,
+                                o.warmup_requests, last_note - warmup_start));
+      }
+    }
     if (Stopped(o)) return Status::Aborted("interrupted during the warm-up");
+    if (const size_t stuck = client->AbortAll(); stuck > 0) {
+      return Status::Unavailable(fmt::format(
+          "the warm-up did not finish within {:.0f} s (--time bounds it): {} of its {} requests "
+          "were still unanswered{}{}; the server is stuck or far slower than this workload needs",
+          o.duration_s, stuck, o.warmup_requests, first_error.empty() ? "" : "; the first failure: ",
+          first_error));
+    }
     if (ok == 0) {
       return Status::Unavailable(
           fmt::format("all {} warm-up requests failed; the first: {}", o.warmup_requests, first_error));
@@ -327,13 +490,14 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
 
   FailureLog failure_log(console);
 
-  // Runs one phase until `end` (Unix time), `stop`, or everything failing.
-  auto run_phase = [&](SessionManager& manager, PhaseState& st, double end,
-                       const std::function<void(double now)>& on_tick) -> Status {
-    HttpLauncher launcher(*client, o, result.model, tb, st, failure_log);
+  // Runs one phase until `end` (Unix time), `stop`, the server gone or everything failing. The
+  // launcher must outlive the requests it sent: the drain after the phase completes them.
+  auto run_phase = [&](SessionManager& manager, HttpLauncher& launcher, PhaseState& st,
+                       double end, const std::function<void(double now)>& on_tick) -> Status {
     while (true) {
       const double now = tb.Now();
       if (Stopped(o) || now >= end) break;
+      if (st.connect_failures_in_a_row >= o.server_gone_after) break;  // the server is gone
       manager.Step(now, launcher);
       st.peak_in_flight = std::max<int64_t>(st.peak_in_flight, static_cast<int64_t>(client->in_flight()));
       if (on_tick) on_tick(now);
@@ -361,7 +525,8 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
       const double start = tb.Now();
       const double end = start + o.capacity_stage_s;
       double last_progress = start;
-      KVTIER_RETURN_IF_ERROR(run_phase(manager, st, end, [&](double now) {
+      HttpLauncher launcher(*client, o, result.model, tb, st, failure_log, console);
+      KVTIER_RETURN_IF_ERROR(run_phase(manager, launcher, st, end, [&](double now) {
         if (now - last_progress >= (o.progress_in_place ? o.progress_interval_s : 10.0)) {
           last_progress = now;
           console.Progress(fmt::format("[capacity, {} streams, {:>4.0f}/{:.0f} s] finished {}, failed {}",
@@ -411,11 +576,20 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
 
   // The measured run.
   console.Log(fmt::format(
-      "running {} users x {} rounds at {} qps for {}: a send every {:.2f} s per user, a new user "
-      "every {:.2f} s; peak prompt about {} tokens",
+      "running {} users x {} rounds at {} qps {}: a send every {:.2f} s per user, a new user "
+      "every {:.2f} s; peak prompt about {} tokens; requests in flight at the end are waited for "
+      "(up to {:.0f} s) and included",
       w.num_users, w.num_rounds, w.qps,
-      o.duration_s > 0 ? fmt::format("{:.0f} s", o.duration_s) : std::string("until interrupted"),
-      w.gap_between_requests(), w.gap_between_users(), result.peak_prompt_estimate));
+      o.duration_s > 0 ? fmt::format("for {:g} s", o.duration_s)
+                       : std::string("until interrupted (Ctrl-C)"),
+      w.gap_between_requests(), w.gap_between_users(), result.peak_prompt_estimate,
+      o.drain_timeout_s));
+  if (o.duration_s > 0 && o.duration_s < w.gap_between_requests()) {
+    console.Log(fmt::format(
+        "note: --time {:g} is shorter than a user's gap between questions ({:.1f} s): most users "
+        "ask once at most, and the run sends about {:.0f} requests",
+        o.duration_s, w.gap_between_requests(), w.expected_qps() * o.duration_s + 1));
+  }
   SessionManager manager(w);
   PhaseState st;
   const double start = tb.Now();
@@ -424,7 +598,8 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   int64_t held_at_last_log = 0;
   int64_t interval_peak = 0;
   const double progress_every = o.progress_in_place ? o.progress_interval_s : 10.0;
-  Status run_status = run_phase(manager, st, end, [&](double now) {
+  HttpLauncher launcher(*client, o, result.model, tb, st, failure_log, console);
+  Status run_status = run_phase(manager, launcher, st, end, [&](double now) {
     interval_peak = std::max<int64_t>(interval_peak, static_cast<int64_t>(client->in_flight()));
     if (now - last_progress >= progress_every) {
       last_progress = now;
@@ -445,40 +620,114 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
       s.held_back = manager.held_back() - held_at_last_log;
       s.peak_in_flight = interval_peak;
       console.Print(FormatSummary(s, fmt::format("Summary of the last {:.0f} s", now - last_log)));
-      if (auto warning = SaturationWarning(s, w); !warning.empty()) console.Log("WARNING: " + warning);
+      // Conversations ended by refused requests send less: that is not saturation.
+      if (st.abandoned_users == 0) {
+        if (auto warning = SaturationWarning(s, w); !warning.empty()) console.Log("WARNING: " + warning);
+      }
       last_log = now;
       held_at_last_log = manager.held_back();
       interval_peak = 0;
     }
   });
   const double stop_time = tb.Now();
-  const auto unfinished = static_cast<int64_t>(client->in_flight());
-  client->AbortAll();
-  KVTIER_RETURN_IF_ERROR(run_status);
+  const auto on_the_fly = static_cast<int64_t>(client->in_flight());
+  if (!run_status.ok()) {
+    client->AbortAll();
+    return run_status;
+  }
+  const bool server_gone = st.connect_failures_in_a_row >= o.server_gone_after;
 
+  // Drain: wait for the requests in flight and include them. Leaving them out would drop the
+  // slowest answers exactly when the server queues, biasing TTFT low.
+  if (on_the_fly > 0 && o.drain_timeout_s > 0 && !GaveUp(o)) {
+    // Interrupted: the next interrupt gives up. Ended by --time: the first one does.
+    const bool stopped_before = Stopped(o);
+    auto give_up = [&] { return GaveUp(o) || (!stopped_before && Stopped(o)); };
+    console.Log(fmt::format(
+        "sending stopped; waiting up to {:g} s for the {} requests in flight (they are included{})",
+        o.drain_timeout_s, on_the_fly,
+        o.stop == nullptr ? ""
+        : stopped_before  ? "; Ctrl-C again to give up on them"
+                          : "; Ctrl-C to give up on them"));
+    const double drain_end = tb.Now() + o.drain_timeout_s;
+    double last_note = tb.Now();
+    while (client->in_flight() > 0 && !give_up() && tb.Now() < drain_end) {
+      KVTIER_RETURN_IF_ERROR(client->Poll(PollTimeoutMs(tb.Now(), std::min(drain_end, tb.Now() + 0.05))));
+      if (tb.Now() - last_note >= (o.progress_in_place ? o.progress_interval_s : 10.0)) {
+        last_note = tb.Now();
+        console.Progress(fmt::format("[drain {:>4.0f} s / {:.0f} s] in flight {}",
+                                     last_note - stop_time, o.drain_timeout_s, client->in_flight()));
+      }
+    }
+  }
+  // What is left is censored: recorded as unfinished with how long it waited.
+  client->CancelAll();
+
+  result.unfinished = st.unfinished;
   result.records = std::move(st.records);
-  result.summary = Summarize(result.records, st.launches, st.failures, start, stop_time, unfinished, w.qps);
+  result.abandoned_users = st.abandoned_users;
+  result.summary = SummarizeRun(result.records, st.launches, st.failures, st.unfinished, start,
+                                stop_time, w.qps);
+  result.summary.on_the_fly = on_the_fly;
   result.summary.expected_qps = w.expected_qps();
   result.summary.held_back = manager.held_back();
   result.summary.peak_in_flight = st.peak_in_flight;
+  if (server_gone) {
+    result.errors.push_back(fmt::format(
+        "the server stopped answering {:.0f} s into the run: {} connection failures in a row since "
+        "the last answer (the first: {}); the figures cover the run until then",
+        st.first_connect_failure - start, st.connect_failures_in_a_row, st.first_connect_error));
+  }
+  // Refused requests are not retried; a round the server refuses is lost for every user.
+  for (const auto& [round, refused] : st.refused_by_round) {
+    const int64_t answered = st.answered_by_round[round];
+    const std::string what = fmt::format(
+        "the server refused {} of the {} requests in round {} of their conversation (HTTP 4xx, not "
+        "retried: each ended its user's conversation); the first: {}",
+        refused, refused + answered, round, st.first_refusal);
+    if (refused >= 2 && refused >= answered) {
+      result.errors.push_back(
+          what + ". The round is lost, so later rounds are never measured: fix the request (e.g. "
+                 "a prompt over the context window: pass --max-model-len, lower --num-rounds, "
+                 "--answer-len or the prompt lengths)");
+    } else {
+      result.warnings.push_back(what);
+    }
+  }
   if (result.records.empty()) {
+    for (const auto& e : result.errors) console.Log("ERROR: " + e);
     if (Stopped(o)) return Status::Aborted("interrupted before any request finished");
     return Status::Unavailable(fmt::format(
-        "no request finished in {:.0f} s ({} sent, {} failed{}{}); try a longer --time", stop_time - start,
-        st.launches.size(), st.failures.size(), st.first_error.empty() ? "" : "; the first: ",
-        st.first_error));
+        "no request finished in {:.0f} s ({} sent, {} failed, {} unfinished{}{}); try a longer --time",
+        stop_time - start, st.launches.size(), st.failures.size(), st.unfinished.size(),
+        st.first_error.empty() ? "" : "; the first failure: ", st.first_error));
+  }
+  if (result.summary.unfinished > 0) {
+    result.warnings.push_back(fmt::format(
+        "{} requests were still unanswered {:.0f} s after the run stopped sending and are in no "
+        "figure ({} had no first token after up to {:.1f} s): TTFT is biased low; raise "
+        "--drain-timeout",
+        result.summary.unfinished, o.drain_timeout_s,
+        result.summary.unfinished_without_first_token, result.summary.unfinished_longest_wait));
   }
   if (st.missing_usage) {
     result.warnings.push_back(
         "the server did not report token usage in the stream (stream_options.include_usage): "
         "prompt_tokens are 0 and generation_tokens count streamed chunks");
   }
-  if (auto warning = SaturationWarning(result.summary, w); !warning.empty()) {
+  if (result.abandoned_users > 0) {
+    result.warnings.push_back(fmt::format(
+        "{} conversations ended at a refused request, so fewer requests were sent than the pacing "
+        "would (actual QPS {:.3f} against {:.3f}); the saturation check is off for this run",
+        result.abandoned_users, result.summary.actual_qps, w.expected_qps()));
+  } else if (auto warning = SaturationWarning(result.summary, w); !warning.empty()) {
     result.saturated = true;
     result.warnings.push_back(warning);
   }
+  if (auto note = ShortRunNote(result.summary, w); !note.empty()) result.warnings.push_back(note);
   console.Print(FormatSummary(result.summary, "Performance summary"));
   for (const auto& warning : result.warnings) console.Log("WARNING: " + warning);
+  for (const auto& error : result.errors) console.Log("ERROR: " + error);
   return result;
 }
 
@@ -496,6 +745,9 @@ std::string QaBenchResultToJson(const QaBenchOptions& o, const QaBenchResult& r)
                  {"time_s", o.duration_s},
                  {"init_user_id", w.init_user_id},
                  {"warmup_requests", o.warmup_requests},
+                 {"warmup_shared_prefix", o.warmup_shared_prefix},
+                 {"drain_timeout_s", o.drain_timeout_s},
+                 {"in_flight_at_end", "drained and included; unanswered after the drain: unfinished"},
                  {"find_capacity", o.find_capacity}};
   j["max_model_len"] = r.max_model_len;
   j["peak_prompt_tokens_estimate"] = r.peak_prompt_estimate;
@@ -503,6 +755,16 @@ std::string QaBenchResultToJson(const QaBenchOptions& o, const QaBenchResult& r)
   j["summary"] = nlohmann::json::parse(SummaryToJson(r.summary));
   j["saturated"] = r.saturated;
   j["warnings"] = r.warnings;
+  j["errors"] = r.errors;
+  j["abandoned_users"] = r.abandoned_users;
+  j["unfinished"] = nlohmann::json::array();
+  for (const auto& u : r.unfinished) {
+    j["unfinished"].push_back({{"user_id", u.user_id},
+                               {"question_id", u.question_id},
+                               {"launch_time", u.launch_time},
+                               {"waited_s", u.waited},
+                               {"ttft_s", u.ttft >= 0 ? nlohmann::json(u.ttft) : nlohmann::json()}});
+  }
   if (o.find_capacity) {
     j["capacity"]["service_rate_rps"] = r.service_rate_rps;
     j["capacity"]["recommended_qps"] = r.recommended_qps;

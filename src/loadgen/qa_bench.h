@@ -4,7 +4,8 @@
 // window), sends a few warm-up requests (excluded from the results, and used to check how the
 // server counts prompt tokens), then either
 //  * runs the workload (workload.h) for `duration_s`, printing a summary every
-//    `log_interval_s` and at the end, or
+//    `log_interval_s`; then stops sending, drains the requests still in flight (waits for them, up
+//    to `drain_timeout_s`, and includes them: see stats.h) and prints the final summary, or
 //  * with `find_capacity`, overloads the server on purpose: closed-loop stages with 1x, 2x,
 //    4x ... `num_users` concurrent conversations until the finished-request rate stops growing by
 //    10 %, and reports that rate (the service rate) and the qps that keeps the server at 65 % of it.
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvtier/status.h"
@@ -30,7 +32,7 @@ struct QaBenchOptions {
   std::string base_url = "http://localhost:8000/v1";
   std::string model;             // empty: the first model the server lists
   std::string api_key;           // bearer token, if the server wants one
-  double duration_s = 60;        // --time; 0 = until `stop`
+  double duration_s = 60;        // --time; 0 = until `stop`. Also bounds the warm-up.
   double log_interval_s = 30;
   int warmup_requests = 10;
   double request_timeout_s = 600;
@@ -45,7 +47,25 @@ struct QaBenchOptions {
   double capacity_target = 0.65; // fraction of the service rate to recommend
   // Abort when this many requests failed and none succeeded.
   int fail_fast_after = 20;
-  const std::atomic<bool>* stop = nullptr;
+  // At the end of the run, how long to wait for the requests in flight (they are included);
+  // those still unanswered then are recorded as unfinished. 0: do not wait.
+  double drain_timeout_s = 600;
+  // The warm-up's prompts begin with the run's shared system prompt (so the server has cached
+  // it before the run, as a server in production would have). false: each warm-up prompt begins
+  // with a text of its own, so nothing it leaves in the cache is a prefix of the run's prompts.
+  bool warmup_shared_prefix = true;
+  // Files the caller will write after the run (--output, --json-summary): refused before any
+  // request is sent when they cannot be written.
+  std::vector<std::pair<std::string, std::string>> output_files;  // (flag, path)
+  // This many connection failures in a row, with no answer between them, mean the server is
+  // gone: the run stops and reports it as an error.
+  int server_gone_after = 3;
+  bool verbose = false;  // log every send and every answer
+  // Send nothing: play the workload's pacing on a simulated clock for `duration_s` (or one
+  // conversation's life when 0), answering every request at once, and report what would be sent.
+  bool dry_run = false;
+  const std::atomic<bool>* stop = nullptr;     // stop sending (then drain)
+  const std::atomic<bool>* give_up = nullptr;  // stop draining: the rest is unfinished
   std::function<void(const std::string&)> print;  // results (summaries, tables)
   std::function<void(const std::string&)> log;    // progress, warnings, errors
   bool progress_in_place = false;  // progress line rewritten with \r (a terminal)
@@ -66,10 +86,20 @@ struct QaBenchResult {
   int64_t max_model_len = 0;           // 0 when unknown
   int64_t peak_prompt_estimate = 0;    // tokens, after calibration
   double token_scale = 1;              // server tokens / estimated tokens in the warm-up
-  std::vector<RequestRecord> records;  // finished requests of the measured run
+  std::vector<RequestRecord> records;  // finished requests of the measured run, drained included
+  std::vector<UnfinishedRecord> unfinished;  // given up on at the end of the drain
   Summary summary;                     // the whole measured run
   std::vector<std::string> warnings;
   bool saturated = false;
+  // Faults that make the run's figures unfit to publish although it measured something: a round
+  // of the conversation systematically refused by the server, the server gone mid-run. The
+  // command prints the summary, writes its files, then these, and exits non-zero.
+  std::vector<std::string> errors;
+  int64_t abandoned_users = 0;  // conversations ended by a refused request
+  // --dry-run only:
+  int64_t dry_run_sends = 0;
+  int dry_run_users = 0;
+  double dry_run_seconds = 0;
   // --find-capacity only:
   std::vector<CapacityStage> stages;
   double service_rate_rps = 0;
@@ -78,8 +108,10 @@ struct QaBenchResult {
 
 Status ValidateQaBenchOptions(const QaBenchOptions& options);
 
-// Fails with InvalidArgument (bad options, a guard refused), Unavailable (server unreachable or
-// every request failing), Aborted (stopped before anything finished).
+// Fails with InvalidArgument (bad options, a guard refused, an output file that cannot be
+// written), Unavailable (server unreachable, the warm-up failing or outlasting `duration_s`, every
+// request failing), Aborted (stopped before anything finished). A run that measured something but
+// went wrong returns its result with `errors`.
 Result<QaBenchResult> RunQaBench(const QaBenchOptions& options);
 
 // The JSON document for --json-summary: options, final summary, warnings, capacity stages.

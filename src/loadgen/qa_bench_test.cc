@@ -6,6 +6,7 @@
 #include <map>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "loadgen/stats.h"
 #include "loadgen/testing/fake_openai_server.h"
@@ -327,6 +328,217 @@ TEST(QaBench, StopsWhenAsked) {
   ASSERT_TRUE(result.ok()) << result.status().ToString();
   EXPECT_GT(result->summary.finished, 0);
   EXPECT_LT(result->summary.seconds, 5);
+}
+
+
+// Every request sent is accounted for: answered (drained ones included), failed or unfinished.
+int64_t Accounted(const QaBenchResult& r) {
+  return static_cast<int64_t>(r.records.size()) + r.summary.failed +
+         static_cast<int64_t>(r.unfinished.size());
+}
+
+TEST(QaBench, DrainsTheRequestsInFlightAtTheEndAndIncludesThem) {
+  // A saturated server: one request at a time, 0.15 s each, so requests queue and the ones in
+  // flight at the end are the ones that waited longest.
+  FakeServerOptions so;
+  so.max_concurrent = 1;
+  so.first_token_delay_s = 0.15;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_users = 6;
+  o.workload.qps = 12;
+  o.duration_s = 1.5;
+  o.warmup_requests = 1;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GT(result->summary.on_the_fly, 0);
+  EXPECT_EQ(result->summary.drained, result->summary.on_the_fly);
+  EXPECT_EQ(result->summary.unfinished, 0);
+  EXPECT_TRUE(result->unfinished.empty());
+  // Every request launched in the run is in the records, the drained ones finishing after the
+  // window; their TTFT counts, so the mean covers the whole queue.
+  EXPECT_EQ(static_cast<int64_t>(result->records.size()), result->summary.sent);
+  const double window_end = result->summary.end;
+  double late_max_ttft = 0;
+  for (const auto& r : result->records) {
+    if (r.finish_time > window_end) late_max_ttft = std::max(late_max_ttft, r.ttft);
+  }
+  EXPECT_GT(late_max_ttft, 0.15);
+  EXPECT_EQ(Accounted(*result), result->summary.sent);
+}
+
+TEST(QaBench, RecordsWhatTheDrainCannotWaitForAsUnfinished) {
+  FakeServerOptions so;
+  so.first_token_delay_s = 0.8;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 2;
+  o.warmup_requests = 1;
+  o.drain_timeout_s = 0.1;  // shorter than any answer
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_GT(result->summary.on_the_fly, 0);
+  // Those sent in the last 0.1 s of an answer's 0.8 s finish during the drain; the others not.
+  EXPECT_GT(result->summary.unfinished, 0);
+  EXPECT_EQ(result->summary.unfinished + result->summary.drained, result->summary.on_the_fly);
+  EXPECT_EQ(result->summary.unfinished_without_first_token, result->summary.unfinished);
+  ASSERT_EQ(static_cast<int64_t>(result->unfinished.size()), result->summary.unfinished);
+  for (const auto& u : result->unfinished) {
+    EXPECT_GE(u.waited, 0.09);
+    EXPECT_LT(u.waited, 0.8 + 0.5);
+    EXPECT_LT(u.ttft, 0);
+  }
+  EXPECT_EQ(Accounted(*result), result->summary.sent);
+  bool warned = false;
+  for (const auto& w : result->warnings) warned |= w.find("biased low") != std::string::npos;
+  EXPECT_TRUE(warned);
+  auto json = nlohmann::json::parse(QaBenchResultToJson(o, *result));
+  EXPECT_EQ(json["summary"]["unfinished"].get<int64_t>(), result->summary.unfinished);
+  EXPECT_EQ(json["unfinished"].size(), result->unfinished.size());
+}
+
+TEST(QaBench, ASecondStopGivesUpOnTheDrain) {
+  FakeServerOptions so;
+  so.first_token_delay_s = 3;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 0;
+  o.warmup_requests = 0;
+  std::atomic<bool> stop{false}, give_up{false};
+  o.stop = &stop;
+  o.give_up = &give_up;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    stop = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    give_up = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = RunQaBench(o);
+  stopper.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  // Nothing finished: interrupted, with the requests unanswered.
+  EXPECT_EQ(result.status().code(), StatusCode::kAborted);
+}
+
+TEST(QaBench, RefusedRequestsAreNotRetriedAndALostRoundFailsTheRun) {
+  // The server refuses the third round (its prompt is over a context window it does not
+  // report), as vLLM does with HTTP 400.
+  FakeServerOptions so;
+  so.max_model_len = 130;  // round 1: 85 + 5 tokens, round 2: 112 + 5, round 3: 139 + 5
+  so.report_max_model_len = false;
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 2.5;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GE(result->summary.failures["rejected"], 2);
+  EXPECT_EQ(result->summary.failures["http_status"], 0);
+  EXPECT_EQ(result->abandoned_users, result->summary.failures["rejected"]);
+  ASSERT_FALSE(result->errors.empty());
+  EXPECT_NE(result->errors[0].find("round 3"), std::string::npos) << result->errors[0];
+  EXPECT_NE(result->errors[0].find("maximum context length"), std::string::npos)
+      << result->errors[0];
+  // No user asked its refused question twice.
+  std::map<std::string, int> third_round_asks;
+  for (const auto& r : server->received()) {
+    if (!r.user_id.empty() && r.messages == 5) ++third_round_asks[r.user_id];
+  }
+  ASSERT_FALSE(third_round_asks.empty());
+  for (const auto& [user, asks] : third_round_asks) EXPECT_EQ(asks, 1) << "user " << user;
+  auto json = nlohmann::json::parse(QaBenchResultToJson(o, *result));
+  EXPECT_FALSE(json["errors"].empty());
+}
+
+TEST(QaBench, AServerThatDiesMidRunFailsTheRun) {
+  auto server = StartServer();
+  auto o = SmallRun(*server);
+  o.duration_s = 3;
+  o.warmup_requests = 1;
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    server->Stop();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = RunQaBench(o);
+  killer.join();
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_GT(result->summary.finished, 0);
+  ASSERT_FALSE(result->errors.empty());
+  EXPECT_NE(result->errors[0].find("stopped answering"), std::string::npos) << result->errors[0];
+  EXPECT_GT(result->summary.failures["connect"], 0);
+  // It stopped when the server went, not at the end of --time.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2900));
+}
+
+TEST(QaBench, TimeBoundsTheWarmUp) {
+  FakeServerOptions so;
+  so.first_token_delay_s = 1.5;  // a stuck server, as far as a 0.3 s run is concerned
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.duration_s = 0.3;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = RunQaBench(o);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1200));
+  EXPECT_EQ(result.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(result.status().message().find("warm-up did not finish within"), std::string::npos)
+      << result.status().message();
+}
+
+TEST(QaBench, RefusesAnUnwritableOutputBeforeSendingAnything) {
+  auto server = StartServer();
+  auto o = SmallRun(*server);
+  o.output_files = {{"--output", "/nonexistent-kvtier-dir/summary.csv"}};
+  auto result = RunQaBench(o);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("--output /nonexistent-kvtier-dir/summary.csv"),
+            std::string::npos)
+      << result.status().message();
+  EXPECT_EQ(server->chat_requests(), 0);
+
+  kvtier::testing::TempDir dir("out");
+  o.output_files = {{"--output", dir.Sub("summary.csv")}};
+  o.duration_s = 0.5;
+  EXPECT_TRUE(RunQaBench(o).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.Sub("summary.csv.tmp")));
+}
+
+TEST(QaBench, TheWarmUpCachesTheSharedPrefixOnlyWhenAsked) {
+  for (bool shared : {true, false}) {
+    auto server = StartServer();
+    auto o = SmallRun(*server);
+    o.warmup_shared_prefix = shared;
+    o.duration_s = 0.3;
+    ASSERT_TRUE(RunQaBench(o).ok());
+    int warmups = 0;
+    for (const auto& r : server->received()) {
+      if (!r.user_id.empty()) continue;  // warm-up requests carry no user id
+      ++warmups;
+      EXPECT_EQ(r.first_message.rfind("This is the shared system prompt", 0) == 0, shared)
+          << r.first_message;
+    }
+    EXPECT_EQ(warmups, 2);
+  }
+}
+
+TEST(QaBench, ADryRunSendsNothingAndCountsWhatItWouldSend) {
+  QaBenchOptions o;
+  o.base_url = "http://127.0.0.1:1/v1";  // nothing listens there
+  o.workload.num_users = 10;
+  o.workload.num_rounds = 5;
+  o.workload.qps = 2;
+  o.duration_s = 100;
+  o.dry_run = true;
+  std::string printed;
+  o.print = [&](const std::string& s) { printed += s; };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));  // simulated time
+  // The pacing sends 2 x 5 / 4 = 2.5 requests/s.
+  EXPECT_NEAR(static_cast<double>(result->dry_run_sends), 250, 25);
+  EXPECT_TRUE(result->records.empty());
+  EXPECT_NE(printed.find("Dry run (nothing sent)"), std::string::npos);
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -20,6 +23,35 @@ double Quantile(std::vector<double> values, double q) {
   return values[lo] + (values[hi] - values[lo]) * frac;
 }
 
+namespace {
+
+// TTFT, request time and generation throughput over `records`.
+void SetLatencies(const std::vector<const RequestRecord*>& records, Summary& s) {
+  std::vector<double> ttfts, latencies;
+  double per_request_rate = 0;
+  int64_t rated = 0;
+  for (const RequestRecord* r : records) {
+    ttfts.push_back(r->ttft);
+    latencies.push_back(r->finish_time - r->launch_time);
+    if (r->generation_time > 0) {
+      per_request_rate += static_cast<double>(r->generation_tokens) / r->generation_time;
+      ++rated;
+    }
+  }
+  s.generation_tokens_per_request_s = rated > 0 ? per_request_rate / static_cast<double>(rated) : 0;
+  s.mean_ttft = s.median_ttft = s.p90_ttft = s.median_latency = 0;
+  if (!ttfts.empty()) {
+    double sum = 0;
+    for (double t : ttfts) sum += t;
+    s.mean_ttft = sum / static_cast<double>(ttfts.size());
+    s.median_ttft = Quantile(ttfts, 0.5);
+    s.p90_ttft = Quantile(ttfts, 0.9);
+    s.median_latency = Quantile(latencies, 0.5);
+  }
+}
+
+}  // namespace
+
 Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<double>& launches,
                   const std::vector<FailureRecord>& failures, double start, double end,
                   int64_t on_the_fly, double config_qps) {
@@ -30,20 +62,14 @@ Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<d
   s.config_qps = config_qps;
   s.on_the_fly = on_the_fly;
   for (double t : launches) s.sent += (t >= start && t <= end) ? 1 : 0;
-  std::vector<double> ttfts, latencies;
-  double prompt = 0, generated = 0, per_request_rate = 0;
-  int64_t rated = 0;
+  std::vector<const RequestRecord*> finished;
+  double prompt = 0, generated = 0;
   for (const auto& r : records) {
     if (r.finish_time < start || r.finish_time > end) continue;
     ++s.finished;
     prompt += static_cast<double>(r.prompt_tokens);
     generated += static_cast<double>(r.generation_tokens);
-    ttfts.push_back(r.ttft);
-    latencies.push_back(r.finish_time - r.launch_time);
-    if (r.generation_time > 0) {
-      per_request_rate += static_cast<double>(r.generation_tokens) / r.generation_time;
-      ++rated;
-    }
+    finished.push_back(&r);
   }
   for (const auto& f : failures) {
     if (f.finish_time < start || f.finish_time > end) continue;
@@ -54,14 +80,30 @@ Summary Summarize(const std::vector<RequestRecord>& records, const std::vector<d
   s.processing_speed = static_cast<double>(s.finished) / s.seconds;
   s.input_tokens_per_s = prompt / s.seconds;
   s.output_tokens_per_s = generated / s.seconds;
-  s.generation_tokens_per_request_s = rated > 0 ? per_request_rate / static_cast<double>(rated) : 0;
-  if (!ttfts.empty()) {
-    double sum = 0;
-    for (double t : ttfts) sum += t;
-    s.mean_ttft = sum / static_cast<double>(ttfts.size());
-    s.median_ttft = Quantile(ttfts, 0.5);
-    s.p90_ttft = Quantile(ttfts, 0.9);
-    s.median_latency = Quantile(latencies, 0.5);
+  SetLatencies(finished, s);
+  return s;
+}
+
+Summary SummarizeRun(const std::vector<RequestRecord>& records, const std::vector<double>& launches,
+                     const std::vector<FailureRecord>& failures,
+                     const std::vector<UnfinishedRecord>& unfinished, double start, double end,
+                     double config_qps) {
+  Summary s = Summarize(records, launches, {}, start, end, 0, config_qps);
+  std::vector<const RequestRecord*> sent_in_run;
+  for (const auto& r : records) {
+    if (r.launch_time < start || r.launch_time > end) continue;
+    sent_in_run.push_back(&r);
+    if (r.finish_time > end) ++s.drained;
+  }
+  SetLatencies(sent_in_run, s);
+  for (const auto& f : failures) {
+    ++s.failed;
+    ++s.failures[f.kind];
+  }
+  for (const auto& u : unfinished) {
+    ++s.unfinished;
+    if (u.ttft < 0) ++s.unfinished_without_first_token;
+    s.unfinished_longest_wait = std::max(s.unfinished_longest_wait, u.waited);
   }
   return s;
 }
@@ -93,10 +135,101 @@ Status WriteCsv(const std::string& path, const std::vector<RequestRecord>& recor
   return Status::Ok();
 }
 
+Result<std::vector<RequestRecord>> ReadCsv(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::FromErrno(errno, fmt::format("opening {}", path));
+  auto split = [](const std::string& line) {
+    std::vector<std::string> cells;
+    std::string cell;
+    for (char c : line) {
+      if (c == ',') {
+        cells.push_back(cell);
+        cell.clear();
+      } else if (c != '\r') {
+        cell.push_back(c);
+      }
+    }
+    cells.push_back(cell);
+    return cells;
+  };
+  std::string line;
+  if (!std::getline(in, line)) return Status::InvalidArgument(fmt::format("{} is empty", path));
+  const std::vector<std::string> header = split(line);
+  const char* kColumns[] = {"prompt_tokens", "generation_tokens", "ttft", "generation_time",
+                            "user_id", "question_id", "launch_time", "finish_time"};
+  int index[8];
+  for (int c = 0; c < 8; ++c) {
+    auto it = std::find(header.begin(), header.end(), kColumns[c]);
+    if (it == header.end()) {
+      return Status::InvalidArgument(fmt::format("{}: no column {} in the header", path, kColumns[c]));
+    }
+    index[c] = static_cast<int>(it - header.begin());
+  }
+  std::vector<RequestRecord> records;
+  for (int number = 2; std::getline(in, line); ++number) {
+    if (line.empty() || line == "\r") continue;
+    const std::vector<std::string> cells = split(line);
+    double v[8];
+    for (int c = 0; c < 8; ++c) {
+      const auto i = static_cast<size_t>(index[c]);
+      char* end = nullptr;
+      errno = 0;
+      v[c] = i < cells.size() ? std::strtod(cells[i].c_str(), &end) : 0;
+      if (i >= cells.size() || end == cells[i].c_str() || *end != '\0' || errno != 0 ||
+          !std::isfinite(v[c])) {
+        return Status::InvalidArgument(
+            fmt::format("{} line {}: {} is not a number", path, number, kColumns[c]));
+      }
+    }
+    RequestRecord r;
+    r.prompt_tokens = static_cast<int64_t>(v[0]);
+    r.generation_tokens = static_cast<int64_t>(v[1]);
+    r.ttft = v[2];
+    r.generation_time = v[3];
+    r.user_id = static_cast<int>(v[4]);
+    r.question_id = static_cast<int>(v[5]);
+    r.launch_time = v[6];
+    r.finish_time = v[7];
+    records.push_back(r);
+  }
+  return records;
+}
+
+Result<Summary> SummarizeCsv(const std::vector<RequestRecord>& records) {
+  if (records.empty()) return Status::InvalidArgument("the CSV holds no request");
+  double start = records.front().launch_time, end = records.front().finish_time;
+  std::vector<double> launches;
+  for (const auto& r : records) {
+    start = std::min(start, r.launch_time);
+    end = std::max(end, r.finish_time);
+    launches.push_back(r.launch_time);
+  }
+  return Summarize(records, launches, {}, start, end, 0, 0);
+}
+
+Status CheckWritable(const std::string& path, const std::string& flag) {
+  // WriteCsv writes beside the file and renames: the directory must take a new file.
+  const std::string probe = path + ".tmp";
+  const bool existed = std::filesystem::exists(probe);
+  std::ofstream out(probe, std::ios::app);
+  if (!out) {
+    return Status::InvalidArgument(
+        fmt::format("{} {}: cannot write there ({})", flag, path, std::strerror(errno)));
+  }
+  out.close();
+  if (!existed) std::filesystem::remove(probe);
+  if (std::filesystem::is_directory(path)) {
+    return Status::InvalidArgument(fmt::format("{} {}: is a directory", flag, path));
+  }
+  return Status::Ok();
+}
+
 std::string FormatSummary(const Summary& s, const std::string& title) {
   std::string out;
   out += fmt::format("==================== {} ====================\n", title);
-  out += fmt::format("  Config QPS:                       {:.4f} reqs/s\n", s.config_qps);
+  if (s.config_qps > 0) {  // 0: not known (the summary of a CSV)
+    out += fmt::format("  Config QPS:                       {:.4f} reqs/s\n", s.config_qps);
+  }
   if (s.expected_qps > 0) {
     out += fmt::format("  Expected QPS (pacing):            {:.4f} reqs/s\n", s.expected_qps);
   }
@@ -120,10 +253,21 @@ std::string FormatSummary(const Summary& s, const std::string& title) {
     }
     out += fmt::format("  Failed requests:                  {} ({})\n", s.failed, kinds);
   }
+  if (s.drained > 0) {
+    out += fmt::format("  Finished after the end (drained): {} (in the TTFT figures)\n", s.drained);
+  }
+  if (s.unfinished > 0) {
+    out += fmt::format(
+        "  Unfinished, given up (censored):  {} ({} without a first token; waited up to {:.2f} s; "
+        "in no figure)\n",
+        s.unfinished, s.unfinished_without_first_token, s.unfinished_longest_wait);
+  }
   if (s.held_back > 0) {
     out += fmt::format("  Sends held back (answer pending): {}\n", s.held_back);
   }
-  out += fmt::format("  Peak concurrent streams:          {}\n", s.peak_in_flight);
+  if (s.peak_in_flight > 0) {
+    out += fmt::format("  Peak concurrent streams:          {}\n", s.peak_in_flight);
+  }
   out += fmt::format("  Window:                           {:.2f} s\n", s.seconds);
   return out;
 }
@@ -151,6 +295,10 @@ std::string SummaryToJson(const Summary& s) {
       {"median_request_time_s", s.median_latency},
       {"held_back_sends", s.held_back},
       {"peak_concurrent_streams", s.peak_in_flight},
+      {"drained", s.drained},
+      {"unfinished", s.unfinished},
+      {"unfinished_without_first_token", s.unfinished_without_first_token},
+      {"unfinished_longest_wait_s", s.unfinished_longest_wait},
   };
   return j.dump(2);
 }

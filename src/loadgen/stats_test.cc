@@ -1,5 +1,6 @@
 #include "loadgen/stats.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -89,6 +90,83 @@ TEST(Csv, HasExactlyTheBenchmarkColumns) {
   EXPECT_EQ(lines[0], CsvHeader());
   EXPECT_EQ(lines[2], CsvRow(r));
   EXPECT_FALSE(WriteCsv(dir.Sub("no/such/dir/x.csv"), {r}).ok());
+}
+
+TEST(SummarizeRun, CountsTheDrainedRequestsInTheLatenciesButNotTheRates) {
+  std::vector<RequestRecord> records = {
+      Rec(100.0, 0.1, 0.9, 1000, 10),  // finishes at 101
+      Rec(104.0, 0.2, 0.8, 1000, 10),  // finishes at 105
+      Rec(109.0, 4.0, 1.0, 1000, 10),  // sent in the window, drained: finishes at 114
+  };
+  std::vector<double> launches = {100.0, 104.0, 109.0, 109.5};
+  std::vector<FailureRecord> failures = {{103, "connect"}, {112, "early_close"}};
+  std::vector<UnfinishedRecord> unfinished = {{7, 2, 109.5, 20.5, -1}};
+  Summary s = SummarizeRun(records, launches, failures, unfinished, 100, 110, 0.5);
+  EXPECT_EQ(s.sent, 4);
+  EXPECT_EQ(s.finished, 2);  // finished in the window: the rates
+  EXPECT_DOUBLE_EQ(s.processing_speed, 0.2);
+  EXPECT_EQ(s.drained, 1);
+  EXPECT_NEAR(s.mean_ttft, (0.1 + 0.2 + 4.0) / 3, 1e-12);  // the drained one counts
+  EXPECT_DOUBLE_EQ(s.median_ttft, 0.2);
+  EXPECT_EQ(s.failed, 2);  // the one during the drain too
+  EXPECT_EQ(s.unfinished, 1);
+  EXPECT_EQ(s.unfinished_without_first_token, 1);
+  EXPECT_DOUBLE_EQ(s.unfinished_longest_wait, 20.5);
+  const std::string text = FormatSummary(s, "t");
+  EXPECT_NE(text.find("drained"), std::string::npos) << text;
+  EXPECT_NE(text.find("Unfinished"), std::string::npos) << text;
+}
+
+TEST(ReadCsv, ReadsWhatWriteCsvWroteAndLmcachesColumnOrder) {
+  kvtier::testing::TempDir dir("csv");
+  std::vector<RequestRecord> records = {Rec(100.0, 0.1, 0.9, 1000, 10), Rec(101.0, 0.3, 1.7, 2000, 20)};
+  records[1].user_id = 7;
+  records[1].question_id = 3;
+  ASSERT_TRUE(WriteCsv(dir.Sub("a.csv"), records).ok());
+  auto back = ReadCsv(dir.Sub("a.csv"));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->size(), 2u);
+  EXPECT_EQ((*back)[1].user_id, 7);
+  EXPECT_EQ((*back)[1].question_id, 3);
+  EXPECT_EQ((*back)[1].prompt_tokens, 2000);
+  EXPECT_NEAR((*back)[1].finish_time, 103.0, 1e-6);
+
+  // Columns in another order, with CRLF line ends, as pandas may write them.
+  std::ofstream(dir.Sub("b.csv")) << "user_id,question_id,prompt_tokens,generation_tokens,ttft,"
+                                     "generation_time,launch_time,finish_time\r\n"
+                                     "1,1,500,10,0.5,1.5,10.0,12.0\r\n"
+                                     "2,1,700,10,1.5,0.5,11.0,13.0\r\n";
+  auto lm = ReadCsv(dir.Sub("b.csv"));
+  ASSERT_TRUE(lm.ok()) << lm.status().ToString();
+  auto s = SummarizeCsv(*lm);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->finished, 2);
+  EXPECT_DOUBLE_EQ(s->seconds, 3.0);  // first launch to last finish
+  EXPECT_DOUBLE_EQ(s->mean_ttft, 1.0);
+  EXPECT_DOUBLE_EQ(s->input_tokens_per_s, 400.0);
+
+  std::ofstream(dir.Sub("bad.csv")) << CsvHeader() << "\n1,2,x,4,5,6,7,8\n";
+  auto bad = ReadCsv(dir.Sub("bad.csv"));
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("line 2"), std::string::npos) << bad.status().message();
+  std::ofstream(dir.Sub("cols.csv")) << "ttft,user_id\n0.1,1\n";
+  EXPECT_EQ(ReadCsv(dir.Sub("cols.csv")).status().code(), StatusCode::kInvalidArgument);
+  std::ofstream(dir.Sub("empty.csv")) << CsvHeader() << "\n";
+  auto none = ReadCsv(dir.Sub("empty.csv"));
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(SummarizeCsv(*none).ok());
+  EXPECT_FALSE(ReadCsv(dir.Sub("missing.csv")).ok());
+}
+
+TEST(CheckWritable, RefusesAMissingDirectoryAndADirectory) {
+  kvtier::testing::TempDir dir("w");
+  EXPECT_TRUE(CheckWritable(dir.Sub("x.csv"), "--output").ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.Sub("x.csv.tmp")));
+  EXPECT_FALSE(std::filesystem::exists(dir.Sub("x.csv")));
+  Status s = CheckWritable(dir.Sub("no/such/x.csv"), "--output");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--output"), std::string::npos);
+  EXPECT_FALSE(CheckWritable(dir.path(), "--output").ok());
 }
 
 }  // namespace

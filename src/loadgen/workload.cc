@@ -95,6 +95,12 @@ void UserSession::OnFailure() {
   in_flight_ = false;
 }
 
+void UserSession::OnRejected() {
+  in_flight_ = false;
+  abandoned_ = true;
+  finished_ = true;
+}
+
 void UserSession::UpdateFinished() {
   if (question_id_ >= config_->num_rounds && !in_flight_) finished_ = true;
 }

@@ -17,7 +17,9 @@
 //  * Closed-loop mode (the capacity probe) keeps exactly `num_users` users, each sending its next
 //    question as soon as the previous answer arrives; a finished user is replaced at once.
 //  * A failed request is taken back: the question leaves the history and is asked again at the
-//    user's next turn.
+//    user's next turn. A rejected one (the server refused the request itself, e.g. a prompt over
+//    its context window) ends the user's conversation instead: asking again would be refused
+//    again, and every later round's prompt is longer.
 //
 // Thread-safety: none; drive a SessionManager from one thread.
 #pragma once
@@ -90,6 +92,9 @@ class UserSession {
   int StartRequest(double now);
   void OnAnswer(const std::string& answer);
   void OnFailure();
+  // The server refused the request: the conversation ends here (finished() and abandoned()).
+  void OnRejected();
+  bool abandoned() const { return abandoned_; }
   // Updates finished(): all rounds asked and answered.
   void UpdateFinished();
 
@@ -100,6 +105,7 @@ class UserSession {
   std::optional<double> last_send_;
   bool in_flight_ = false;
   bool finished_ = false;
+  bool abandoned_ = false;
   bool late_ = false;  // the current turn has come while the previous request is unanswered
   int held_back_ = 0;
   std::vector<ChatMessage> history_;

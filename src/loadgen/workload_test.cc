@@ -116,6 +116,19 @@ TEST(UserSession, AFailedQuestionIsAskedAgain) {
   EXPECT_EQ(s.history().back().content, BuildQuestion(2));
 }
 
+TEST(UserSession, ARefusedQuestionEndsTheConversation) {
+  auto c = Config();
+  UserSession s(c, 1);
+  s.StartRequest(0);
+  s.OnAnswer("a");
+  s.StartRequest(2);
+  s.OnRejected();
+  EXPECT_FALSE(s.in_flight());
+  EXPECT_TRUE(s.finished());
+  EXPECT_TRUE(s.abandoned());
+  EXPECT_FALSE(s.ShouldSend(100, 2.0));  // never asked again
+}
+
 TEST(SessionManager, StartsInSteadyStateAndKeepsAboutNumUsersActive) {
   auto c = Config();  // gap between a user's sends: 4 / 2 = 2 s; a new user every (3-1)/2 = 1 s
   EXPECT_DOUBLE_EQ(c.gap_between_requests(), 2.0);

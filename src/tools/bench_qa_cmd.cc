@@ -18,22 +18,57 @@
 namespace {
 
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_give_up{false};
 
-void OnSignal(int) { g_stop.store(true); }
+// First signal: stop sending and drain. Second: stop draining, summarize, write the files.
+// Third: quit at once.
+void OnSignal(int sig) {
+  if (!g_stop.exchange(true)) return;
+  if (!g_give_up.exchange(true)) return;
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
 
 struct QaArgs {
   kvtier::loadgen::QaBenchOptions options;
   std::string output = "summary.csv";
   std::string json_summary;
+  std::string process_summary;
+  bool request_with_user_id = false;
 };
+
+// LMCache's --process-summary: the summary of a CSV of an earlier run, nothing sent.
+int ProcessSummary(const std::string& path) {
+  using namespace kvtier::loadgen;
+  auto records = ReadCsv(path);
+  if (!records.ok()) {
+    fmt::print(stderr, "error: {}\n", records.status().ToString());
+    return 1;
+  }
+  auto summary = SummarizeCsv(*records);
+  if (!summary.ok()) {
+    fmt::print(stderr, "error: {}: {}\n", path, summary.status().ToString());
+    return 1;
+  }
+  fmt::print("{}", FormatSummary(*summary, fmt::format("Summary of {}", path)));
+  return 0;
+}
 
 int RunBenchQa(QaArgs& a) {
   using namespace kvtier::loadgen;
+  if (!a.process_summary.empty()) return ProcessSummary(a.process_summary);
   auto& o = a.options;
+  if (o.dry_run) {
+    a.output.clear();  // nothing measured, nothing to write
+    a.json_summary.clear();
+  }
+  if (!a.output.empty()) o.output_files.emplace_back("--output", a.output);
+  if (!a.json_summary.empty()) o.output_files.emplace_back("--json-summary", a.json_summary);
   if (o.api_key.empty()) {
     if (const char* key = std::getenv("OPENAI_API_KEY")) o.api_key = key;
   }
   o.stop = &g_stop;
+  o.give_up = &g_give_up;
   o.print = [](const std::string& s) {
     fmt::print("{}", s);
     std::fflush(stdout);
@@ -44,10 +79,8 @@ int RunBenchQa(QaArgs& a) {
   };
   o.progress_in_place = ::isatty(STDERR_FILENO) != 0;
 
-  // First Ctrl-C: stop sending, print the final summary and write the files. Second: quit.
   struct sigaction sa = {};
   sa.sa_handler = OnSignal;
-  sa.sa_flags = SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
@@ -73,6 +106,12 @@ int RunBenchQa(QaArgs& a) {
       fmt::print(stderr, "error: cannot write {}\n", a.json_summary);
       rc = 1;
     }
+  }
+  if (!result->errors.empty()) {
+    fmt::print(stderr,
+               "error: the run went wrong (ERROR above); the files it wrote are for inspection, "
+               "not for publication\n");
+    rc = 1;
   }
   return rc;
 }
@@ -100,7 +139,16 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
                   "Tokens (words) of each user's own context")
       ->capture_default_str();
   cmd->add_option("--answer-len", w.answer_len, "max_tokens of every answer")->capture_default_str();
-  cmd->add_option("--time", o.duration_s, "Seconds to run (0: until Ctrl-C)")->capture_default_str();
+  cmd->add_option("--time", o.duration_s,
+                  "Seconds to send requests (0: until Ctrl-C); also the most the warm-up may take. "
+                  "Requests in flight at the end are then waited for (--drain-timeout) and included")
+      ->capture_default_str();
+  cmd->add_option("--drain-timeout", o.drain_timeout_s,
+                  "Seconds to wait at the end (or after Ctrl-C) for requests in flight, which are "
+                  "included in the results; those still unanswered then are reported as unfinished "
+                  "(censored, with how long they waited). 0: do not wait. A second Ctrl-C stops "
+                  "waiting")
+      ->capture_default_str();
   cmd->add_option("--model", o.model, "Model name (default: the first the server lists)");
   cmd->add_option("--base-url", o.base_url, "Server's OpenAI API root")->capture_default_str();
   cmd->add_option("--api-key", o.api_key, "Bearer token (default: $OPENAI_API_KEY, if set)");
@@ -116,6 +164,11 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--warmup-requests", o.warmup_requests,
                   "Requests sent (and excluded) before the run")
+      ->capture_default_str();
+  cmd->add_flag("--warmup-shared-prefix,!--no-warmup-shared-prefix", o.warmup_shared_prefix,
+                "Warm-up prompts begin with the run's shared system prompt, so the server has "
+                "cached it before the run (LMCache's warm-up does not; --no-warmup-shared-prefix "
+                "gives each warm-up prompt a beginning of its own)")
       ->capture_default_str();
   cmd->add_option("--request-timeout", o.request_timeout_s, "Seconds before a request is abandoned")
       ->capture_default_str();
@@ -137,6 +190,17 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
   cmd->add_option("--capacity-max-streams", o.capacity_max_streams,
                   "Most concurrent streams --find-capacity tries")
       ->capture_default_str();
+  // LMCache's flags, so its command lines run unchanged.
+  cmd->add_flag("--request-with-user-id", args->request_with_user_id,
+                "Accepted for LMCache's command lines: the x-user-id header is always sent, as "
+                "LMCache's script does whatever this flag says");
+  cmd->add_flag("--verbose", o.verbose, "Log every request sent and every answer");
+  cmd->add_flag("--dry-run", o.dry_run,
+                "Send nothing: play the pacing on a simulated clock for --time seconds (one "
+                "conversation's life when 0) and print what would be sent; writes no file");
+  cmd->add_option("--process-summary", args->process_summary,
+                  "Print the summary of a CSV written by an earlier run (this tool's or "
+                  "LMCache's) and exit; every other flag is ignored");
   cmd->callback([args, &ctx] { ctx.exit_code = RunBenchQa(*args); });
 }
 

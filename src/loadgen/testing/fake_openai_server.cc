@@ -115,7 +115,9 @@ std::vector<ReceivedRequest> FakeOpenAiServer::received() const {
 void FakeOpenAiServer::Install() {
   server_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     nlohmann::json model = {{"id", options_.model}, {"object", "model"}, {"owned_by", "kvtier-test"}};
-    if (options_.max_model_len > 0) model["max_model_len"] = options_.max_model_len;
+    if (options_.max_model_len > 0 && options_.report_max_model_len) {
+      model["max_model_len"] = options_.max_model_len;
+    }
     res.set_content(nlohmann::json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
   });
 

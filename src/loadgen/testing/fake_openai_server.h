@@ -32,7 +32,8 @@ struct FakeServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;                          // 0: any free port
   std::string model = "fake-model";
-  int64_t max_model_len = 32768;         // reported in /v1/models; 0 = not reported
+  int64_t max_model_len = 32768;         // enforced (HTTP 400 above it); 0 = no limit
+  bool report_max_model_len = true;      // report max_model_len in /v1/models
   double first_token_delay_s = 0;        // before the first content chunk
   double prefill_s_per_token = 0;        // added to the first-token delay per prompt token
   double inter_token_delay_s = 0;        // between content chunks

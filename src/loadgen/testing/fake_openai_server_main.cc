@@ -20,7 +20,11 @@ int main(int argc, char** argv) {
   app.add_option("--host", o.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "Port (0: any free port, printed at start)")->capture_default_str();
   app.add_option("--model", o.model, "Model name it serves")->capture_default_str();
-  app.add_option("--max-model-len", o.max_model_len, "Context window reported, in tokens (0: none)")
+  app.add_option("--max-model-len", o.max_model_len,
+                 "Context window in tokens: longer requests get HTTP 400 (0: none)")
+      ->capture_default_str();
+  app.add_flag("--report-max-model-len,!--hide-max-model-len", o.report_max_model_len,
+               "Report the context window in /v1/models")
       ->capture_default_str();
   app.add_option("--first-token-delay", o.first_token_delay_s, "Seconds before the first token")
       ->capture_default_str();
@@ -30,7 +34,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-concurrent", o.max_concurrent,
                  "Requests served at once, the rest wait (0: unlimited)")->capture_default_str();
-  app.add_option("--error-every", o.error_every, "Every Nth request fails with HTTP 500 (0: never)")
+  app.add_option("--error-every", o.error_every,
+                 "Every Nth request fails with HTTP --error-status (0: never)")
+      ->capture_default_str();
+  app.add_option("--error-status", o.error_status, "HTTP status of the injected failures")
       ->capture_default_str();
   app.add_option("--close-every", o.close_every, "Every Nth stream is cut short (0: never)")
       ->capture_default_str();
