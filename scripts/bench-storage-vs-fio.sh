@@ -5,7 +5,18 @@
 #
 #   scripts/bench-storage-vs-fio.sh DIR [REPEATS]     (needs a built kvtier: $KVTIER or build/release)
 #   FILES_PER_READER=2 CONTROL_FILES=16 scripts/bench-storage-vs-fio.sh DIR 5   (more data per phase)
-# Reader counts must divide max(readers) x FILES_PER_READER (fio gives each job the same count).
+# Reader counts must divide max(readers) x FILES_PER_READER (each reader reads the same count).
+#
+# Both sides follow the probe's access pattern on files of their own: one write phase lays out a
+# pool (max(readers) x FILES_PER_READER files) and CONTROL_FILES control files, preallocated
+# (fallocate) and written with O_DIRECT and a sync per file, WRITERS in parallel; every reader
+# count then re-reads that same pool (reader r takes files r, r+R, r+2R, ...; psync, queue depth
+# 1); then one stream reads the control files, which nothing read before. So neither side reads
+# fresh files where the other re-reads (a cache below the page cache would favour the re-reads).
+#
+# A last fio row, "deep", is a reference with no kvtier counterpart: the same pool read with
+# io_uring at queue depth DEEP_IODEPTH (16) on DEEP_JOBS (1) jobs: what the storage delivers
+# beyond the probe's one-request-per-reader pattern.
 #
 # Each repeat runs the probe once and fio once per workload, alternating which goes first, so
 # drift on a shared machine hits both alike; the table shows the medians and every run.
@@ -19,6 +30,8 @@ readers=${READERS:-1,16,32}
 control_files=${CONTROL_FILES:-8}
 files_per_reader=${FILES_PER_READER:-1}
 writers=${WRITERS:-4}
+deep_iodepth=${DEEP_IODEPTH:-16}
+deep_jobs=${DEEP_JOBS:-1}
 command -v fio >/dev/null || { echo "fio is not installed (scripts/install-deps.sh installs it)"; exit 1; }
 [ -x "$kvtier" ] || { echo "no kvtier binary at $kvtier (set KVTIER=...)"; exit 1; }
 [ -d "$dir" ] || { echo "$dir is not a directory"; exit 1; }
@@ -30,15 +43,37 @@ max_readers=0
 for r in "${reader_counts[@]}"; do (( r > max_readers )) && max_readers=$r; done
 results="$work/results.txt"
 
-fio_bw() {  # fio_bw <rw> <jobs> <files per job> <subdir>: prints GB/s
-  local rw=$1 jobs=$2 nrfiles=$3 sub=$4
-  mkdir -p "$work/$sub"
-  fio --name=cmp --directory="$work/$sub" --rw="$rw" --bs="$block" --direct=1 --ioengine=psync \
-      --filesize="$file_size" --nrfiles="$nrfiles" --numjobs="$jobs" --file_service_type=sequential \
-      --fsync_on_close=1 --fallocate=none --thread --group_reporting --output-format=json \
-      > "$work/fio.json"
+fio_json_bw() {  # fio_json_bw <read|write>: GB/s of the last fio run (all jobs together)
   python3 -c "import json,sys; j=json.load(open(sys.argv[1]))['jobs'][0]; \
-print(f\"{j[sys.argv[2]]['bw_bytes']/1e9:.3f}\")" "$work/fio.json" "${rw/#rw/}"
+print(f\"{j[sys.argv[2]]['bw_bytes']/1e9:.3f}\")" "$work/fio.json" "$1"
+}
+
+fio_common=(--bs="$block" --direct=1 --filesize="$file_size" --file_service_type=sequential
+            --thread --group_reporting --output-format=json)
+
+fio_layout() {  # writes pool and control files, as the probe's write phase does: prints GB/s
+  rm -rf "$work/fio"
+  mkdir -p "$work/fio"
+  fio --name=cmp --directory="$work/fio" --rw=write --ioengine=psync --numjobs="$writers" \
+      --nrfiles=$((total_files / writers)) --fsync_on_close=1 --fallocate=native \
+      "${fio_common[@]}" > "$work/fio.json"
+  fio_json_bw write
+  # Pool and control files, in a fixed order: the first pool_files form the pool.
+  find "$work/fio" -type f | sort > "$work/fio-files"
+}
+
+fio_read() {  # fio_read <jobs> <first file> <files> <ioengine> <iodepth>: prints GB/s
+  local jobs=$1 first=$2 count=$3 engine=$4 depth=$5 j args=()
+  mapfile -t all < "$work/fio-files"
+  local files=("${all[@]:first:count}")
+  for ((j = 0; j < jobs; j++)); do  # job j reads files j, j+jobs, ... like the probe's readers
+    local mine=() k
+    for ((k = j; k < count; k += jobs)); do mine+=("${files[k]//:/\\:}"); done
+    args+=(--name="r$j" --filename="$(IFS=:; echo "${mine[*]}")")
+  done
+  fio --rw=read --ioengine="$engine" --iodepth="$depth" "${fio_common[@]}" "${args[@]}" \
+      > "$work/fio.json"
+  fio_json_bw read
 }
 
 run_kvtier() {
@@ -57,21 +92,19 @@ print(f"kvtier write {j['write_GBps']:.3f}")
 PY
 }
 
+pool_files=$((max_readers * files_per_reader))
+total_files=$((pool_files + control_files))
+((total_files % writers == 0)) || { echo "WRITERS must divide pool plus control files ($total_files)"; exit 1; }
+
 run_fio() {
   echo "repeat $i/$repeats: fio" >&2
-  # Like the probe's pool, reader r reads its own files, and every reader count reads
-  # max_readers x files_per_reader files in all; fio lays the files out (untimed) in a fresh directory each time, so both tools
-  # read files written moments before.
+  echo "fio write $(fio_layout)" >> "$results"
   for r in "${reader_counts[@]}"; do
-    rm -rf "$work/pool"
-    echo "fio read$r $(fio_bw read "$r" $((max_readers * files_per_reader / r)) pool)" >> "$results"
+    echo "fio read$r $(fio_read "$r" 0 "$pool_files" psync 1)" >> "$results"
   done
-  rm -rf "$work/pool" "$work/control"
-  echo "fio control $(fio_bw read 1 "$control_files" control)" >> "$results"
-  rm -rf "$work/control" "$work/write"
-  total_files=$((max_readers * files_per_reader + control_files))
-  echo "fio write $(fio_bw write "$writers" $((total_files / writers)) write)" >> "$results"
-  rm -rf "$work/write"
+  echo "fio control $(fio_read 1 "$pool_files" "$control_files" psync 1)" >> "$results"
+  echo "fio deep $(fio_read "$deep_jobs" 0 "$pool_files" io_uring "$deep_iodepth")" >> "$results"
+  rm -rf "$work/fio"
 }
 
 # Alternate which tool goes first, so drift on a shared machine hits both alike.
@@ -79,7 +112,7 @@ for ((i = 1; i <= repeats; i++)); do
   if ((i % 2)); then run_kvtier; run_fio; else run_fio; run_kvtier; fi
 done
 
-python3 - "$results" "$readers" <<'PY'
+python3 - "$results" "$readers" "$deep_jobs" "$deep_iodepth" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
@@ -95,4 +128,8 @@ for n in names:
     runs = " ".join(f"{v:.2f}" for v in rows[n]["kvtier"]) + " | " + \
            " ".join(f"{v:.2f}" for v in rows[n]["fio"])
     print(f"{n:<10} {k:>12.3f} {f:>10.3f} {k / f:>11.2f} {paired:>7.2f}   {runs}")
+d = rows["deep"]["fio"]
+print(f"{'deep':<10} {'-':>12} {statistics.median(d):>10.3f} {'-':>11} {'-':>7}   "
+      f"| {' '.join(f'{v:.2f}' for v in d)}   (fio reference: the pool with io_uring, "
+      f"{sys.argv[3]} job(s) x queue depth {sys.argv[4]}; no kvtier counterpart)")
 PY
