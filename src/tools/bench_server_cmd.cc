@@ -597,7 +597,9 @@ int RunBenchServer(const BenchServerArgs& a) {
                                    "release (1 slot)",
                                    "(lookups sent late by)"};
     for (int m = 0; m < kRpcModes; ++m) {
-      if (m == 0) {
+      if (m == 0 && !paced) {
+        fmt::print("control round trips, not paced (--rpc-interval-us 0: back to back):\n");
+      } else if (m == 0) {
         fmt::print("control round trips, paced ({} per client, one round every {} us on average, "
                    "timed from the scheduled send):\n",
                    a.rpc_rounds, a.rpc_interval_us);
