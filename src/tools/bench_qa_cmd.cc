@@ -35,6 +35,7 @@ struct QaArgs {
   std::string json_summary;
   std::string process_summary;
   bool request_with_user_id = false;
+  bool sharegpt = false;
 };
 
 // LMCache's --process-summary: the summary of a CSV of an earlier run, nothing sent.
@@ -57,6 +58,12 @@ int ProcessSummary(const std::string& path) {
 int RunBenchQa(QaArgs& a) {
   using namespace kvtier::loadgen;
   if (!a.process_summary.empty()) return ProcessSummary(a.process_summary);
+  if (a.sharegpt) {
+    fmt::print(stderr,
+               "error: --sharegpt is not supported: kvtier bench qa sends LMCache's synthetic "
+               "prompts only (leave out --sharegpt)\n");
+    return 1;
+  }
   auto& o = a.options;
   if (o.dry_run) {
     a.output.clear();  // nothing measured, nothing to write
@@ -167,9 +174,8 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_flag("--warmup-shared-prefix,!--no-warmup-shared-prefix", o.warmup_shared_prefix,
                 "Warm-up prompts begin with the run's shared system prompt, so the server has "
-                "cached it before the run (LMCache's warm-up does not; --no-warmup-shared-prefix "
-                "gives each warm-up prompt a beginning of its own)")
-      ->capture_default_str();
+                "cached it before the run (the default; LMCache's warm-up does not). "
+                "--no-warmup-shared-prefix gives each warm-up prompt a beginning of its own");
   cmd->add_option("--request-timeout", o.request_timeout_s, "Seconds before a request is abandoned")
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", o.ignore_eos,
@@ -195,6 +201,9 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
                 "Accepted for LMCache's command lines: the x-user-id header is always sent, as "
                 "LMCache's script does whatever this flag says");
   cmd->add_flag("--verbose", o.verbose, "Log every request sent and every answer");
+  cmd->add_flag("--sharegpt", args->sharegpt,
+                "LMCache's ShareGPT conversations: not supported (refused with a message); the "
+                "prompts are always the synthetic ones");
   cmd->add_flag("--dry-run", o.dry_run,
                 "Send nothing: play the pacing on a simulated clock for --time seconds (one "
                 "conversation's life when 0) and print what would be sent; writes no file");
