@@ -10,18 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "common/sha256.h"
+#include "common/strings.h"
 
 namespace kvtier {
 namespace {
 
 constexpr uint64_t kMaxBytesPerToken = 1ull << 30;
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  std::transform(out.begin(), out.end(), out.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return out;
-}
 
 // Reads an unsigned integer field; absent -> fallback (0 = "required").
 Result<uint32_t> GetUint(const nlohmann::json& j, const char* name, uint64_t fallback) {

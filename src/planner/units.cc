@@ -1,5 +1,7 @@
 #include "planner/units.h"
 
+#include "common/units.h"
+
 #include <fmt/format.h>
 
 #include <cctype>
@@ -33,78 +35,24 @@ Result<std::pair<double, std::string_view>> SplitNumber(std::string_view text,
   return std::make_pair(value, Trim(std::string_view(ptr, s.data() + s.size() - ptr)));
 }
 
-// "GiB" -> {1024^3, bytes}; "Gb"/"Gbit" -> {1e9, bits}; "" -> not a unit.
-struct Unit {
-  double multiplier;
-  bool bits;
-};
-Result<Unit> ParseByteUnit(std::string_view unit, std::string_view text) {
-  double mult = 1;
-  size_t i = 0;
-  if (!unit.empty()) {
-    char p = unit[0];
-    int power = 0;
-    switch (p) {
-      case 'k':
-      case 'K':
-        power = 1;
-        break;
-      case 'M':
-        power = 2;
-        break;
-      case 'G':
-        power = 3;
-        break;
-      case 'T':
-        power = 4;
-        break;
-      case 'P':
-        power = 5;
-        break;
-      default:
-        power = 0;
-    }
-    if (power > 0) {
-      i = 1;
-      bool binary = unit.size() > 1 && unit[1] == 'i';
-      if (binary) i = 2;
-      mult = std::pow(binary ? 1024.0 : 1000.0, power);
-    }
-  }
-  std::string_view rest = unit.substr(i);
-  if (rest == "B" || rest == "byte" || rest == "bytes") return Unit{mult, false};
-  if (rest == "b" || rest == "bit" || rest == "bits") return Unit{mult, true};
-  if (unit.empty()) {
-    return Status::InvalidArgument(fmt::format(
-        "'{}' has no unit: write e.g. 8GiB, 19GB or 512MiB (B = bytes, b = bits)", text));
-  }
-  return Status::InvalidArgument(fmt::format(
-      "'{}': unknown unit '{}' (use B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)", text, unit));
-}
-
 }  // namespace
 
-Result<double> ParseBytes(std::string_view text) {
-  KVTIER_ASSIGN_OR_RETURN(auto parsed, SplitNumber(text, "size"));
-  KVTIER_ASSIGN_OR_RETURN(Unit unit, ParseByteUnit(parsed.second, text));
-  return parsed.first * unit.multiplier / (unit.bits ? 8.0 : 1.0);
-}
+Result<double> ParseBytes(std::string_view text) { return ParseSize(text, kStrictSize); }
 
 Result<double> ParseBandwidth(std::string_view text) {
-  KVTIER_ASSIGN_OR_RETURN(auto parsed, SplitNumber(text, "bandwidth"));
-  std::string_view unit = parsed.second;
-  if (unit.ends_with("/s")) {
-    unit.remove_suffix(2);
-  } else if (unit.ends_with("ps")) {  // Gbps, MBps
-    unit.remove_suffix(2);
+  std::string_view size = Trim(text);
+  if (size.ends_with("/s")) {
+    size.remove_suffix(2);
+  } else if (size.ends_with("ps")) {  // Gbps, MBps
+    size.remove_suffix(2);
   } else {
     return Status::InvalidArgument(fmt::format(
         "bandwidth '{}' needs a unit per second, e.g. 3.55GB/s, 20GiB/s, 25Gbit/s", text));
   }
-  KVTIER_ASSIGN_OR_RETURN(Unit u, ParseByteUnit(unit, text));
-  double value = parsed.first * u.multiplier / (u.bits ? 8.0 : 1.0);
-  if (value <= 0) return Status::InvalidArgument(fmt::format("bandwidth '{}' must be > 0", text));
-  return value;
+  auto value = ParseSize(size, kStrictSize);
+  if (!value.ok()) return value.status().WithContext(fmt::format("bandwidth '{}'", text));
+  if (*value <= 0) return Status::InvalidArgument(fmt::format("bandwidth '{}' must be > 0", text));
+  return *value;
 }
 
 Result<double> ParseDuration(std::string_view text) {

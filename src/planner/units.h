@@ -2,9 +2,11 @@
 // "19GB"), bandwidths ("3.55GB/s", "20GiB/s", "25Gbit/s"), durations ("20m", "1200s"), token
 // counts ("24576", "24k") and token:seconds tables.
 //
-// Decimal prefixes (k, M, G, T) are powers of 1000, binary ones (Ki, Mi, Gi, Ti) powers of 1024;
-// "B" is bytes, "b"/"bit" bits. A size or bandwidth without a unit is refused: "8" could mean
-// bytes, GB or GiB, and a planner must not guess. All functions are pure and thread-safe.
+// Sizes and bandwidths follow the one rule of common/units.h, with kStrictSize: decimal units
+// (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024; "B" is
+// bytes, "b"/"bit" bits. A size without a unit, or with a bare prefix ("8G"), is refused: it
+// could mean bytes, GB or GiB, and a planner must not guess. All functions are pure and
+// thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +19,7 @@
 
 namespace kvtier::planner {
 
-// "8GiB" -> 8589934592. Fails on a missing unit, a negative or non-finite value.
+// "8GiB" -> 8589934592. Fails on a missing or ambiguous unit, a negative or non-finite value.
 Result<double> ParseBytes(std::string_view text);
 // "3.55GB/s" -> 3.55e9 bytes per second; also "GiB/s", "Gbit/s", "Gbps", "MB/s". Must be > 0.
 Result<double> ParseBandwidth(std::string_view text);

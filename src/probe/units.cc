@@ -8,69 +8,6 @@
 #include <fmt/format.h>
 
 namespace kvtier::probe {
-namespace {
-
-std::string Lower(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (!std::isspace(static_cast<unsigned char>(c))) {
-      out.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-Result<uint64_t> ParseByteSize(std::string_view text) {
-  const std::string s = Lower(text);
-  size_t digits = 0;
-  while (digits < s.size() && (std::isdigit(static_cast<unsigned char>(s[digits])) || s[digits] == '.')) {
-    ++digits;
-  }
-  if (digits == 0) {
-    return Status::InvalidArgument(fmt::format("not a size: \"{}\" (try 4096, 512K, 36MiB, 1G)", text));
-  }
-  double number = 0;
-  const std::string num_text = s.substr(0, digits);
-  auto [ptr, ec] = std::from_chars(num_text.data(), num_text.data() + num_text.size(), number);
-  if (ec != std::errc() || ptr != num_text.data() + num_text.size()) {
-    return Status::InvalidArgument(fmt::format("not a size: \"{}\"", text));
-  }
-  const std::string unit = s.substr(digits);
-  double scale = 0;
-  if (unit.empty() || unit == "b") {
-    scale = 1;
-  } else if (unit == "k" || unit == "kib" || unit == "ki") {
-    scale = 1024.0;
-  } else if (unit == "m" || unit == "mib" || unit == "mi") {
-    scale = 1024.0 * 1024;
-  } else if (unit == "g" || unit == "gib" || unit == "gi") {
-    scale = 1024.0 * 1024 * 1024;
-  } else if (unit == "t" || unit == "tib" || unit == "ti") {
-    scale = 1024.0 * 1024 * 1024 * 1024;
-  } else if (unit == "kb") {
-    scale = 1e3;
-  } else if (unit == "mb") {
-    scale = 1e6;
-  } else if (unit == "gb") {
-    scale = 1e9;
-  } else if (unit == "tb") {
-    scale = 1e12;
-  } else {
-    return Status::InvalidArgument(
-        fmt::format("unknown size unit \"{}\" in \"{}\" (use B, K/KiB, M/MiB, G/GiB, KB, MB, GB)",
-                    unit, text));
-  }
-  const double bytes = number * scale;
-  if (bytes >= static_cast<double>(std::numeric_limits<uint64_t>::max() / 2)) {
-    return Status::InvalidArgument(fmt::format("size \"{}\" is too large", text));
-  }
-  if (bytes != std::floor(bytes)) {
-    return Status::InvalidArgument(fmt::format("size \"{}\" is not a whole number of bytes", text));
-  }
-  return static_cast<uint64_t>(bytes);
-}
 
 Result<std::vector<int>> ParseIntList(std::string_view text, int min, int max) {
   std::vector<int> out;

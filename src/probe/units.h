@@ -1,4 +1,5 @@
 // Parsing and printing of the quantities the measurement tools take on their command lines.
+// Sizes are parsed by kvtier::ParseByteCount (common/units.h), the rule every tool shares.
 //
 // Thread-safety: free functions without shared state.
 #pragma once
@@ -11,11 +12,6 @@
 #include "kvtier/status.h"
 
 namespace kvtier::probe {
-
-// "4096", "512K", "36MiB", "1GiB", "1.5G", "100MB". Binary units (K, M, G, T, with or without
-// "iB") are powers of 1024; decimal ones (KB, MB, GB, TB) powers of 1000; a trailing "B" alone
-// means bytes. Fails on empty, negative, fractional-byte or overflowing input.
-Result<uint64_t> ParseByteSize(std::string_view text);
 
 // "1,16,32" -> {1, 16, 32}. Each value must lie in [min, max]; fails on empty items or junk.
 Result<std::vector<int>> ParseIntList(std::string_view text, int min, int max);

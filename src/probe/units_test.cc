@@ -5,23 +5,6 @@
 namespace kvtier::probe {
 namespace {
 
-TEST(ParseByteSize, AcceptsBinaryAndDecimalUnits) {
-  EXPECT_EQ(*ParseByteSize("4096"), 4096u);
-  EXPECT_EQ(*ParseByteSize("512K"), 512u * 1024);
-  EXPECT_EQ(*ParseByteSize("36MiB"), 36u << 20);
-  EXPECT_EQ(*ParseByteSize("36 mib"), 36u << 20);
-  EXPECT_EQ(*ParseByteSize("1G"), 1ull << 30);
-  EXPECT_EQ(*ParseByteSize("1.5GiB"), 3ull << 29);
-  EXPECT_EQ(*ParseByteSize("100MB"), 100'000'000u);
-  EXPECT_EQ(*ParseByteSize("7B"), 7u);
-}
-
-TEST(ParseByteSize, RejectsJunk) {
-  for (const char* bad : {"", "MiB", "-1", "12Q", "1.5", "0.3K", "1e999G", "1..2M"}) {
-    EXPECT_FALSE(ParseByteSize(bad).ok()) << bad;
-  }
-}
-
 TEST(ParseIntList, ParsesAndChecksRange) {
   auto list = ParseIntList("1, 16,32", 1, 1024);
   ASSERT_TRUE(list.ok());

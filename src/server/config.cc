@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/strings.h"
 #include "kvtier/client.h"
 
 namespace kvtier::server {
@@ -17,12 +18,6 @@ namespace kvtier::server {
 namespace {
 
 using json = nlohmann::json;
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
 
 std::string NormalizeKey(std::string_view k) {
   std::string out(k);

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/units.h"
 #include "probe/model_presets.h"
 #include "probe/storage_probe.h"
 #include "probe/units.h"
@@ -42,7 +43,7 @@ int RunBenchStorage(const StorageArgs& a) {
   StorageProbeOptions o;
   o.directory = a.path;
   if (!a.file_size.empty()) {
-    auto size = ParseByteSize(a.file_size);
+    auto size = kvtier::ParseByteCount(a.file_size);
     if (!size.ok()) return fail(size.status().WithContext("--file-size"));
     o.file_size = *size;
   } else {
@@ -53,7 +54,7 @@ int RunBenchStorage(const StorageArgs& a) {
     fmt::print(stderr, "file size: one {}-token chunk of {} ({}) = {}\n", a.chunk_tokens, a.model,
                layout->ToString(), FormatBytes(o.file_size));
   }
-  auto block = ParseByteSize(a.block_size);
+  auto block = kvtier::ParseByteCount(a.block_size);
   if (!block.ok()) return fail(block.status().WithContext("--block-size"));
   o.block_size = *block;
   auto readers = ParseIntList(a.readers, 1, 1024);
@@ -99,7 +100,9 @@ void AddBenchStorage(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
   cmd->add_option("path", args->path, "Directory on the storage to test (must exist, writable)")
       ->required();
   cmd->add_option("--file-size", args->file_size,
-                  "Bytes per file, e.g. 36MiB, 4M, 1GiB (default: one chunk of --model)");
+                  "Bytes per file, e.g. 36MiB, 4M, 1GiB (default: one chunk of --model). "
+                  "K/M/G alone and KiB/MiB/GiB are powers of 1024, KB/MB/GB powers of 1000; "
+                  "a bare number is bytes");
   cmd->add_option("--model", args->model,
                   "Model whose chunk size sets the file size: a preset (" +
                       fmt::format("{}", fmt::join(kvtier::probe::KnownModelNames(), ", ")) +
@@ -108,7 +111,7 @@ void AddBenchStorage(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
   cmd->add_option("--chunk-tokens", args->chunk_tokens, "Tokens per chunk for --model")
       ->capture_default_str();
   cmd->add_option("--block-size", args->block_size,
-                  "Bytes per read/write request, a multiple of 4 KiB")
+                  "Bytes per read/write request, a multiple of 4 KiB (512K = 512 KiB)")
       ->capture_default_str();
   cmd->add_option("--readers", args->readers,
                   "Comma-separated reader (thread) counts, one read phase each")

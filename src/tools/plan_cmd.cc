@@ -48,7 +48,8 @@ void AddPlan(CLI::App& parent, CommandContext& ctx) {
       "Predict whether KV offload pays for a model, GPU, workload and tiers: KV size, the "
       "eviction-onset and payoff thresholds, TTFT with and without offload, the regime, a plot");
   cmd->footer(
-      "Units: sizes need one (8GiB, 19GB); bandwidths are per second (3.55GB/s, 20GiB/s, "
+      "Units: sizes need one (8GiB = 8 x 2^30 bytes, 19GB = 19 x 10^9; 8 or 8G alone is refused "
+      "as ambiguous); bandwidths are per second (3.55GB/s, 20GiB/s, "
       "25Gbit/s); durations take s/m/h (bare = seconds); token counts take k = x1024.\n"
       "By default each context length is simulated twice (no offload, offload) with the "
       "discrete-event model of `kvtier simulate`; --fast uses the closed forms only.\n"

@@ -137,7 +137,8 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
     return opt;
   };
   ServeArgs* a = args.get();
-  add(cmd->add_option("--l1-size-gb", f.l1_size_gb, "Size of the shared L1 pool in GiB")
+  add(cmd->add_option("--l1-size-gb", f.l1_size_gb,
+                     "Size of the shared L1 pool in GiB (2^30 bytes; 0.5 = 512 MiB)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.l1_size_gb = a->flags.l1_size_gb; });
   add(cmd->add_option("--eviction-policy", f.eviction_policy, "L1 eviction: lru or prefix-aware")
@@ -161,8 +162,8 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
       [a](ServeConfig& c) { c.chunk_bytes = a->flags.chunk_bytes; });
   cmd->add_option("--l2", args->l2,
                   "A lower tier as JSON, e.g. '{\"type\":\"fs\",\"path\":\"/mnt/kv\","
-                  "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}' (default: "
-                  "a 10 GiB fs tier in the cache directory)")
+                  "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}'; max_size_gb is in "
+                  "GiB (2^30 bytes) (default: a 10 GiB fs tier in the cache directory)")
       ->type_name("JSON");
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });

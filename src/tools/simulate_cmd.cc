@@ -148,7 +148,8 @@ void AddSimulate(CLI::App& parent, CommandContext& ctx) {
       "and without offload tiers: TTFT distribution, per-tier hits, bytes moved");
   cmd->footer(
       "Same inputs as `kvtier plan` (see docs/planner.md for the model). Units: sizes need one "
-      "(8GiB, 19GB); bandwidths are per second (3.55GB/s); durations take s/m/h.");
+      "(8GiB = 8 x 2^30 bytes, 19GB = 19 x 10^9); bandwidths are per second (3.55GB/s); "
+      "durations take s/m/h.");
   auto flags = std::make_shared<planner::PlannerFlags>();
   planner::AddPlannerFlags(cmd, flags.get());
   cmd->callback([cmd, flags, &ctx] { ctx.exit_code = RunSimulateCommand(*cmd, *flags); });
