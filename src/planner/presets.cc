@@ -1,5 +1,7 @@
 #include "planner/presets.h"
 
+#include "common/model_presets.h"
+
 #include <fmt/format.h>
 
 #include <fstream>
@@ -8,41 +10,6 @@
 
 namespace kvtier::planner {
 namespace {
-
-// The config.json fields the planner reads, for the presets. Llama-3.1-70B's has no test copy, so
-// all four are spelled out here; they match the published configs.
-constexpr std::string_view kQwen3_8B = R"({
-  "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-  "vocab_size": 151936, "tie_word_embeddings": false, "max_position_embeddings": 40960,
-  "torch_dtype": "bfloat16"})";
-constexpr std::string_view kLlama31_8B = R"({
-  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-  "tie_word_embeddings": false, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"})";
-constexpr std::string_view kLlama31_70B = R"({
-  "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-  "tie_word_embeddings": false, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"})";
-constexpr std::string_view kDeepSeekV3 = R"({
-  "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
-  "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
-  "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-  "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-  "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280,
-  "max_position_embeddings": 163840, "torch_dtype": "bfloat16"})";
-
-struct Preset {
-  std::string_view name;
-  std::string_view config;
-  std::string_view weight_dtype;  // DeepSeek-V3 ships fp8 weights
-};
-constexpr Preset kPresets[] = {
-    {"qwen3-8b", kQwen3_8B, "bfloat16"},
-    {"llama-3.1-8b", kLlama31_8B, "bfloat16"},
-    {"llama-3.1-70b", kLlama31_70B, "bfloat16"},
-    {"deepseek-v3", kDeepSeekV3, "float8_e4m3fn"},
-};
 
 constexpr GpuSpec kGpus[] = {
     // memory: what the driver reports; FLOP/s: dense bf16; HBM: datasheet.
@@ -164,11 +131,9 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view json_text, std::string na
 
 Result<ModelSpec> LoadModel(std::string_view name_or_path, uint32_t tensor_parallel,
                             std::string_view kv_dtype, std::string_view weight_dtype) {
-  for (const Preset& p : kPresets) {
-    if (p.name == name_or_path) {
-      return ModelFromConfigJson(p.config, std::string(p.name), tensor_parallel, kv_dtype,
-                                 weight_dtype.empty() ? p.weight_dtype : weight_dtype);
-    }
+  if (const ModelPreset* p = FindModelPreset(name_or_path)) {
+    return ModelFromConfigJson(p->config_json, std::string(p->name), tensor_parallel, kv_dtype,
+                               weight_dtype.empty() ? p->weight_dtype : weight_dtype);
   }
   std::string path(name_or_path);
   std::ifstream in(path);
@@ -186,11 +151,7 @@ Result<ModelSpec> LoadModel(std::string_view name_or_path, uint32_t tensor_paral
   return model;
 }
 
-std::vector<std::string> ModelPresetNames() {
-  std::vector<std::string> out;
-  for (const Preset& p : kPresets) out.emplace_back(p.name);
-  return out;
-}
+std::vector<std::string> ModelPresetNames() { return kvtier::ModelPresetNames(); }
 
 Result<GpuSpec> LoadGpu(std::string_view name) {
   std::string_view n = name;

@@ -16,6 +16,24 @@ TEST(PresetsTest, KvBytesPerToken) {
   EXPECT_EQ(LoadModel("qwen3-8b", 1, "fp8")->kv_bytes_per_token(), 73728u);
 }
 
+TEST(PresetsTest, EveryModelPresetOfKvtierLoads) {
+  // One table for every tool: the planner takes the models kvtier serve and bench storage take.
+  for (const auto& name : ModelPresetNames()) {
+    auto model = LoadModel(name, 1);
+    ASSERT_TRUE(model.ok()) << name << ": " << model.status().ToString();
+    EXPECT_GT(model->total_params, 0) << name;
+    EXPECT_GT(model->max_context, 0u) << name;
+  }
+  EXPECT_EQ(LoadModel("qwen3-32b", 1)->kv_bytes_per_token(), 262144u);  // 64 x 8 x 128 x 2 x 2
+  auto small = LoadModel("Qwen/Qwen3-0.6B", 1);
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  EXPECT_EQ(small->name, "qwen3-0.6b");
+  auto near = [](double got, double want, double tol) { return std::abs(got / want - 1) < tol; };
+  EXPECT_TRUE(near(small->total_params, 0.6e9, 0.05)) << small->total_params;
+  EXPECT_TRUE(near(LoadModel("qwen3-32b", 1)->total_params, 32.8e9, 0.03))
+      << LoadModel("qwen3-32b", 1)->total_params;
+}
+
 TEST(PresetsTest, TensorParallelSplitsHeadsButNotTheTotal) {
   auto tp2 = LoadModel("qwen3-8b", 2);
   ASSERT_TRUE(tp2.ok());

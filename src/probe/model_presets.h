@@ -1,4 +1,5 @@
-// Model names the measurement tools accept in --model, mapped to KV layouts.
+// Model names the measurement tools accept in --model, mapped to KV layouts (the presets of
+// common/model_presets.h).
 //
 // Thread-safety: free functions without shared state.
 #pragma once

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/model_presets.h"
 #include "common/strings.h"
 #include "kvtier/client.h"
 
@@ -113,25 +114,9 @@ Result<L2Spec> L2FromJson(const json& j) {
   return spec;
 }
 
-struct Preset {
-  const char* name;
-  bool latent;
-  uint32_t layers, kv_heads, head_dim;  // head_dim = latent dim for MLA
-};
-// Per-rank shapes come from Layout (KV heads split over tensor-parallel ranks).
-constexpr Preset kPresets[] = {
-    {"qwen3-0.6b", false, 28, 8, 128},    {"qwen3-8b", false, 36, 8, 128},
-    {"qwen3-32b", false, 64, 8, 128},     {"llama-3.1-8b", false, 32, 8, 128},
-    {"llama-3.1-70b", false, 80, 8, 128}, {"deepseek-v3", true, 61, 1, 576},
-};
-
 }  // namespace
 
-std::vector<std::string> ModelPresetNames() {
-  std::vector<std::string> names;
-  for (const Preset& p : kPresets) names.emplace_back(p.name);
-  return names;
-}
+std::vector<std::string> ModelPresetNames() { return kvtier::ModelPresetNames(); }
 
 Result<L2Spec> ParseL2Spec(std::string_view text) {
   KVTIER_ASSIGN_OR_RETURN(json j, ParseJson(text, fmt::format("--l2 '{}'", text)));
@@ -218,25 +203,24 @@ Result<Layout> ResolveModelLayout(const ServeConfig& c) {
   if (c.tensor_parallel_size < 1 || c.tensor_parallel_size > 1024) {
     return Status::InvalidArgument("--tensor-parallel-size must be in [1, 1024]");
   }
-  std::string name = Lower(c.model);
-  if (auto slash = name.rfind('/'); slash != std::string::npos && access(c.model.c_str(), F_OK)) {
-    name = name.substr(slash + 1);  // "Qwen/Qwen3-8B" -> "qwen3-8b"
-  }
-  for (const Preset& p : kPresets) {
-    if (name != p.name) continue;
+  if (const ModelPreset* p = FindModelPreset(c.model)) {
     DType dtype = DType::kBFloat16;
     if (!c.kv_dtype.empty()) {
       KVTIER_ASSIGN_OR_RETURN(dtype, ParseDType(c.kv_dtype));
     }
-    if (p.latent) return Layout::Latent(p.layers, p.head_dim, dtype);
-    uint32_t heads = std::max<uint32_t>(1, p.kv_heads / c.tensor_parallel_size);
-    return Layout::KeyValue(p.layers, heads, p.head_dim, dtype);
+    KVTIER_ASSIGN_OR_RETURN(Layout full, Layout::FromHfConfigJson(p->config_json, 1));
+    if (full.kind() == LayoutKind::kLatent) {
+      return Layout::Latent(full.num_layers(), full.head_dim(), dtype);
+    }
+    // Each rank holds its share of the KV heads, at least one (heads replicated beyond that).
+    uint32_t heads = std::max<uint32_t>(1, full.num_kv_heads() / c.tensor_parallel_size);
+    return Layout::KeyValue(full.num_layers(), heads, full.head_dim(), dtype);
   }
   if (access(c.model.c_str(), R_OK) == 0) {
     return Layout::FromHfConfigFile(c.model, c.tensor_parallel_size, c.kv_dtype);
   }
   std::string names;
-  for (const Preset& p : kPresets) names += std::string(names.empty() ? "" : ", ") + p.name;
+  for (const auto& n : ModelPresetNames()) names += (names.empty() ? "" : ", ") + n;
   return Status::InvalidArgument(fmt::format(
       "--model \"{}\" is neither a preset ({}) nor a readable config.json", c.model, names));
 }

@@ -79,5 +79,24 @@ TEST(ServeConfigTest, BadValuesAreRefused) {
   EXPECT_FALSE(refused([](ServeConfig& c) { c.eviction_policy = "LRU"; }));
 }
 
+TEST(ServeConfigTest, EveryModelPresetResolvesPerRank) {
+  ServeConfig c;
+  for (const auto& name : ModelPresetNames()) {
+    c.model = name;
+    c.tensor_parallel_size = 1;
+    auto layout = ResolveModelLayout(c);
+    ASSERT_TRUE(layout.ok()) << name << ": " << layout.status().ToString();
+  }
+  ASSERT_EQ(ModelPresetNames().front(), "qwen3-0.6b");
+  c.model = "qwen3-32b";
+  c.tensor_parallel_size = 2;
+  EXPECT_EQ(ResolveModelLayout(c)->ToString(), "kv(layers=64, kv_heads=4, head_dim=128, bfloat16)");
+  c.tensor_parallel_size = 16;  // more ranks than KV heads: one head each, replicated
+  EXPECT_EQ(ResolveModelLayout(c)->ToString(), "kv(layers=64, kv_heads=1, head_dim=128, bfloat16)");
+  c.model = "deepseek-v3";
+  c.kv_dtype = "fp8";
+  EXPECT_EQ(ResolveModelLayout(c)->ToString(), "latent(layers=61, latent_dim=576, float8_e4m3fn)");
+}
+
 }  // namespace
 }  // namespace kvtier::server
