@@ -102,7 +102,9 @@ TEST(QaBench, TtftIsTheTimeToTheFirstContentAndGenerationTheRest) {
   for (const auto& r : result->records) {
     EXPECT_GE(r.ttft, 0.15);
     EXPECT_LT(r.ttft, 0.35);
-    EXPECT_GE(r.generation_time, 4 * 0.02);  // 4 gaps between 5 tokens
+    // 4 gaps of 20 ms between 5 tokens; a first token that reaches the client late (a loaded
+    // machine, sanitizers) shortens the gaps the client sees, so allow one of them to vanish.
+    EXPECT_GE(r.generation_time, 3 * 0.02);
     EXPECT_LT(r.generation_time, 0.4);
   }
   EXPECT_GE(result->summary.median_ttft, 0.15);
