@@ -149,7 +149,8 @@ class HttpLauncher : public Launcher {
                                question_id, session.history().size()));
     }
     client_.Submit(
-        BuildChatBody(model_, session.history(), o_.workload.answer_len, o_.ignore_eos),
+        BuildChatBody(model_, session.history(),
+                      AnswerTokens(o_.workload, session.user_id(), question_id), o_.ignore_eos),
         std::to_string(session.user_id()), [this, s, question_id, turn](ChatResult&& r) {
           if (r.ok()) {
             RequestRecord rec;
@@ -257,15 +258,18 @@ class InstantLauncher : public Launcher {
     const int64_t prompt = EstimatePromptTokens(o_.workload, round);
     peak_prompt_ = std::max(peak_prompt_, prompt);
     if (o_.verbose) {
-      console_.Log(fmt::format("[{:>8.2f} s] user {} asks question #{} ({} messages, about {} "
-                               "prompt tokens)",
-                               now_, session.user_id(), question_id, session.history().size(),
-                               prompt));
+      console_.Log(fmt::format("[{:>8.2f} s] user {} asks question #{} ({} messages{})", now_,
+                               session.user_id(), question_id, session.history().size(),
+                               o_.workload.sharegpt
+                                   ? std::string()
+                                   : fmt::format(", about {} prompt tokens", prompt)));
     }
     pending_.push_back(&session);
   }
   void AnswerAll() {
-    for (UserSession* s : pending_) s->OnAnswer(FillerWords(o_.workload.answer_len));
+    for (UserSession* s : pending_) {
+      s->OnAnswer(FillerWords(AnswerTokens(o_.workload, s->user_id(), s->question_id())));
+    }
     pending_.clear();
   }
   int64_t sends() const { return sends_; }
@@ -285,7 +289,7 @@ Result<QaBenchResult> DryRun(const QaBenchOptions& o, Console& console) {
   QaBenchResult result;
   result.model = o.model;
   result.max_model_len = o.max_model_len;
-  KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, o.max_model_len, 1.0));
+  if (!w.sharegpt) KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, o.max_model_len, 1.0));
   // One conversation's life when no --time: every user seen from its first question to its last.
   const double seconds =
       o.duration_s > 0 ? o.duration_s : w.gap_between_requests() * std::max(1, w.num_rounds - 1);
@@ -306,9 +310,12 @@ Result<QaBenchResult> DryRun(const QaBenchOptions& o, Console& console) {
       "  Simulated time:                   {:.1f} s\n"
       "  Requests that would be sent:      {} ({:.4f} reqs/s; the pacing's expected {:.4f})\n"
       "  Users joined:                     {}\n"
-      "  Largest prompt:                   about {} tokens (+ {} to generate)\n",
+      "  Largest prompt:                   {}\n",
       seconds, result.dry_run_sends, static_cast<double>(result.dry_run_sends) / seconds,
-      w.expected_qps(), result.dry_run_users, result.peak_prompt_estimate, w.answer_len));
+      w.expected_qps(), result.dry_run_users,
+      w.sharegpt ? std::string("not estimated for ShareGPT conversations")
+                 : fmt::format("about {} tokens (+ {} to generate)", result.peak_prompt_estimate,
+                               w.answer_len)));
   return result;
 }
 
@@ -410,8 +417,15 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
       result.max_model_len > 0 ? fmt::format("{} tokens", result.max_model_len)
                                : std::string("not reported; pass --max-model-len to check prompt sizes")));
 
-  // Guard 2: the peak prompt (last round) must fit the context window.
-  KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, result.max_model_len, 1.0));
+  // Guard 2: the peak prompt (last round) must fit the context window. ShareGPT prompts are not
+  // estimated: a request over the window is refused by the server and reported as such.
+  if (w.sharegpt) {
+    console.Log(fmt::format("prompts from {} ShareGPT conversations: the context-window guard "
+                            "cannot estimate them (requests the server refuses are reported)",
+                            w.sharegpt->size()));
+  } else {
+    KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, result.max_model_len, 1.0));
+  }
 
   HttpStreamClient::Options client_options;
   client_options.base_url = o.base_url;
@@ -486,7 +500,9 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   }
   result.peak_prompt_estimate = static_cast<int64_t>(
       static_cast<double>(EstimatePeakPromptTokens(w)) * std::max(1.0, result.token_scale));
-  KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, result.max_model_len, result.token_scale));
+  if (!w.sharegpt) {
+    KVTIER_RETURN_IF_ERROR(CheckContextWindow(w, result.max_model_len, result.token_scale));
+  }
 
   FailureLog failure_log(console);
 
@@ -744,6 +760,7 @@ std::string QaBenchResultToJson(const QaBenchOptions& o, const QaBenchResult& r)
                  {"answer_len", w.answer_len},
                  {"time_s", o.duration_s},
                  {"init_user_id", w.init_user_id},
+                 {"sharegpt_conversations", w.sharegpt ? w.sharegpt->size() : 0},
                  {"warmup_requests", o.warmup_requests},
                  {"warmup_shared_prefix", o.warmup_shared_prefix},
                  {"drain_timeout_s", o.drain_timeout_s},

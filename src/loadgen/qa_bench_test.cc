@@ -523,6 +523,33 @@ TEST(QaBench, TheWarmUpCachesTheSharedPrefixOnlyWhenAsked) {
   }
 }
 
+TEST(QaBench, AsksTheShareGptQuestionsWithTheirAnswerLengths) {
+  auto server = StartServer();
+  auto o = SmallRun(*server);
+  auto conversations = std::make_shared<std::vector<SharegptConversation>>();
+  conversations->push_back({{"first question", "second question", "third question"}, {2, 3, 4}});
+  o.workload.sharegpt = conversations;
+  o.duration_s = 1;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  int asked = 0;
+  for (const auto& r : server->received()) {
+    if (r.user_id.empty()) continue;  // the warm-up
+    ++asked;
+    // Users created mid-conversation at the start send the context with a later question.
+    const std::string& q = r.last_message;
+    const bool known = q.ends_with("first question") || q.ends_with("second question") ||
+                       q.ends_with("third question");
+    EXPECT_TRUE(known) << q;
+    EXPECT_EQ(q.find("Here's question"), std::string::npos) << q;
+    if (q.ends_with("first question")) EXPECT_EQ(r.max_tokens, 2);
+    if (q.ends_with("second question")) EXPECT_EQ(r.max_tokens, 3);
+    if (q.ends_with("third question")) EXPECT_EQ(r.max_tokens, 4);
+  }
+  EXPECT_GT(asked, 0);
+  for (const auto& rec : result->records) EXPECT_LE(rec.generation_tokens, 5);
+}
+
 TEST(QaBench, ADryRunSendsNothingAndCountsWhatItWouldSend) {
   QaBenchOptions o;
   o.base_url = "http://127.0.0.1:1/v1";  // nothing listens there

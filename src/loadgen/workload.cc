@@ -1,10 +1,13 @@
 #include "loadgen/workload.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <fstream>
 #include <limits>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace kvtier::loadgen {
 namespace {
@@ -40,6 +43,67 @@ std::string BuildQuestion(int question_id) {
                      question_id);
 }
 
+namespace {
+
+const SharegptConversation* ConversationOf(const WorkloadConfig& config, int user_id) {
+  if (!config.sharegpt || config.sharegpt->empty()) return nullptr;
+  const auto n = static_cast<int64_t>(config.sharegpt->size());
+  return &(*config.sharegpt)[static_cast<size_t>(((user_id % n) + n) % n)];
+}
+
+}  // namespace
+
+std::string QuestionText(const WorkloadConfig& config, int user_id, int question_id) {
+  const SharegptConversation* c = ConversationOf(config, user_id);
+  if (c == nullptr || c->questions.empty()) return BuildQuestion(question_id);
+  return c->questions[static_cast<size_t>(question_id - 1) % c->questions.size()];
+}
+
+int AnswerTokens(const WorkloadConfig& config, int user_id, int question_id) {
+  const SharegptConversation* c = ConversationOf(config, user_id);
+  if (c == nullptr || c->answer_tokens.empty()) return config.answer_len;
+  const int n = c->answer_tokens[static_cast<size_t>(question_id - 1) % c->answer_tokens.size()];
+  return std::clamp(n, 1, config.answer_len);
+}
+
+Result<std::vector<SharegptConversation>> LoadSharegpt(const std::string& path, int num_rounds) {
+  std::ifstream in(path);
+  if (!in) return Status::FromErrno(errno, fmt::format("opening the ShareGPT file {}", path));
+  auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_array()) {
+    return Status::InvalidArgument(fmt::format("{} is not a JSON array of conversations", path));
+  }
+  std::vector<SharegptConversation> out;
+  for (const auto& d : j) {
+    if (!d.is_object() || !d.contains("conversations") || !d["conversations"].is_array()) {
+      return Status::InvalidArgument(
+          fmt::format("{}: an entry without a \"conversations\" array", path));
+    }
+    const auto& turns = d["conversations"];
+    const int64_t num_round = d.value("num_round", static_cast<int64_t>(turns.size()));
+    if (num_round <= 2 * static_cast<int64_t>(num_rounds)) continue;
+    SharegptConversation c;
+    const size_t first = num_round % 2 == 0 ? 0 : 1;  // odd: the assistant speaks first
+    for (size_t t = first; t + 1 < turns.size() && c.questions.size() < static_cast<size_t>(num_rounds); t += 2) {
+      const auto& q = turns[t];
+      const auto& a = turns[t + 1];
+      if (!q.is_object() || !q.contains("value") || !q["value"].is_string()) {
+        return Status::InvalidArgument(fmt::format("{}: a turn without a \"value\" text", path));
+      }
+      c.questions.push_back(q["value"].get<std::string>());
+      c.answer_tokens.push_back(a.is_object() && a.contains("num_tokens") && a["num_tokens"].is_number_integer()
+                                    ? a["num_tokens"].get<int>()
+                                    : std::numeric_limits<int>::max());
+    }
+    if (static_cast<int>(c.questions.size()) == num_rounds) out.push_back(std::move(c));
+  }
+  if (out.empty()) {
+    return Status::InvalidArgument(fmt::format(
+        "{} holds no conversation with more than {} turns (2 x --num-rounds)", path, 2 * num_rounds));
+  }
+  return out;
+}
+
 int64_t EstimatePromptTokens(const WorkloadConfig& config, int round) {
   round = std::max(round, 1);
   const int64_t messages = 2 * static_cast<int64_t>(round) - 1;
@@ -73,7 +137,7 @@ bool UserSession::ShouldSend(double now, double gap) {
 
 int UserSession::StartRequest(double now) {
   ++question_id_;
-  std::string text = BuildQuestion(question_id_);
+  std::string text = QuestionText(*config_, user_id_, question_id_);
   if (history_.empty()) text = BuildContext(*config_, user_id_) + text;
   history_.push_back({"user", std::move(text)});
   in_flight_ = true;

@@ -31,7 +31,16 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/status.h"
+
 namespace kvtier::loadgen {
+
+// One conversation of LMCache's ShareGPT file, as the benchmark uses it: the user's turns and
+// the length of the answer that followed each (max_tokens, capped by answer_len).
+struct SharegptConversation {
+  std::vector<std::string> questions;
+  std::vector<int> answer_tokens;  // same size as questions
+};
 
 struct WorkloadConfig {
   int num_users = 10;
@@ -41,6 +50,9 @@ struct WorkloadConfig {
   int user_history_len = 2000;   // words (about tokens) per user
   int answer_len = 100;          // max_tokens of every answer
   int init_user_id = 0;          // user ids start at init_user_id + 1
+  // When set (--sharegpt): user u asks the questions of conversation u (modulo their number)
+  // instead of the synthetic ones, each answer capped at that conversation's answer length.
+  std::shared_ptr<const std::vector<SharegptConversation>> sharegpt;
 
   double gap_between_requests() const { return num_users / qps; }
   double gap_between_users() const { return (num_rounds > 1 ? num_rounds - 1 : 1) / qps; }
@@ -61,6 +73,16 @@ std::string FillerWords(int words);
 // The first part of every user's first message: shared system part, then the user part.
 std::string BuildContext(const WorkloadConfig& config, int user_id);
 std::string BuildQuestion(int question_id);
+// The question text and max_tokens of a user's question `question_id` (1-based).
+std::string QuestionText(const WorkloadConfig& config, int user_id, int question_id);
+int AnswerTokens(const WorkloadConfig& config, int user_id, int question_id);
+
+// Reads a ShareGPT file in LMCache's form (a JSON array of {"num_round": N, "conversations":
+// [{"value": text, "num_tokens": n}, ...]}), keeping, as LMCache does, the conversations with
+// more than 2 x num_rounds turns. A conversation with an odd number of turns starts with the
+// assistant, whose first turn is skipped. InvalidArgument when the file is malformed or no
+// conversation is long enough.
+Result<std::vector<SharegptConversation>> LoadSharegpt(const std::string& path, int num_rounds);
 
 // Estimated prompt tokens of a user's round `round` (1-based) when every answer had
 // `answer_len` tokens: filler words count one token each, the fixed texts and the chat template

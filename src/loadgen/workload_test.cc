@@ -1,9 +1,12 @@
 #include "loadgen/workload.h"
 
+#include <fstream>
 #include <map>
 #include <sstream>
 
 #include <gtest/gtest.h>
+
+#include "testing/temp_dir.h"
 
 namespace kvtier::loadgen {
 namespace {
@@ -127,6 +130,44 @@ TEST(UserSession, ARefusedQuestionEndsTheConversation) {
   EXPECT_TRUE(s.finished());
   EXPECT_TRUE(s.abandoned());
   EXPECT_FALSE(s.ShouldSend(100, 2.0));  // never asked again
+}
+
+TEST(Sharegpt, LoadsLmcachesFileAndAsksItsQuestions) {
+  kvtier::testing::TempDir dir("sharegpt");
+  // Three conversations: one too short for 2 rounds, one starting with the human, one (odd number
+  // of turns) with the assistant.
+  std::ofstream(dir.Sub("ShareGPT.json")) << R"([
+    {"num_round": 2, "conversations": [{"value": "short", "num_tokens": 1},
+                                       {"value": "a", "num_tokens": 1}]},
+    {"num_round": 6, "conversations": [{"value": "q1", "num_tokens": 3}, {"value": "a1", "num_tokens": 7},
+                                       {"value": "q2", "num_tokens": 2}, {"value": "a2", "num_tokens": 500},
+                                       {"value": "q3", "num_tokens": 2}, {"value": "a3", "num_tokens": 1}]},
+    {"num_round": 5, "conversations": [{"value": "hello", "num_tokens": 1},
+                                       {"value": "Q1", "num_tokens": 3}, {"value": "A1", "num_tokens": 9},
+                                       {"value": "Q2", "num_tokens": 2}, {"value": "A2", "num_tokens": 4}]}])";
+  auto conversations = LoadSharegpt(dir.Sub("ShareGPT.json"), 2);
+  ASSERT_TRUE(conversations.ok()) << conversations.status().ToString();
+  ASSERT_EQ(conversations->size(), 2u);
+  EXPECT_EQ((*conversations)[0].questions, (std::vector<std::string>{"q1", "q2"}));
+  EXPECT_EQ((*conversations)[0].answer_tokens, (std::vector<int>{7, 500}));
+  EXPECT_EQ((*conversations)[1].questions, (std::vector<std::string>{"Q1", "Q2"}));
+
+  WorkloadConfig c = Config();
+  c.num_rounds = 2;
+  c.answer_len = 100;
+  c.sharegpt = std::make_shared<const std::vector<SharegptConversation>>(*conversations);
+  // User 2 gets conversation 0 (2 modulo 2), user 1 conversation 1.
+  EXPECT_EQ(QuestionText(c, 2, 2), "q2");
+  EXPECT_EQ(AnswerTokens(c, 2, 1), 7);
+  EXPECT_EQ(AnswerTokens(c, 2, 2), 100);  // capped by --answer-len
+  UserSession s(c, 1);
+  s.StartRequest(0);
+  EXPECT_EQ(s.history().back().content, BuildContext(c, 1) + "Q1");
+
+  EXPECT_FALSE(LoadSharegpt(dir.Sub("ShareGPT.json"), 3).ok());  // nothing long enough
+  EXPECT_FALSE(LoadSharegpt(dir.Sub("missing.json"), 2).ok());
+  std::ofstream(dir.Sub("bad.json")) << R"({"not": "an array"})";
+  EXPECT_EQ(LoadSharegpt(dir.Sub("bad.json"), 2).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(SessionManager, StartsInSteadyStateAndKeepsAboutNumUsersActive) {

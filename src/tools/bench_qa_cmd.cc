@@ -35,7 +35,7 @@ struct QaArgs {
   std::string json_summary;
   std::string process_summary;
   bool request_with_user_id = false;
-  bool sharegpt = false;
+  std::string sharegpt;  // the ShareGPT file, when --sharegpt
 };
 
 // LMCache's --process-summary: the summary of a CSV of an earlier run, nothing sent.
@@ -58,13 +58,18 @@ int ProcessSummary(const std::string& path) {
 int RunBenchQa(QaArgs& a) {
   using namespace kvtier::loadgen;
   if (!a.process_summary.empty()) return ProcessSummary(a.process_summary);
-  if (a.sharegpt) {
-    fmt::print(stderr,
-               "error: --sharegpt is not supported: kvtier bench qa sends LMCache's synthetic "
-               "prompts only (leave out --sharegpt)\n");
-    return 1;
-  }
   auto& o = a.options;
+  if (!a.sharegpt.empty()) {
+    auto conversations = LoadSharegpt(a.sharegpt, o.workload.num_rounds);
+    if (!conversations.ok()) {
+      fmt::print(stderr, "error: --sharegpt: {}\n", conversations.status().ToString());
+      return 1;
+    }
+    fmt::print(stderr, "{} ShareGPT conversations of more than {} turns in {}\n",
+               conversations->size(), 2 * o.workload.num_rounds, a.sharegpt);
+    o.workload.sharegpt = std::make_shared<const std::vector<SharegptConversation>>(
+        std::move(conversations).value());
+  }
   if (o.dry_run) {
     a.output.clear();  // nothing measured, nothing to write
     a.json_summary.clear();
@@ -201,9 +206,12 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
                 "Accepted for LMCache's command lines: the x-user-id header is always sent, as "
                 "LMCache's script does whatever this flag says");
   cmd->add_flag("--verbose", o.verbose, "Log every request sent and every answer");
-  cmd->add_flag("--sharegpt", args->sharegpt,
-                "LMCache's ShareGPT conversations: not supported (refused with a message); the "
-                "prompts are always the synthetic ones");
+  cmd->add_flag("--sharegpt{ShareGPT.json}", args->sharegpt,
+                "Ask the user turns of LMCache's ShareGPT file (ShareGPT.json in the current "
+                "directory, as LMCache's script reads it, or --sharegpt=FILE) instead of the "
+                "synthetic questions, each answer capped at the recorded answer's length and "
+                "--answer-len; only conversations of more than 2 x --num-rounds turns")
+      ->expected(0, 1);
   cmd->add_flag("--dry-run", o.dry_run,
                 "Send nothing: play the pacing on a simulated clock for --time seconds (one "
                 "conversation's life when 0) and print what would be sent; writes no file");
