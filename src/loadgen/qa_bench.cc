@@ -239,10 +239,17 @@ double best_before_last(const std::vector<CapacityStage>& stages) {
 }
 
 std::string CapacityTable(const std::vector<CapacityStage>& stages) {
-  std::string out = "  streams  finished/s  median TTFT  failed\n";
+  const bool paced = !stages.empty() && stages.front().qps > 0;
+  std::string out = paced ? "      --qps     sent/s  finished/s  median TTFT  failed\n"
+                          : "  streams  finished/s  median TTFT  failed\n";
   for (const auto& s : stages) {
-    out += fmt::format("  {:>7}  {:>10.3f}  {:>9.3f} s  {:>6}\n", s.streams, s.finished_rps,
-                       s.median_ttft, s.failed);
+    if (paced) {
+      out += fmt::format("  {:>9.3f}  {:>9.3f}  {:>10.3f}  {:>9.3f} s  {:>6}\n", s.qps, s.sent_rps,
+                         s.finished_rps, s.median_ttft, s.failed);
+    } else {
+      out += fmt::format("  {:>7}  {:>10.3f}  {:>9.3f} s  {:>6}\n", s.streams, s.finished_rps,
+                         s.median_ttft, s.failed);
+    }
   }
   return out;
 }
@@ -340,6 +347,9 @@ Status ValidateQaBenchOptions(const QaBenchOptions& o) {
   if (!(o.request_timeout_s > 0)) return Status::InvalidArgument("--request-timeout must be > 0");
   if (!(o.drain_timeout_s >= 0)) return Status::InvalidArgument("--drain-timeout must be >= 0");
   if (o.server_gone_after < 1) return Status::InvalidArgument("server_gone_after must be >= 1");
+  if (o.find_capacity && o.capacity_max_stages < 1) {
+    return Status::InvalidArgument("--capacity-max-stages must be >= 1");
+  }
   if (o.find_capacity && !(o.capacity_stage_s > 0)) {
     return Status::InvalidArgument("--capacity-stage-time must be > 0");
   }
@@ -528,25 +538,43 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   };
 
   if (o.find_capacity) {
-    console.Log(fmt::format(
-        "finding capacity: closed-loop stages of {:.0f} s, each user sending its next question as "
-        "soon as its answer arrives, doubling the streams until the finished rate stops growing",
-        o.capacity_stage_s));
+    const bool paced = o.capacity_method == CapacityMethod::kPaced;
+    if (paced) {
+      console.Log(fmt::format(
+          "finding capacity: the paced workload in stages of {:g} s, --qps doubling from {:g}, "
+          "until the server falls behind (finished rate under 90 % of what the pacing sends) or "
+          "its finished rate stops growing",
+          o.capacity_stage_s, w.qps));
+    } else {
+      console.Log(fmt::format(
+          "finding capacity: closed-loop stages of {:g} s, each user sending its next question "
+          "as soon as its answer arrives, doubling the streams until the finished rate stops "
+          "growing",
+          o.capacity_stage_s));
+    }
     double best = 0;
-    for (int streams = w.num_users; streams <= o.capacity_max_streams; streams *= 2) {
+    int streams = w.num_users;
+    double qps = w.qps;
+    for (int n = 0; paced ? n < o.capacity_max_stages : streams <= o.capacity_max_streams; ++n) {
       WorkloadConfig stage_config = w;
-      stage_config.num_users = streams;
-      SessionManager manager(stage_config, /*closed_loop=*/true);
+      if (paced) {
+        stage_config.qps = qps;
+      } else {
+        stage_config.num_users = streams;
+      }
+      SessionManager manager(stage_config, /*closed_loop=*/!paced);
       PhaseState st;
       const double start = tb.Now();
       const double end = start + o.capacity_stage_s;
       double last_progress = start;
+      const std::string label =
+          paced ? fmt::format("--qps {:g}", qps) : fmt::format("{} streams", streams);
       HttpLauncher launcher(*client, o, result.model, tb, st, failure_log, console);
       KVTIER_RETURN_IF_ERROR(run_phase(manager, launcher, st, end, [&](double now) {
         if (now - last_progress >= (o.progress_in_place ? o.progress_interval_s : 10.0)) {
           last_progress = now;
-          console.Progress(fmt::format("[capacity, {} streams, {:>4.0f}/{:.0f} s] finished {}, failed {}",
-                                       streams, now - start, o.capacity_stage_s, st.records.size(),
+          console.Progress(fmt::format("[capacity, {}, {:>4.0f}/{:.0f} s] finished {}, failed {}",
+                                       label, now - start, o.capacity_stage_s, st.records.size(),
                                        st.failures.size()));
         }
       }));
@@ -554,15 +582,22 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
       const double measured_from = start + 0.1 * o.capacity_stage_s;
       const double stop_time = std::min(end, tb.Now());
       Summary s = Summarize(st.records, st.launches, st.failures, measured_from, stop_time, 0, 0);
-      CapacityStage stage{streams, s.seconds, s.finished, s.processing_speed, s.median_ttft, s.failed};
+      CapacityStage stage{paced ? 0 : streams, s.seconds,    s.finished, s.processing_speed,
+                          s.median_ttft,       s.failed};
+      stage.qps = paced ? qps : 0;
+      stage.sent_rps = s.actual_qps;
       result.stages.push_back(stage);
-      console.Log(fmt::format("  {} streams: {:.3f} finished requests/s, median TTFT {:.3f} s{}",
-                              streams, stage.finished_rps, stage.median_ttft,
+      console.Log(fmt::format("  {}: {:.3f} finished requests/s ({:.3f} sent), median TTFT {:.3f} s{}",
+                              label, stage.finished_rps, stage.sent_rps, stage.median_ttft,
                               stage.failed ? fmt::format(", {} failed", stage.failed) : ""));
       for (const auto& r : st.records) result.records.push_back(r);
       if (Stopped(o)) break;
-      if (stage.finished_rps < 1.1 * best) break;  // plateau: more streams only queue
+      if (stage.finished_rps < 1.1 * best) break;  // plateau: more load only queues
       best = std::max(best, stage.finished_rps);
+      // The paced method's reading: the rate the server achieves once it falls behind the pacing.
+      if (paced && stage.finished_rps < 0.9 * stage_config.expected_qps()) break;
+      streams *= 2;
+      qps *= 2;
     }
     for (const auto& s : result.stages) best = std::max(best, s.finished_rps);
     if (best <= 0) {
@@ -580,11 +615,18 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
         "of the service rate)\n",
         CapacityTable(result.stages), best, result.recommended_qps, w.num_rounds,
         o.capacity_target * best, o.capacity_target * 100));
-    if (!Stopped(o) && result.stages.back().finished_rps >= 1.1 * best_before_last(result.stages)) {
-      result.warnings.push_back(fmt::format(
-          "the finished rate was still growing at {} streams, the most --capacity-max-streams "
-          "allows: the service rate is at least {:.3f} requests/s; raise --capacity-max-streams",
-          result.stages.back().streams, best));
+    const CapacityStage& last = result.stages.back();
+    const bool kept_up = !paced || last.finished_rps >= 0.9 * last.sent_rps;
+    if (!Stopped(o) && kept_up && last.finished_rps >= 1.1 * best_before_last(result.stages)) {
+      result.warnings.push_back(
+          paced ? fmt::format("the server kept up with --qps {:g}, after the {} stages "
+                              "--capacity-max-stages allows: the service rate is at least {:.3f} "
+                              "requests/s; raise --capacity-max-stages or start from a higher --qps",
+                              last.qps, result.stages.size(), best)
+                : fmt::format("the finished rate was still growing at {} streams, the most "
+                              "--capacity-max-streams allows: the service rate is at least {:.3f} "
+                              "requests/s; raise --capacity-max-streams",
+                              last.streams, best));
     }
     for (const auto& warning : result.warnings) console.Log("WARNING: " + warning);
     return result;
@@ -786,9 +828,13 @@ std::string QaBenchResultToJson(const QaBenchOptions& o, const QaBenchResult& r)
     j["capacity"]["service_rate_rps"] = r.service_rate_rps;
     j["capacity"]["recommended_qps"] = r.recommended_qps;
     j["capacity"]["target_fraction"] = o.capacity_target;
+    j["capacity"]["method"] =
+        o.capacity_method == CapacityMethod::kPaced ? "paced" : "closed_loop";
     j["capacity"]["stages"] = nlohmann::json::array();
     for (const auto& s : r.stages) {
       j["capacity"]["stages"].push_back({{"streams", s.streams},
+                                         {"qps", s.qps},
+                                         {"sent_rps", s.sent_rps},
                                          {"seconds", s.seconds},
                                          {"finished", s.finished},
                                          {"finished_rps", s.finished_rps},

@@ -6,9 +6,14 @@
 //  * runs the workload (workload.h) for `duration_s`, printing a summary every
 //    `log_interval_s`; then stops sending, drains the requests still in flight (waits for them, up
 //    to `drain_timeout_s`, and includes them: see stats.h) and prints the final summary, or
-//  * with `find_capacity`, overloads the server on purpose: closed-loop stages with 1x, 2x,
-//    4x ... `num_users` concurrent conversations until the finished-request rate stops growing by
-//    10 %, and reports that rate (the service rate) and the qps that keeps the server at 65 % of it.
+//  * with `find_capacity`, overloads the server on purpose and reports the finished-request rate
+//    it reaches (the service rate) and the qps that keeps the server at 65 % of it. The paced
+//    method (the default, the published benchmark's own): the workload itself in stages with
+//    --qps doubling, until the server falls behind the pacing or its finished rate stops growing
+//    by 10 %. The closed loop: stages with 1x, 2x, 4x ... `num_users` conversations each asking
+//    again as soon as answered, until the finished rate stops growing by 10 %. The two keep
+//    prefixes differently hot (back-to-back users keep theirs), so they can disagree near the
+//    cache's eviction threshold.
 // Everything runs on the calling thread, over one libcurl multi handle.
 //
 // Thread-safety: one call per thread; the options' callbacks are called on the calling thread.
@@ -27,6 +32,8 @@
 
 namespace kvtier::loadgen {
 
+enum class CapacityMethod { kPaced, kClosedLoop };
+
 struct QaBenchOptions {
   WorkloadConfig workload;
   std::string base_url = "http://localhost:8000/v1";
@@ -42,8 +49,10 @@ struct QaBenchOptions {
   bool allow_warm_cache = false;
   int64_t max_model_len = 0;     // 0: as the server reports in /models
   bool find_capacity = false;
-  double capacity_stage_s = 20;  // seconds per closed-loop stage
-  int capacity_max_streams = 1024;
+  CapacityMethod capacity_method = CapacityMethod::kPaced;
+  double capacity_stage_s = 20;  // seconds per stage
+  int capacity_max_streams = 1024;  // closed loop: the most concurrent conversations
+  int capacity_max_stages = 8;      // paced: the most stages (--qps x 2^7 at most)
   double capacity_target = 0.65; // fraction of the service rate to recommend
   // Abort when this many requests failed and none succeeded.
   int fail_fast_after = 20;
@@ -73,12 +82,14 @@ struct QaBenchOptions {
 };
 
 struct CapacityStage {
-  int streams = 0;
+  int streams = 0;            // closed loop; 0 for the paced method
   double seconds = 0;         // measured window (after the stage's first tenth)
   int64_t finished = 0;
   double finished_rps = 0;
   double median_ttft = 0;
   int64_t failed = 0;
+  double qps = 0;             // paced: the stage's --qps; 0 for the closed loop
+  double sent_rps = 0;        // requests sent per second in the measured window
 };
 
 struct QaBenchResult {

@@ -157,6 +157,7 @@ TEST(QaBench, FindsTheServiceRate) {
   auto o = SmallRun(*server);
   o.workload.num_users = 2;
   o.find_capacity = true;
+  o.capacity_method = CapacityMethod::kClosedLoop;
   o.capacity_stage_s = 1.5;
   o.capacity_max_streams = 16;
   auto result = RunQaBench(o);
@@ -172,6 +173,34 @@ TEST(QaBench, FindsTheServiceRate) {
   EXPECT_LE(server->max_active(), 2);
   // The overloaded stages queue: their TTFT grows.
   EXPECT_GT(result->stages.back().median_ttft, result->stages.front().median_ttft);
+}
+
+TEST(QaBench, FindsTheServiceRateByOverloadingThePacedWorkload) {
+  FakeServerOptions so;
+  so.max_concurrent = 2;           // two requests at a time, the rest queue
+  so.first_token_delay_s = 0.02;
+  so.inter_token_delay_s = 0.005;  // 0.04 s per request: 2 / 0.04 = 50 requests/s
+  auto server = StartServer(so);
+  auto o = SmallRun(*server);
+  o.workload.num_users = 16;
+  o.workload.qps = 8;  // the pacing sends 12/s, then 24, 48, 96
+  o.find_capacity = true;  // the paced method is the default
+  o.capacity_stage_s = 1.5;
+  auto result = RunQaBench(o);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_GE(result->stages.size(), 3u);
+  EXPECT_DOUBLE_EQ(result->stages[0].qps, 8);
+  EXPECT_DOUBLE_EQ(result->stages[1].qps, 16);
+  EXPECT_EQ(result->stages[0].streams, 0);
+  // It stopped once the server fell behind what the pacing sent.
+  const auto& last = result->stages.back();
+  EXPECT_LT(last.finished_rps, 0.9 * last.qps * 3 / 2);
+  EXPECT_GT(result->service_rate_rps, 30);
+  EXPECT_LT(result->service_rate_rps, 55);
+  EXPECT_NEAR(result->recommended_qps, 0.65 * result->service_rate_rps * 2 / 3, 1e-9);
+  EXPECT_LE(server->max_active(), 2);
+  auto json = nlohmann::json::parse(QaBenchResultToJson(o, *result));
+  EXPECT_EQ(json["capacity"]["method"], "paced");
 }
 
 TEST(QaBench, WarnsWhenTheServerIsSaturated) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include <fmt/format.h>
@@ -129,6 +130,7 @@ int RunBenchQa(QaArgs& a) {
 }
 
 void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
+  using kvtier::loadgen::CapacityMethod;
   auto args = std::make_shared<QaArgs>();
   auto& o = args->options;
   auto& w = o.workload;
@@ -193,13 +195,25 @@ void AddBenchQa(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
   cmd->add_option("--max-model-len", o.max_model_len,
                   "Server's context window in tokens (default: what /models reports)");
   cmd->add_flag("--find-capacity", o.find_capacity,
-                "Overload the server on purpose (closed loop, doubling the streams from "
-                "--num-users) and report its service rate and the qps for 65 % of it");
+                "Overload the server on purpose and report its service rate and the qps for 65 % "
+                "of it (see --capacity-method)");
+  cmd->add_option("--capacity-method", o.capacity_method,
+                  "paced: the workload itself, --qps doubling from its value until the server "
+                  "falls behind (the published benchmark's method); closed-loop: --num-users "
+                  "doubling, each user asking again as soon as answered")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, CapacityMethod>{{"paced", CapacityMethod::kPaced},
+                                                {"closed-loop", CapacityMethod::kClosedLoop}},
+          CLI::ignore_case))
+      ->default_str("paced");
   cmd->add_option("--capacity-stage-time", o.capacity_stage_s,
                   "Seconds per --find-capacity stage")
       ->capture_default_str();
   cmd->add_option("--capacity-max-streams", o.capacity_max_streams,
-                  "Most concurrent streams --find-capacity tries")
+                  "Most concurrent streams --capacity-method closed-loop tries")
+      ->capture_default_str();
+  cmd->add_option("--capacity-max-stages", o.capacity_max_stages,
+                  "Most stages --capacity-method paced runs (the last at --qps x 2^(N-1))")
       ->capture_default_str();
   // LMCache's flags, so its command lines run unchanged.
   cmd->add_flag("--request-with-user-id", args->request_with_user_id,
