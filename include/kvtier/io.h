@@ -19,6 +19,7 @@
 // once (positional I/O has no shared cursor). Env::Default() lives for the whole process.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -191,6 +192,11 @@ class Env {
   virtual Result<FileInfo> Stat(const std::string& path) = 0;
   // fsync of a directory: entries created, renamed or removed in it survive a power failure.
   virtual Status SyncDir(const std::string& dir) = 0;
+  // The monotonic clock of the timers that run on this env's behalf (the file tier's negative
+  // cache and disk-full hold): steady_clock, unless a test env moves it forward itself.
+  virtual std::chrono::steady_clock::time_point Now() const {
+    return std::chrono::steady_clock::now();
+  }
 };
 
 struct PosixEnvOptions {
@@ -254,6 +260,9 @@ class FaultInjectionEnv : public Env {
   void ReleaseStalls();
   // Opens blocked by StallOpens right now.
   uint64_t stalled_now() const;
+  // Moves Now() forward (the base env's clock plus everything advanced so far), so that a test
+  // can let a timer expire without sleeping.
+  void AdvanceClock(std::chrono::nanoseconds by);
 
   // Simulates a power failure: data written to a file since its last Sync is lost (overwritten
   // with zeros), and files created or renamed into a directory since its last SyncDir disappear.
@@ -270,6 +279,7 @@ class FaultInjectionEnv : public Env {
   Result<std::vector<DirEntry>> List(const std::string& dir) override;
   Result<FileInfo> Stat(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
+  std::chrono::steady_clock::time_point Now() const override;
 
  private:
   friend class FaultFile;
@@ -298,6 +308,7 @@ class FaultInjectionEnv : public Env {
   Counters counters_;
   std::unordered_map<std::string, PathState> paths_;
   uint64_t space_used_ = 0;  // sum of paths_[*].size
+  std::chrono::nanoseconds clock_advance_{0};
 };
 
 }  // namespace kvtier

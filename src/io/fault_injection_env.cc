@@ -159,6 +159,16 @@ uint64_t FaultInjectionEnv::Uniform(uint64_t n) {
   return n == 0 ? 0 : std::uniform_int_distribution<uint64_t>(0, n - 1)(rng_);
 }
 
+void FaultInjectionEnv::AdvanceClock(std::chrono::nanoseconds by) {
+  std::lock_guard lock(mu_);
+  clock_advance_ += by;
+}
+
+std::chrono::steady_clock::time_point FaultInjectionEnv::Now() const {
+  std::lock_guard lock(mu_);
+  return base_->Now() + clock_advance_;
+}
+
 std::string FaultInjectionEnv::io_engine_name() const {
   return base_->io_engine_name() + "+faults";
 }

@@ -172,18 +172,18 @@ class FileTier::Impl {
   // filesystem said ENOSPC (what we held on it then).
   uint64_t EffectiveCapacityLocked() const {
     const uint64_t cap = options_.capacity_bytes;
-    if (disk_full_cap_ == 0 || Clock::now() >= disk_full_until_) return cap;
+    if (disk_full_cap_ == 0 || env_->Now() >= disk_full_until_) return cap;
     return cap == 0 ? disk_full_cap_ : std::min(cap, disk_full_cap_);
   }
   void NegativeInsertLocked(const ChunkKey& key) {
     if (options_.negative_cache_ttl.count() <= 0) return;
     if (negative_.size() >= 65536) negative_.clear();  // bounded; a cleared entry costs one stat
-    negative_[key] = Clock::now() + options_.negative_cache_ttl;
+    negative_[key] = env_->Now() + options_.negative_cache_ttl;
   }
   bool NegativeHitLocked(const ChunkKey& key) {
     auto it = negative_.find(key);
     if (it == negative_.end()) return false;
-    if (Clock::now() < it->second) return true;
+    if (env_->Now() < it->second) return true;
     negative_.erase(it);
     return false;
   }
@@ -851,7 +851,7 @@ bool FileTier::Impl::DiskFull(std::vector<ChunkKey>* victims) {
     const uint64_t held = used_bytes_ + reserved_bytes_ - file_bytes_;
     budget = std::max<uint64_t>(held, file_bytes_);
     disk_full_cap_ = budget;
-    disk_full_until_ = Clock::now() + options_.disk_full_hold;
+    disk_full_until_ = env_->Now() + options_.disk_full_hold;
     while (used_bytes_ + reserved_bytes_ > budget && !lru_.empty()) {
       ChunkKey victim = lru_.back();
       EraseLocked(victim);

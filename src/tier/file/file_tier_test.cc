@@ -236,14 +236,16 @@ TEST(FileTierTest, ChunksOfAnotherInstanceAreFoundAfterTheNegativeCacheExpires) 
   testing::TempDir dir;
   FileTierOptions o = Options(dir.path(), 8192);
   o.negative_cache_ttl = std::chrono::milliseconds(1000);
-  auto a = OpenTier(o);
   auto b = OpenTier(o);
+  FaultInjectionEnv clock(Env::Default(), {});  // no faults: only a clock the test moves
+  o.env = &clock;
+  auto a = OpenTier(o);
   AlignedBuffer buf(8192);
   EXPECT_FALSE(a->Contains(TestKey(7)));  // a miss, now negatively cached
   FillChunk(TestKey(7), buf.span());
   ASSERT_TRUE(b->Write(TestKey(7), buf.span()).ok());
   EXPECT_FALSE(a->Contains(TestKey(7))) << "the negative cache should hide it for a while";
-  std::this_thread::sleep_for(std::chrono::milliseconds(1050));
+  clock.AdvanceClock(std::chrono::milliseconds(1001));  // past the negative cache, no sleep
   EXPECT_TRUE(a->Contains(TestKey(7)));
   EXPECT_EQ(a->Stats().found_on_disk, 1u);
   std::memset(buf.data(), 0, buf.size());

@@ -27,9 +27,10 @@ std::vector<ChunkKey> Keys(uint64_t first, uint64_t count) {
   return keys;
 }
 
-std::unique_ptr<FileTier> OpenHere(const std::string& root) {
+std::unique_ptr<FileTier> OpenHere(const std::string& root, Env* env = nullptr) {
   FileTierOptions o;
   o.root = root;
+  o.env = env;
   o.ns = testing::TestNamespace();
   o.chunk_bytes = kChunk;
   o.negative_cache_ttl = std::chrono::milliseconds(100);
@@ -40,7 +41,8 @@ std::unique_ptr<FileTier> OpenHere(const std::string& root) {
 
 TEST(FileTierSharingTest, TwoProcessesSeeEachOthersChunks) {
   testing::TempDir dir;
-  auto here = OpenHere(dir.path());
+  FaultInjectionEnv clock(Env::Default(), {});  // no faults: only a clock the test moves
+  auto here = OpenHere(dir.path(), &clock);
   testing::WorkerProcess other;
   ASSERT_TRUE(other.Start({"serve", dir.path(), std::to_string(kChunk), "0"}));
   ASSERT_EQ(other.ReadLine(), "ready");
@@ -48,7 +50,7 @@ TEST(FileTierSharingTest, TwoProcessesSeeEachOthersChunks) {
   EXPECT_EQ(here->LookupPrefix(Keys(0, 10)), 0u);  // nothing yet (and now negatively cached)
   ASSERT_TRUE(other.Send("write 0 10"));
   ASSERT_EQ(other.ReadLine(), "ok 10 0");
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past the negative cache
+  clock.AdvanceClock(std::chrono::milliseconds(101));  // past the negative cache, no sleep
   EXPECT_EQ(here->LookupPrefix(Keys(0, 10)), 10u);
   AlignedBuffer buf(kChunk);
   for (uint64_t i = 0; i < 10; ++i) {
