@@ -41,8 +41,9 @@ struct ModelSpec {
 };
 
 // `name_or_path`: a preset of common/model_presets.h ("qwen3-8b", "llama-3.1-70b",
-// "deepseek-v3", ...; "Qwen/Qwen3-8B" style names too) or a path to a config.json. `kv_dtype` (empty = the model's) overrides the KV cache dtype; `weight_dtype`
-// (empty = the preset's, bf16 for config files) the weights'. Fails on an unknown name, an
+// "deepseek-v3", ...; "Qwen/Qwen3-8B" style names too) or a path to a config.json. `kv_dtype`
+// (empty = the model's) overrides the KV cache dtype; `weight_dtype` (empty = the preset's, bf16
+// for config files) the weights'. Fails on an unknown name, an
 // unreadable or incomplete config, or a TP size the model cannot be split over.
 Result<ModelSpec> LoadModel(std::string_view name_or_path, uint32_t tensor_parallel,
                             std::string_view kv_dtype = "", std::string_view weight_dtype = "");

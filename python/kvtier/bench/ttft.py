@@ -641,8 +641,8 @@ def measure(args) -> dict:
         "device": torch.cuda.get_device_name(env.device) if cuda else "cpu",
         "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype), "suffix_tokens": args.suffix,
         "chunk_tokens": args.chunk_tokens, "block_tokens": args.block_tokens,
-        "chunk_bytes": chunk_bytes, "num_layers": cfg.num_layers, "copy_mechanism": mover.whole.auto_mechanism
-        if mechanism == "auto" else mechanism,
+        "chunk_bytes": chunk_bytes, "num_layers": cfg.num_layers,
+        "copy_mechanism": mover.whole.auto_mechanism if mechanism == "auto" else mechanism,
         "layer_copy_mechanism": mover.per_layer[0].auto_mechanism
         if mechanism == "auto" else mechanism,
         "warmup": args.warmup, "repeats": args.repeats, "arms": arms, "rows": [],
