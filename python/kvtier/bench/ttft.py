@@ -352,18 +352,27 @@ class ContextRun:
         self.check_logits("gpu", logits, self.logits_suffix_ref, 1e-3)
         self.record("gpu", t, timed)
 
-    def run_hit(self, arm: str, store, timed: bool, serial: bool = False) -> None:
-        """Lookup, pin, scatter (layer-wise, overlapped with the suffix's compute) and the first
-        token. Timed from before the key derivation to the first token on the host."""
-        env, model, mover = self.env, self.model, self.mover
+    def start_hit(self, arm: str, store):
+        """What every hit does first: poisons the prefix's blocks, starts the clock, derives the
+        keys and looks them up. (t0, keys), or None (an error recorded) if any chunk is missing."""
         self.cache.poison(self.prefix)
-        env.sync()
+        self.env.sync()
         t0 = time.perf_counter()
         keys = self.keys()
         total, _ = store.lookup(keys)
         if total != len(keys):
             self.errors.append(f"{arm}: lookup found {total} of {len(keys)} chunks")
+            return None
+        return t0, keys
+
+    def run_hit(self, arm: str, store, timed: bool, serial: bool = False) -> None:
+        """Lookup, pin, scatter (layer-wise, overlapped with the suffix's compute) and the first
+        token. Timed from before the key derivation to the first token on the host."""
+        env, model, mover = self.env, self.model, self.mover
+        started = self.start_hit(arm, store)
+        if started is None:
             return
+        t0, keys = started
         op = store.prepare_load(keys)
         res = op.wait()
         if res is None or not res.ok or len(res.slots) != len(keys):
@@ -449,14 +458,10 @@ class ContextRun:
         overlap buys nothing here: a chunk file holds every layer, and the disk is ~50x slower
         than the copy."""
         env, model, mover = self.env, self.model, self.mover
-        self.cache.poison(self.prefix)
-        env.sync()
-        t0 = time.perf_counter()
-        keys = self.keys()
-        total, _ = store.lookup(keys)
-        if total != len(keys):
-            self.errors.append(f"{arm}: lookup found {total} of {len(keys)} chunks")
+        started = self.start_hit(arm, store)
+        if started is None:
             return
+        t0, keys = started
         starts = list(range(0, len(keys), wave))
         stream = env.new_stream()
         in_flight, pins, failed = [], [], None
@@ -794,19 +799,19 @@ def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
         tokens, seconds = p.split(":")
         floor = max(floor, float(seconds))
         points.append(f"{tokens}:{floor:.4f}")
-    table = ",".join(points)
+    common = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
+              "--dtype", str(dtype).split(".")[-1], "--prefill-table", ",".join(points),
+              "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
+              "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
+    if "disk" in result:
+        common += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
     rows, commands = [], []
     for r in result["rows"]:
         # The host time the L1 arm spent starting its layer loads, per layer: an input like the
         # bandwidths (it lengthens the launch-bound suffix), measured in the same run.
         issue_us = r.get("l1_issue_s", 0.0) / layers * 1e6
-        cmd = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
-               "--dtype", str(dtype).split(".")[-1], "--prefill-table", table,
-               "--context", str(r["context"]), "--hit-suffix", str(args.suffix),
-               "--step-overhead-ms", "0", "--layer-load-overhead-us", f"{issue_us:.1f}",
-               "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
-        if "disk" in result:
-            cmd += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
+        cmd = common + ["--context", str(r["context"]),
+                        "--layer-load-overhead-us", f"{issue_us:.1f}"]
         log("+ " + " ".join(cmd))
         commands.append(" ".join(cmd))
         out = subprocess.run(cmd, capture_output=True, text=True)
