@@ -215,6 +215,46 @@ struct PosixEnvOptions {
 // on nonsensical options.
 Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options);
 
+// An Env that speaks NFSv3 itself (libnfs, in user space), for directories given as
+// `nfs://HOST/EXPORT[/PATH]`: no kernel mount needed. The paths it takes are URLs under that
+// one (`nfs://HOST/EXPORT/PATH/a/b`), so a tier's root and every path below it read the same as
+// a local directory's. docs/file-format.md says what NFS changes for the file tier.
+//
+// `connections` TCP connections (one libnfs context each, driven asynchronously by a thread of
+// its own): the user-space counterpart of the kernel's `nconnect`. A File is opened on one
+// connection (round robin) and its transfers go there, `requests_in_flight` READ/WRITE requests
+// of up to the server's rsize/wsize at a time. libnfs keeps no cache: every read asks the
+// server (File::direct() is true). Sync is an NFS COMMIT; SyncDir does nothing, since an NFSv3
+// server commits namespace changes before it answers them. A connection that breaks is
+// reconnected on its next use; a request that the server does not answer within `rpc_timeout`
+// fails with ETIMEDOUT.
+struct NfsEnvOptions {
+  std::string url;  // nfs://HOST/EXPORT[/PATH]: the server and the export to mount
+  int connections = 4;
+  int requests_in_flight = 16;            // per File::Submit
+  size_t max_request_bytes = 1u << 20;    // capped at the server's rsize / wsize
+  std::chrono::milliseconds rpc_timeout{10000};  // rounded up to whole seconds (libnfs)
+};
+
+// True for `nfs://...`.
+bool IsNfsUrl(std::string_view path);
+// Whether this build can speak NFS (it was built with libnfs).
+bool NfsSupported();
+// Mounts the export of `options.url` on every connection. Fails with kInvalidArgument for a
+// malformed URL or options, kUnavailable when the server cannot be reached, kNotFound when no
+// prefix of the URL's path is exported, kUnimplemented in a build without libnfs.
+Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options);
+
+// The Env for a directory given by the user: `fallback` (Env::Default() when null) for a local
+// path, a new NFS env (not shared, owned by the result) for an `nfs://` URL. The returned
+// pointer is valid as long as the result lives.
+struct EnvForPath {
+  Env* env = nullptr;
+  std::unique_ptr<Env> owned;
+};
+Result<EnvForPath> OpenEnvForPath(const std::string& path, Env* fallback = nullptr,
+                                  int nfs_connections = 4);
+
 // Probabilities (0..1) of each fault, drawn independently per operation from one seeded generator.
 struct FaultInjectionOptions {
   uint64_t seed = 1;

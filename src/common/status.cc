@@ -52,7 +52,8 @@ Status Status::FromErrno(int err, std::string_view context) {
   switch (err) {
     case ENOSPC:
     case EDQUOT: return NoSpace(std::move(msg));
-    case ENOENT: return NotFound(std::move(msg));
+    case ENOENT:
+    case ESTALE: return NotFound(std::move(msg));  // a network filesystem's file removed elsewhere
     case EACCES:
     case EPERM: return PermissionDenied(std::move(msg));
     case EAGAIN:
