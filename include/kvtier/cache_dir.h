@@ -1,6 +1,7 @@
-// Whole-directory operations on a file-tier cache (docs/file-format.md): check and repair
-// (`kvtier fsck`), summarize (`kvtier stats`) and empty (`kvtier purge`). They work on any
-// cache directory without knowing its namespaces' options: everything needed is in the headers.
+// Whole-directory operations on a file-tier cache (docs/file-format.md), local or nfs://: check
+// and repair (`kvtier fsck`), summarize (`kvtier stats`) and empty (`kvtier purge`). They work on
+// any cache directory without knowing its namespaces' options: everything needed is in the
+// headers.
 //
 // Thread-safety: each call is independent; they may run while tiers use the directory (a file
 // that vanishes during a check is skipped; a chunk being written is a fresh temporary file).
@@ -25,7 +26,7 @@ struct FsckOptions {
   bool repair = false;  // remove corrupt files and stale temporary files
   std::chrono::seconds temp_grace{600};  // temporary files older than this are stale
   int threads = 2;                       // files checked in parallel
-  Env* env = nullptr;                    // nullptr = Env::Default()
+  Env* env = nullptr;                    // nullptr: Env::Default(), or NFS for nfs://
   // Called now and then from the calling thread with (files checked, files in total).
   std::function<void(uint64_t, uint64_t)> progress;
 };

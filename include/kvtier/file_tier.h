@@ -59,8 +59,8 @@
 namespace kvtier {
 
 struct FileTierOptions {
-  std::string root;             // cache directory (created if absent)
-  KeyNamespace ns;              // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
+  std::string root;  // cache directory (created if absent): a local path or nfs://HOST/EXPORT/PATH
+  KeyNamespace ns;   // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
   uint64_t chunk_bytes = 0;     // REQUIRED: payload bytes of every chunk in this namespace
   uint64_t capacity_bytes = 0;  // 0 = unlimited; counts whole files (header and padding included)
   int read_threads = 4, write_threads = 2;               // ReadAsync / WriteAsync pools
@@ -74,9 +74,10 @@ struct FileTierOptions {
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
   bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
   bool sync_directory = false;  // also fsync the directory after publishing (power-loss safe)
-  // nullptr = a POSIX env of our own; tests pass a fault-injecting one, which must outlive the
-  // tier and any operation it abandons at shutdown.
+  // nullptr = an env of our own: POSIX, or NFS (NewNfsEnv) for an nfs:// root. Tests pass a
+  // fault-injecting one, which must outlive the tier and any operation it abandons at shutdown.
   Env* env = nullptr;
+  int nfs_connections = 4;  // an nfs:// root with env null: TCP connections to the server
   // An asynchronous read or write running longer than this is stalled (see above). 0 = never:
   // Drain and the destructor wait for every operation, however long.
   std::chrono::milliseconds stall_timeout{5000};

@@ -231,8 +231,8 @@ Result<std::unique_ptr<Env>> NewPosixEnv(const PosixEnvOptions& options);
 struct NfsEnvOptions {
   std::string url;  // nfs://HOST/EXPORT[/PATH]: the server and the export to mount
   int connections = 4;
-  int requests_in_flight = 16;            // per File::Submit
-  size_t max_request_bytes = 1u << 20;    // capped at the server's rsize / wsize
+  int requests_in_flight = 16;                   // per File::Submit
+  size_t max_request_bytes = 1u << 20;           // capped at the server's rsize / wsize
   std::chrono::milliseconds rpc_timeout{10000};  // rounded up to whole seconds (libnfs)
 };
 

@@ -54,8 +54,8 @@ Result<EnvForPath> OpenEnvForPath(const std::string& path, Env* fallback, int nf
 
 bool NfsSupported() { return false; }
 Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options) {
-  return Status::Unimplemented(
-      fmt::format("{}: this build of kvtier has no NFS client (built without libnfs)", options.url));
+  return Status::Unimplemented(fmt::format(
+      "{}: this build of kvtier has no NFS client (built without libnfs)", options.url));
 }
 
 #else
@@ -81,8 +81,8 @@ struct NfsUrl {
 
 Result<NfsUrl> ParseNfsUrl(std::string_view url) {
   const auto bad = [&](std::string_view why) {
-    return Status::InvalidArgument(
-        fmt::format("'{}' is not a valid NFS URL ({}); expected nfs://HOST/EXPORT[/PATH]", url, why));
+    return Status::InvalidArgument(fmt::format(
+        "'{}' is not a valid NFS URL ({}); expected nfs://HOST/EXPORT[/PATH]", url, why));
   };
   if (!IsNfsUrl(url)) return bad("it does not start with nfs://");
   std::string_view rest = url.substr(6);
@@ -226,7 +226,8 @@ class Connection {
     if (rc != 0) {
       std::string error = nfs_get_error(nfs_);
       DestroyContext();
-      return Status::Unavailable(fmt::format("mounting nfs://{}{}: {}", url_.server, export_, error));
+      return Status::Unavailable(
+          fmt::format("mounting nfs://{}{}: {}", url_.server, export_, error));
     }
     readmax_ = nfs_get_readmax(nfs_);
     writemax_ = nfs_get_writemax(nfs_);
@@ -235,7 +236,7 @@ class Connection {
 
   void DestroyContext() {
     nfs_context* nfs = nfs_;
-    nfs_ = nullptr;  // from here on, new calls fail at once
+    nfs_ = nullptr;            // from here on, new calls fail at once
     nfs_destroy_context(nfs);  // may call back orphaned calls: they are ignored
     for (Pending* p : orphans_) delete p;
     orphans_.clear();
@@ -315,7 +316,8 @@ class Connection {
       if (stop && in_flight_.empty()) return;
 
       pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, 0, 0}};
-      if (nfs_ != nullptr) fds[1] = {nfs_get_fd(nfs_), static_cast<short>(nfs_which_events(nfs_)), 0};
+      if (nfs_ != nullptr)
+        fds[1] = {nfs_get_fd(nfs_), static_cast<short>(nfs_which_events(nfs_)), 0};
       // A short timeout: libnfs handles its request timeouts inside nfs_service.
       int n = ::poll(fds, nfs_ != nullptr ? 2 : 1, 100);
       if (n < 0 && errno != EINTR) spdlog::error("nfs: poll: {}", std::strerror(errno));
@@ -379,9 +381,8 @@ class NfsEnv final : public Env {
       candidate = cut == 0 ? "/" : candidate.substr(0, cut);
     }
     if (connections_.empty()) {
-      return Status::Unavailable(fmt::format(
-          "no prefix of {} could be mounted from {} (last: {})", url_.path, url_.server,
-          last.message()));
+      return Status::Unavailable(fmt::format("no prefix of {} could be mounted from {} (last: {})",
+                                             url_.path, url_.server, last.message()));
     }
     export_ = candidate;
     for (int i = 1; i < options_.connections; ++i) {
@@ -452,26 +453,25 @@ class NfsEnv final : public Env {
   Result<std::vector<DirEntry>> List(const std::string& dir) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(dir));
     std::vector<DirEntry> out;
-    Completion c = Next().Call(
-        [&](nfs_context* nfs, nfs_cb cb, void* p) {
-          return nfs_opendir_async(nfs, rel.c_str(), cb, p);
-        },
-        [&](nfs_context* nfs, void* data) {
-          // On the service thread: nfs_readdir only walks what opendir fetched.
-          auto* d = static_cast<nfsdir*>(data);
-          while (nfsdirent* e = nfs_readdir(nfs, d)) {
-            std::string_view name = e->name;
-            if (name == "." || name == "..") continue;
-            DirEntry entry;
-            entry.name = std::string(name);
-            // The NFSv3 file type (RFC 1813 ftype3): 1 regular, 2 directory.
-            entry.type = e->type == 1   ? DirEntry::Type::kFile
-                         : e->type == 2 ? DirEntry::Type::kDirectory
-                                        : DirEntry::Type::kOther;
-            out.push_back(std::move(entry));
-          }
-          nfs_closedir(nfs, d);
-        });
+    Completion c = Next().Call([&](nfs_context* nfs, nfs_cb cb,
+                                   void* p) { return nfs_opendir_async(nfs, rel.c_str(), cb, p); },
+                               [&](nfs_context* nfs, void* data) {
+                                 // On the service thread: nfs_readdir only walks what opendir
+                                 // fetched.
+                                 auto* d = static_cast<nfsdir*>(data);
+                                 while (nfsdirent* e = nfs_readdir(nfs, d)) {
+                                   std::string_view name = e->name;
+                                   if (name == "." || name == "..") continue;
+                                   DirEntry entry;
+                                   entry.name = std::string(name);
+                                   // The NFSv3 file type (RFC 1813 ftype3): 1 regular, 2 directory.
+                                   entry.type = e->type == 1   ? DirEntry::Type::kFile
+                                                : e->type == 2 ? DirEntry::Type::kDirectory
+                                                               : DirEntry::Type::kOther;
+                                   out.push_back(std::move(entry));
+                                 }
+                                 nfs_closedir(nfs, d);
+                               });
     if (c.status < 0) return NfsError(c.status, "list " + dir, c.error);
     return out;
   }
@@ -492,8 +492,8 @@ class NfsEnv final : public Env {
   static FileInfo ToFileInfo(const nfs_stat_64& st) {
     FileInfo info;
     info.size = st.nfs_size;
-    info.mtime_ns = static_cast<int64_t>(st.nfs_mtime) * 1000000000 +
-                    static_cast<int64_t>(st.nfs_mtime_nsec);
+    info.mtime_ns =
+        static_cast<int64_t>(st.nfs_mtime) * 1000000000 + static_cast<int64_t>(st.nfs_mtime_nsec);
     info.is_directory = S_ISDIR(st.nfs_mode);
     info.is_regular = S_ISREG(st.nfs_mode);
     return info;
@@ -534,7 +534,8 @@ class NfsFile final : public File {
   ~NfsFile() override {
     // Closing frees libnfs's handle (an NFSv3 close sends nothing): on the service thread.
     nfsfh* fh = fh_;
-    conn_->Call([fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); });
+    conn_->Call(
+        [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); });
   }
 
   const std::string& path() const override { return path_; }
@@ -575,17 +576,13 @@ Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOp
   Completion c;
   if (options.create) {
     if (options.exclusive) flags |= O_EXCL;
-    c = conn.Call(
-        [&](nfs_context* nfs, nfs_cb cb, void* p) {
-          return nfs_create_async(nfs, rel.c_str(), flags, 0644, cb, p);
-        },
-        [&](nfs_context*, void* data) { fh = static_cast<nfsfh*>(data); });
+    c = conn.Call([&](nfs_context* nfs, nfs_cb cb,
+                      void* p) { return nfs_create_async(nfs, rel.c_str(), flags, 0644, cb, p); },
+                  [&](nfs_context*, void* data) { fh = static_cast<nfsfh*>(data); });
   } else {
-    c = conn.Call(
-        [&](nfs_context* nfs, nfs_cb cb, void* p) {
-          return nfs_open_async(nfs, rel.c_str(), flags, cb, p);
-        },
-        [&](nfs_context*, void* data) { fh = static_cast<nfsfh*>(data); });
+    c = conn.Call([&](nfs_context* nfs, nfs_cb cb,
+                      void* p) { return nfs_open_async(nfs, rel.c_str(), flags, cb, p); },
+                  [&](nfs_context*, void* data) { fh = static_cast<nfsfh*>(data); });
   }
   if (c.status < 0) {
     if (c.status == -EISDIR) {
@@ -655,7 +652,8 @@ Status NfsFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
   }
   const NfsEnvOptions& o = env_->options();
   size_t rmax = std::min<uint64_t>(o.max_request_bytes, std::max<uint64_t>(conn_->readmax(), 4096));
-  size_t wmax = std::min<uint64_t>(o.max_request_bytes, std::max<uint64_t>(conn_->writemax(), 4096));
+  size_t wmax =
+      std::min<uint64_t>(o.max_request_bytes, std::max<uint64_t>(conn_->writemax(), 4096));
   Transfer t;
   t.conn = conn_;
   t.fh = fh_;

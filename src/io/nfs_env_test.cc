@@ -1,5 +1,7 @@
 // The NFS env against a real NFS server on loopback (scripts/nfs-server.sh): every Env and File
 // operation, checked from the server's side through the export's local directory.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -7,9 +9,6 @@
 #include <fstream>
 #include <random>
 #include <thread>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 
 #include "kvtier/io.h"
 #include "testing/nfs_target.h"
@@ -166,8 +165,7 @@ TEST(NfsEnvTest, MetadataOperations) {
             StatusCode::kNotFound);
   EXPECT_EQ(env->List(dir->url() + "/absent").status().code(), StatusCode::kNotFound);
   // Paths outside the mounted export are refused, not resolved somewhere else.
-  EXPECT_EQ(env->Stat("nfs://127.0.0.1/elsewhere/x").status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(env->Stat("nfs://127.0.0.1/elsewhere/x").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(env->Stat("/tmp").status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -228,9 +226,15 @@ TEST(NfsEnvTest, ManyThreadsOnFewConnections) {
         OpenOptions w;
         w.write = w.create = true;
         auto f = env->Open(path, w);
-        if (!f.ok()) { ++failures; continue; }
+        if (!f.ok()) {
+          ++failures;
+          continue;
+        }
         IoOp op = IoOp::Write(0, data);
-        if (!WriteExact(**f, {&op, 1}).ok() || !(*f)->Sync().ok()) { ++failures; continue; }
+        if (!WriteExact(**f, {&op, 1}).ok() || !(*f)->Sync().ok()) {
+          ++failures;
+          continue;
+        }
         f->reset();
         auto g = env->Open(path, OpenOptions{});
         std::vector<uint8_t> back(data.size());

@@ -13,6 +13,7 @@
 #include "common/model_presets.h"
 #include "common/strings.h"
 #include "kvtier/client.h"
+#include "kvtier/io.h"
 
 namespace kvtier::server {
 
@@ -83,9 +84,11 @@ Result<L2Spec> L2FromJson(const json& j) {
     std::string key = NormalizeKey(k);
     if (key == "type") {
       KVTIER_RETURN_IF_ERROR(GetString(v, key, &spec.type));
-    } else if (key == "path") {
+    } else if (key == "path" || key == "url") {
       KVTIER_RETURN_IF_ERROR(GetString(v, key, &spec.path));
       has_path = true;
+    } else if (key == "connections") {
+      KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.connections));
     } else if (key == "max_size_gb") {
       KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.max_size_gb));
     } else if (key == "read_threads") {
@@ -93,17 +96,35 @@ Result<L2Spec> L2FromJson(const json& j) {
     } else if (key == "write_threads") {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.write_threads));
     } else {
-      return Status::InvalidArgument(fmt::format(
-          "unknown L2 key \"{}\" (expected type, path, max_size_gb, read_threads, write_threads)",
-          k));
+      return Status::InvalidArgument(
+          fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, max_size_gb, "
+                      "read_threads, write_threads)",
+                      k));
     }
   }
-  if (spec.type != "fs") {
+  if (spec.type != "fs" && spec.type != "nfs") {
     return Status::InvalidArgument(
-        fmt::format("unsupported L2 type \"{}\" (supported: \"fs\")", spec.type));
+        fmt::format("unsupported L2 type \"{}\" (supported: \"fs\", \"nfs\")", spec.type));
   }
-  if (!has_path || spec.path.empty())
-    return Status::InvalidArgument("an fs L2 tier needs a \"path\"");
+  if (!has_path || spec.path.empty()) {
+    return Status::InvalidArgument(spec.type == "nfs"
+                                       ? "an nfs L2 tier needs a \"url\" (nfs://HOST/EXPORT/PATH)"
+                                       : "an fs L2 tier needs a \"path\"");
+  }
+  if (spec.type == "nfs" && !IsNfsUrl(spec.path)) {
+    return Status::InvalidArgument(
+        fmt::format("an nfs L2 tier's url must be nfs://HOST/EXPORT[/PATH], not '{}'", spec.path));
+  }
+  if (IsNfsUrl(spec.path)) {
+    spec.type = "nfs";  // an fs tier given a URL speaks NFS too
+    if (!NfsSupported()) {
+      return Status::Unimplemented(fmt::format(
+          "L2 {}: this build of kvtier has no NFS client (built without libnfs)", spec.path));
+    }
+  }
+  if (spec.connections < 1 || spec.connections > 256) {
+    return Status::InvalidArgument("L2 \"connections\" must be in [1, 256]");
+  }
   if (!(spec.max_size_gb >= 0) || spec.max_size_gb > 1e6) {
     return Status::InvalidArgument("L2 \"max_size_gb\" must be in [0, 1e6] (0 = unlimited)");
   }
@@ -287,6 +308,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.capacity_bytes = static_cast<uint64_t>(l2[0].max_size_gb * (1ull << 30));
     f.read_threads = l2[0].read_threads;
     f.write_threads = l2[0].write_threads;
+    f.nfs_connections = l2[0].connections;
     o.engine.file = f;
   }
 

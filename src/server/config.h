@@ -19,9 +19,10 @@ namespace kvtier::server {
 // One lower tier: --l2 '{"type":"fs","path":...,"max_size_gb":...,"read_threads":...,
 // "write_threads":...}'.
 struct L2Spec {
-  std::string type = "fs";
-  std::string path;
-  double max_size_gb = 0;  // 0 = unlimited
+  std::string type = "fs";  // "fs": a local (or kernel-mounted) directory; "nfs": an nfs:// URL
+  std::string path;         // the directory, or for "nfs" the URL (JSON key "url" or "path")
+  int connections = 4;      // "nfs": TCP connections to the server
+  double max_size_gb = 0;   // 0 = unlimited
   int read_threads = 4;
   int write_threads = 2;
 };

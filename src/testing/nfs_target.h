@@ -71,11 +71,11 @@ inline std::unique_ptr<NfsTempDir> NfsTestDir(const std::string& prefix) {
 
 // Declares `var`, a NfsTempDir in the test server's export; skips the test when no server is
 // configured (fails when one is required), returns when the directory cannot be made.
-#define KVTIER_NFS_TEST_DIR(var, prefix)                                               \
-  auto var = ::kvtier::testing::NfsTestDir(prefix);                                    \
-  if (!var) {                                                                          \
-    if (!::kvtier::testing::NfsRequired() && !::testing::Test::HasFailure()) {         \
+#define KVTIER_NFS_TEST_DIR(var, prefix)                                            \
+  auto var = ::kvtier::testing::NfsTestDir(prefix);                                 \
+  if (!var) {                                                                       \
+    if (!::kvtier::testing::NfsRequired() && !::testing::Test::HasFailure()) {      \
       GTEST_SKIP() << "no NFS test server (eval \"$(scripts/nfs-server.sh env)\")"; \
-    }                                                                                  \
-    return;                                                                            \
+    }                                                                               \
+    return;                                                                         \
   }

@@ -1,9 +1,8 @@
 // kvtier stats DIR and kvtier purge DIR: summarize and empty a file-tier cache directory.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <ctime>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kvtier/cache_dir.h"
@@ -71,17 +70,18 @@ int RunStats(const StatsArgs& a) {
              sum->chunks, sum->bytes / 1e9, sum->namespaces.size(), Time(sum->oldest_mtime_ns),
              Time(sum->newest_mtime_ns));
   if (sum->temps > 0) {
-    fmt::print("{} temporary files ({:.3f} GB): writes in flight or left by a crash (see "
-               "kvtier fsck)\n",
-               sum->temps, sum->temp_bytes / 1e9);
+    fmt::print(
+        "{} temporary files ({:.3f} GB): writes in flight or left by a crash (see "
+        "kvtier fsck)\n",
+        sum->temps, sum->temp_bytes / 1e9);
   }
   if (!sum->namespaces.empty()) {
     fmt::print("{:<16}  {:>9}  {:>10}  {:>11}  {:<19}  {:<19}  {}\n", "namespace", "chunks", "GB",
                "chunk bytes", "oldest", "newest", "model");
     for (const auto& ns : sum->namespaces) {
       fmt::print("{:<16}  {:>9}  {:>10.3f}  {:>11}  {:<19}  {:<19}  {}\n", ns.id, ns.chunks,
-                 ns.bytes / 1e9, ns.chunk_bytes, Time(ns.oldest_mtime_ns),
-                 Time(ns.newest_mtime_ns), ns.model_id.empty() ? "?" : ns.model_id);
+                 ns.bytes / 1e9, ns.chunk_bytes, Time(ns.oldest_mtime_ns), Time(ns.newest_mtime_ns),
+                 ns.model_id.empty() ? "?" : ns.model_id);
     }
   }
   return 0;
@@ -133,7 +133,9 @@ void AddStats(CLI::App& parent, CommandContext& ctx) {
   auto args = std::make_shared<StatsArgs>();
   auto* cmd = parent.add_subcommand(
       "stats", "Summarize a kvtier cache directory: chunks, bytes, namespaces, oldest and newest");
-  cmd->add_option("DIR", args->dir, "Cache directory (the file tier's root)")->required();
+  cmd->add_option("DIR", args->dir,
+                  "Cache directory (the file tier's root): a path, or nfs://HOST/EXPORT/PATH")
+      ->required();
   cmd->add_flag("--json", args->json, "Print the summary as JSON on stdout");
   cmd->callback([args, &ctx] { ctx.exit_code = RunStats(*args); });
 }
@@ -145,7 +147,9 @@ void AddPurge(CLI::App& parent, CommandContext& ctx) {
       "Remove every chunk (or one namespace's) from a kvtier cache directory. Refuses a directory "
       "that is not a kvtier cache; without --yes only says what it would remove. Stop the tiers "
       "using the directory first");
-  cmd->add_option("DIR", args->dir, "Cache directory (the file tier's root)")->required();
+  cmd->add_option("DIR", args->dir,
+                  "Cache directory (the file tier's root): a path, or nfs://HOST/EXPORT/PATH")
+      ->required();
   cmd->add_option("--namespace", args->ns, "Only this namespace (16 hex digits, see kvtier stats)");
   cmd->add_flag("--yes", args->yes, "Really remove");
   cmd->callback([args, &ctx] { ctx.exit_code = RunPurge(*args); });

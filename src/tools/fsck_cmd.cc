@@ -1,10 +1,9 @@
 // kvtier fsck DIR: checks every file of a file-tier cache directory (header, size, checksum) and
 // names each bad one; --repair removes corrupt and stale temporary files.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kvtier/cache_dir.h"
@@ -55,15 +54,20 @@ int RunFsck(const FsckArgs& a) {
                           {"reason", f.reason},
                           {"removed", f.removed}});
     }
-    nlohmann::json j = {{"dir", a.dir},         {"namespaces", r.namespaces},
-                        {"files", r.files},     {"good", r.good},
+    nlohmann::json j = {{"dir", a.dir},
+                        {"namespaces", r.namespaces},
+                        {"files", r.files},
+                        {"good", r.good},
                         {"good_bytes", r.good_bytes},
-                        {"corrupt", r.corrupt}, {"foreign", r.foreign},
+                        {"corrupt", r.corrupt},
+                        {"foreign", r.foreign},
                         {"stale_temps", r.stale_temps},
                         {"fresh_temps", r.fresh_temps},
-                        {"unknown", r.unknown}, {"removed", r.removed},
+                        {"unknown", r.unknown},
+                        {"removed", r.removed},
                         {"remove_failures", r.remove_failures},
-                        {"repair", a.repair},   {"clean", r.clean()},
+                        {"repair", a.repair},
+                        {"clean", r.clean()},
                         {"findings", findings}};
     fmt::print("{}\n", j.dump(2));
   } else {
@@ -92,7 +96,9 @@ void AddFsck(CLI::App& parent, CommandContext& ctx) {
       "Check every file of a kvtier cache directory (header, size, checksum) and name the bad "
       "ones. Exit status: 0 clean, 1 corrupt or stale files remain, 2 the directory cannot be "
       "checked");
-  cmd->add_option("DIR", args->dir, "Cache directory (the file tier's root)")->required();
+  cmd->add_option("DIR", args->dir,
+                  "Cache directory (the file tier's root): a path, or nfs://HOST/EXPORT/PATH")
+      ->required();
   cmd->add_flag("--repair", args->repair,
                 "Remove corrupt files and stale temporary files (foreign and unknown files are "
                 "only reported)");

@@ -13,6 +13,7 @@
 
 #include "common/task_pool.h"
 #include "kvtier/client.h"
+#include "kvtier/io.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "tools/command.h"
@@ -82,11 +83,14 @@ int RunServe(ServeArgs& args) {
                                                 config.chunk_size, config.tensor_parallel_size),
                EvictionPolicyName(eo.memory.eviction), WritePolicyName(eo.write_policy));
   if (eo.file) {
-    spdlog::info("L2: file tier at {} ({}), {} read / {} write threads", eo.file->root,
+    spdlog::info("L2: file tier at {} ({}), {} read / {} write threads{}", eo.file->root,
                  eo.file->capacity_bytes
                      ? fmt::format("{:.1f} GiB", eo.file->capacity_bytes / double(1ull << 30))
                      : std::string("unlimited"),
-                 eo.file->read_threads, eo.file->write_threads);
+                 eo.file->read_threads, eo.file->write_threads,
+                 IsNfsUrl(eo.file->root)
+                     ? fmt::format(", {} NFS connections", eo.file->nfs_connections)
+                     : std::string());
   } else {
     spdlog::info("L2: none");
   }
@@ -138,7 +142,7 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   };
   ServeArgs* a = args.get();
   add(cmd->add_option("--l1-size-gb", f.l1_size_gb,
-                     "Size of the shared L1 pool in GiB (2^30 bytes; 0.5 = 512 MiB)")
+                      "Size of the shared L1 pool in GiB (2^30 bytes; 0.5 = 512 MiB)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.l1_size_gb = a->flags.l1_size_gb; });
   add(cmd->add_option("--eviction-policy", f.eviction_policy, "L1 eviction: lru or prefix-aware")
@@ -160,10 +164,13 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   add(cmd->add_option("--chunk-bytes", f.chunk_bytes,
                       "Bytes of one chunk, overriding --model and --chunk-size"),
       [a](ServeConfig& c) { c.chunk_bytes = a->flags.chunk_bytes; });
-  cmd->add_option("--l2", args->l2,
-                  "A lower tier as JSON, e.g. '{\"type\":\"fs\",\"path\":\"/mnt/kv\","
-                  "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}'; max_size_gb is in "
-                  "GiB (2^30 bytes) (default: a 10 GiB fs tier in the cache directory)")
+  cmd->add_option(
+         "--l2", args->l2,
+         "A lower tier as JSON, e.g. '{\"type\":\"fs\",\"path\":\"/mnt/kv\","
+         "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}', or on NFS without "
+         "a mount '{\"type\":\"nfs\",\"url\":\"nfs://filer/export/kv\",\"connections\":16}'; "
+         "max_size_gb is in GiB (2^30 bytes) (default: a 10 GiB fs tier in the cache "
+         "directory)")
       ->type_name("JSON");
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });

@@ -31,7 +31,11 @@ std::string_view FsckFindingKindName(FsckFinding::Kind kind) {
 
 namespace {
 
-Env* OrDefault(Env* env) { return env != nullptr ? env : Env::Default(); }
+// `env` if given, else the env for `root`: the default POSIX one, or an NFS one for nfs://.
+Result<EnvForPath> EnvFor(const std::string& root, Env* env) {
+  if (env != nullptr) return EnvForPath{env, nullptr};
+  return OpenEnvForPath(root);
+}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -177,8 +181,9 @@ Verdict CheckChunk(Env* env, const Item& item, AlignedBuffer* buf) {
 
 }  // namespace
 
-Status CheckCacheDir(const std::string& root, Env* env) {
-  env = OrDefault(env);
+Status CheckCacheDir(const std::string& root, Env* env_arg) {
+  KVTIER_ASSIGN_OR_RETURN(EnvForPath holder, EnvFor(root, env_arg));
+  Env* env = holder.env;
   auto info = env->Stat(root);
   if (!info.ok()) {
     if (info.status().IsNotFound()) {
@@ -200,7 +205,8 @@ Status CheckCacheDir(const std::string& root, Env* env) {
 }
 
 Result<FsckReport> FsckCacheDir(const std::string& root, const FsckOptions& options) {
-  Env* env = OrDefault(options.env);
+  KVTIER_ASSIGN_OR_RETURN(EnvForPath holder, EnvFor(root, options.env));
+  Env* env = holder.env;
   KVTIER_RETURN_IF_ERROR(CheckCacheDir(root, env));
   FsckReport report;
   std::vector<Item> items;
@@ -303,8 +309,9 @@ Result<FsckReport> FsckCacheDir(const std::string& root, const FsckOptions& opti
   return report;
 }
 
-Result<CacheDirSummary> SummarizeCacheDir(const std::string& root, Env* env) {
-  env = OrDefault(env);
+Result<CacheDirSummary> SummarizeCacheDir(const std::string& root, Env* env_arg) {
+  KVTIER_ASSIGN_OR_RETURN(EnvForPath holder, EnvFor(root, env_arg));
+  Env* env = holder.env;
   KVTIER_RETURN_IF_ERROR(CheckCacheDir(root, env));
   std::vector<Item> items;
   uint64_t namespaces = 0;
@@ -379,8 +386,9 @@ Status RemoveTree(Env* env, const std::string& path, PurgeReport* report) {
 }  // namespace
 
 Result<PurgeReport> PurgeCacheDir(const std::string& root, const std::string& namespace_id,
-                                  Env* env) {
-  env = OrDefault(env);
+                                  Env* env_arg) {
+  KVTIER_ASSIGN_OR_RETURN(EnvForPath holder, EnvFor(root, env_arg));
+  Env* env = holder.env;
   KVTIER_RETURN_IF_ERROR(CheckCacheDir(root, env));
   if (!namespace_id.empty() && !IsNamespaceName(namespace_id)) {
     return Status::InvalidArgument(

@@ -309,6 +309,13 @@ class FileTier::Impl {
 Status FileTier::Impl::Init() {
   if (options_.env != nullptr) {
     env_ = options_.env;
+  } else if (IsNfsUrl(options_.root)) {
+    NfsEnvOptions no;
+    no.url = options_.root;
+    no.connections = options_.nfs_connections;
+    no.requests_in_flight = std::max(1, options_.io_queue_depth);
+    KVTIER_ASSIGN_OR_RETURN(owned_env_, NewNfsEnv(no));
+    env_ = owned_env_.get();
   } else {
     PosixEnvOptions eo;
     eo.engine = options_.io_engine;
