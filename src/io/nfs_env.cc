@@ -24,6 +24,7 @@
 #include <unordered_set>
 
 #include "io/io_engine.h"
+#include "io/nfs_raw.h"
 #include "kvtier/io.h"
 
 #ifdef KVTIER_WITH_NFS
@@ -57,6 +58,21 @@ Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options) {
   return Status::Unimplemented(fmt::format(
       "{}: this build of kvtier has no NFS client (built without libnfs)", options.url));
 }
+
+namespace io {
+Result<std::unique_ptr<NfsRawClient>> NfsRawClient::Connect(const std::string& url) {
+  return Status::Unimplemented(
+      fmt::format("{}: this build of kvtier has no NFS client (built without libnfs)", url));
+}
+NfsRawClient::~NfsRawClient() = default;
+Status NfsRawClient::WriteFile(const std::string&, std::span<const uint8_t>) {
+  return Status::Unimplemented("no NFS client");
+}
+Status NfsRawClient::ReadFile(const std::string&, std::span<uint8_t>) {
+  return Status::Unimplemented("no NFS client");
+}
+Status NfsRawClient::Unlink(const std::string&) { return Status::Unimplemented("no NFS client"); }
+}  // namespace io
 
 #else
 
@@ -130,6 +146,59 @@ int ErrnoOf(int status, std::string_view error_text) {
     return -ESTALE;
   }
   return status;
+}
+
+int RpcTimeoutMs(std::chrono::milliseconds t) {
+  int ms = static_cast<int>((t.count() + 999) / 1000 * 1000);  // libnfs takes whole seconds
+  return ms <= 0 ? -1 : ms;
+}
+
+// A new context with `export_path` of the server mounted.
+Result<nfs_context*> MountContext(const NfsUrl& url, const std::string& export_path,
+                                  int timeout_ms) {
+  nfs_context* nfs = nfs_init_context();
+  if (nfs == nullptr) return Status::Internal("nfs_init_context failed");
+  nfs_set_timeout(nfs, timeout_ms);
+  nfs_set_autoreconnect(nfs, 0);  // a broken connection fails what was in flight; callers reconnect
+  if (nfs_mount(nfs, url.server.c_str(), export_path.c_str()) != 0) {
+    std::string error = nfs_get_error(nfs);
+    nfs_destroy_context(nfs);
+    return Status::Unavailable(
+        fmt::format("mounting nfs://{}{}: {}", url.server, export_path, error));
+  }
+  return nfs;
+}
+
+// The export: the longest prefix of the URL's path that the server lets us mount (the path
+// below it may not exist yet).
+Result<std::string> FindExport(const NfsUrl& url, int timeout_ms) {
+  std::string candidate = url.path;
+  for (;;) {
+    auto nfs = MountContext(url, candidate, timeout_ms);
+    if (nfs.ok()) {
+      nfs_destroy_context(*nfs);
+      return candidate;
+    }
+    if (candidate == "/") {
+      return Status::Unavailable(fmt::format("no prefix of {} could be mounted from {} (last: {})",
+                                             url.path, url.server, nfs.status().message()));
+    }
+    size_t cut = candidate.rfind('/');
+    candidate = cut == 0 ? "/" : candidate.substr(0, cut);
+  }
+}
+
+// The path inside the export mounted as `prefix` (nfs://server/export) of a URL under it.
+Result<std::string> RelativeTo(const std::string& prefix, const std::string& path) {
+  auto u = ParseNfsUrl(path);
+  if (!u.ok()) return u.status();
+  std::string full = "nfs://" + u->server + (u->path == "/" ? "" : u->path);
+  if (!(full == prefix || (full.starts_with(prefix) && full[prefix.size()] == '/'))) {
+    return Status::InvalidArgument(
+        fmt::format("{} is not under {}, the NFS export mounted here", path, prefix));
+  }
+  std::string rel = full.substr(prefix.size());
+  return rel.empty() ? std::string("/") : rel;
 }
 
 class NfsEnv;
@@ -218,17 +287,7 @@ class Connection {
   };
 
   Status Mount() {
-    nfs_ = nfs_init_context();
-    if (nfs_ == nullptr) return Status::Internal("nfs_init_context failed");
-    nfs_set_timeout(nfs_, timeout_ms_);
-    nfs_set_autoreconnect(nfs_, 0);  // we reconnect ourselves, failing what was in flight
-    int rc = nfs_mount(nfs_, url_.server.c_str(), export_.c_str());
-    if (rc != 0) {
-      std::string error = nfs_get_error(nfs_);
-      DestroyContext();
-      return Status::Unavailable(
-          fmt::format("mounting nfs://{}{}: {}", url_.server, export_, error));
-    }
+    KVTIER_ASSIGN_OR_RETURN(nfs_, MountContext(url_, export_, timeout_ms_));
     readmax_ = nfs_get_readmax(nfs_);
     writemax_ = nfs_get_writemax(nfs_);
     return Status::Ok();
@@ -364,28 +423,9 @@ class NfsEnv final : public Env {
       return Status::InvalidArgument("NFS request size must be at least 4 KiB");
     }
     KVTIER_ASSIGN_OR_RETURN(url_, ParseNfsUrl(options_.url));
-    int timeout_ms = static_cast<int>((options_.rpc_timeout.count() + 999) / 1000 * 1000);
-    if (timeout_ms <= 0) timeout_ms = -1;
-    // The export is the longest prefix of the path that the server lets us mount.
-    std::string candidate = url_.path;
-    Status last;
-    for (;;) {
-      auto c = std::make_unique<Connection>(url_, candidate, timeout_ms);
-      last = c->Connect();
-      if (last.ok()) {
-        connections_.push_back(std::move(c));
-        break;
-      }
-      if (candidate == "/") break;
-      size_t cut = candidate.rfind('/');
-      candidate = cut == 0 ? "/" : candidate.substr(0, cut);
-    }
-    if (connections_.empty()) {
-      return Status::Unavailable(fmt::format("no prefix of {} could be mounted from {} (last: {})",
-                                             url_.path, url_.server, last.message()));
-    }
-    export_ = candidate;
-    for (int i = 1; i < options_.connections; ++i) {
+    const int timeout_ms = RpcTimeoutMs(options_.rpc_timeout);
+    KVTIER_ASSIGN_OR_RETURN(export_, FindExport(url_, timeout_ms));
+    for (int i = 0; i < options_.connections; ++i) {
       auto c = std::make_unique<Connection>(url_, export_, timeout_ms);
       KVTIER_RETURN_IF_ERROR(c->Connect());
       connections_.push_back(std::move(c));
@@ -505,18 +545,7 @@ class NfsEnv final : public Env {
   }
 
   // The path inside the mounted export of a URL under ours.
-  Result<std::string> Relative(const std::string& path) const {
-    auto u = ParseNfsUrl(path);
-    if (!u.ok()) return u.status();
-    std::string full = "nfs://" + u->server + (u->path == "/" ? "" : u->path);
-    if (u->server != url_.server ||
-        !(full == prefix_ || (full.starts_with(prefix_) && full[prefix_.size()] == '/'))) {
-      return Status::InvalidArgument(
-          fmt::format("{} is not under {}, the NFS export this env mounted", path, prefix_));
-    }
-    std::string rel = full.substr(prefix_.size());
-    return rel.empty() ? std::string("/") : rel;
-  }
+  Result<std::string> Relative(const std::string& path) const { return RelativeTo(prefix_, path); }
 
  private:
   NfsEnvOptions options_;
@@ -680,6 +709,64 @@ Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options) {
   KVTIER_RETURN_IF_ERROR(env->Init());
   return std::unique_ptr<Env>(std::move(env));
 }
+
+namespace io {
+
+Result<std::unique_ptr<NfsRawClient>> NfsRawClient::Connect(const std::string& url) {
+  KVTIER_ASSIGN_OR_RETURN(NfsUrl u, ParseNfsUrl(url));
+  const int timeout_ms = RpcTimeoutMs(NfsEnvOptions{}.rpc_timeout);
+  KVTIER_ASSIGN_OR_RETURN(std::string export_path, FindExport(u, timeout_ms));
+  std::unique_ptr<NfsRawClient> c(new NfsRawClient);
+  KVTIER_ASSIGN_OR_RETURN(c->nfs_, MountContext(u, export_path, timeout_ms));
+  c->prefix_ = "nfs://" + u.server + (export_path == "/" ? "" : export_path);
+  return c;
+}
+
+NfsRawClient::~NfsRawClient() {
+  if (nfs_ != nullptr) nfs_destroy_context(nfs_);
+}
+
+Status NfsRawClient::WriteFile(const std::string& url, std::span<const uint8_t> data) {
+  KVTIER_ASSIGN_OR_RETURN(std::string rel, RelativeTo(prefix_, url));
+  nfsfh* fh = nullptr;
+  int rc = nfs_create(nfs_, rel.c_str(), O_RDWR | O_TRUNC, 0644, &fh);
+  if (rc < 0) return NfsError(rc, "create " + url, nfs_get_error(nfs_));
+  rc = nfs_pwrite(nfs_, fh, 0, data.size(), data.data());
+  Status s;
+  if (rc < 0 || static_cast<size_t>(rc) != data.size()) {
+    s = rc < 0 ? NfsError(rc, "write " + url, nfs_get_error(nfs_))
+               : Status::IOError(fmt::format("write {}: {} of {} bytes", url, rc, data.size()));
+  } else if ((rc = nfs_fsync(nfs_, fh)) < 0) {
+    s = NfsError(rc, "commit " + url, nfs_get_error(nfs_));
+  }
+  nfs_close(nfs_, fh);
+  return s;
+}
+
+Status NfsRawClient::ReadFile(const std::string& url, std::span<uint8_t> out) {
+  KVTIER_ASSIGN_OR_RETURN(std::string rel, RelativeTo(prefix_, url));
+  nfsfh* fh = nullptr;
+  int rc = nfs_open(nfs_, rel.c_str(), O_RDONLY, &fh);
+  if (rc < 0) return NfsError(rc, "open " + url, nfs_get_error(nfs_));
+  rc = nfs_pread(nfs_, fh, 0, out.size(), out.data());
+  Status s;
+  if (rc < 0) {
+    s = NfsError(rc, "read " + url, nfs_get_error(nfs_));
+  } else if (static_cast<size_t>(rc) != out.size()) {
+    s = Status::Corruption(fmt::format("{} is short: {} of {} bytes", url, rc, out.size()));
+  }
+  nfs_close(nfs_, fh);
+  return s;
+}
+
+Status NfsRawClient::Unlink(const std::string& url) {
+  KVTIER_ASSIGN_OR_RETURN(std::string rel, RelativeTo(prefix_, url));
+  int rc = nfs_unlink(nfs_, rel.c_str());
+  if (rc < 0) return NfsError(rc, "unlink " + url, nfs_get_error(nfs_));
+  return Status::Ok();
+}
+
+}  // namespace io
 
 #endif  // KVTIER_WITH_NFS
 

@@ -2,6 +2,8 @@
 // plain O_DIRECT writes and reads of files of the same size with the same concurrency (the
 // physical limit this tier is held to).
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -11,15 +13,14 @@
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
-
+#include "io/nfs_raw.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
+#include "kvtier/io.h"
 #include "probe/storage_probe.h"
 #include "tools/command.h"
 
@@ -40,6 +41,7 @@ struct BenchTierArgs {
   int io_depth = 8;
   uint64_t request_kib = 4096;
   uint64_t write_request_kib = 65536;
+  int nfs_connections = 0;  // 0: max(readers, writers)
   bool keep = false;
   bool json = false;
 };
@@ -190,34 +192,70 @@ int RunBenchTier(const BenchTierArgs& a) {
   if (a.repeats < 1) return fail("--repeats must be positive");
   auto engine = ParseIoEngineKind(a.io_engine);
   if (!engine.ok()) return fail(engine.status().message());
-  std::error_code ec;
-  fs::create_directories(a.dir, ec);
-  if (ec || !fs::is_directory(a.dir)) {
-    return fail(fmt::format("cannot use {} as a directory: {}", a.dir,
-                            ec ? ec.message() : "not a directory"));
+  // On NFS (nfs://, no kernel mount) the reference is libnfs's own whole-file calls, one
+  // connection per thread, and the tier gets as many connections as there are threads.
+  const bool nfs = IsNfsUrl(a.dir);
+  const int connections =
+      a.nfs_connections > 0 ? a.nfs_connections : std::max(a.readers, a.writers);
+  if (connections > 256) return fail("--nfs-connections must be in [1, 256]");
+  std::unique_ptr<Env> nfs_env;
+  Env* env = Env::Default();
+  if (nfs) {
+    NfsEnvOptions no;
+    no.url = a.dir;
+    no.connections = connections;
+    no.requests_in_flight = a.io_depth;
+    no.max_request_bytes = std::max<uint64_t>(a.request_kib << 10, 4096);
+    auto made = NewNfsEnv(no);
+    if (!made.ok()) return fail(made.status().ToString());
+    nfs_env = std::move(*made);
+    env = nfs_env.get();
+  }
+  if (Status s = env->CreateDirs(a.dir); !s.ok()) {
+    return fail(fmt::format("cannot use {} as a directory: {}", a.dir, s.ToString()));
   }
   const uint64_t chunk = a.chunk_mib << 20;
   const uint64_t per_repeat = 2 * a.chunks * (chunk + 4096);
   struct statvfs vfs;
-  if (::statvfs(a.dir.c_str(), &vfs) == 0) {
+  if (!nfs && ::statvfs(a.dir.c_str(), &vfs) == 0) {
     uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (avail < per_repeat + (256u << 20)) {
-      return fail(fmt::format("{} has {:.2f} GB free; this run needs {:.2f} GB (lower --chunks or "
-                              "--chunk-mib)",
-                              a.dir, avail / 1e9, (per_repeat + (256u << 20)) / 1e9));
+      return fail(
+          fmt::format("{} has {:.2f} GB free; this run needs {:.2f} GB (lower --chunks or "
+                      "--chunk-mib)",
+                      a.dir, avail / 1e9, (per_repeat + (256u << 20)) / 1e9));
     }
   }
 
   const std::string raw_dir = fmt::format("{}/.kvtier-bench-raw-{}", a.dir, getpid());
-  fs::create_directories(raw_dir, ec);
-  if (ec) return fail(fmt::format("cannot create {}: {}", raw_dir, ec.message()));
+  if (Status s = env->CreateDirs(raw_dir); !s.ok()) {
+    return fail(fmt::format("cannot create {}: {}", raw_dir, s.ToString()));
+  }
   struct Cleanup {
+    Env* env;
     std::string dir;
     ~Cleanup() {
-      std::error_code e;
-      fs::remove_all(dir, e);
+      if (auto list = env->List(dir); list.ok()) {
+        for (const DirEntry& e : *list) (void)env->Unlink(dir + "/" + e.name);
+      }
+      (void)env->RemoveDir(dir);
     }
-  } cleanup{raw_dir};
+  } cleanup{env, raw_dir};
+
+  // The reference's plain writes and reads: O_DIRECT system calls, or libnfs's own calls.
+  std::vector<std::unique_ptr<io::NfsRawClient>> raw_clients;
+  for (int t = 0; nfs && t < std::max(a.readers, a.writers); ++t) {
+    auto c = io::NfsRawClient::Connect(a.dir);
+    if (!c.ok()) return fail(c.status().ToString());
+    raw_clients.push_back(std::move(*c));
+  }
+  auto raw_write_file = [&](int t, const std::string& path, std::span<const uint8_t> buf) {
+    return nfs ? raw_clients[t]->WriteFile(path, buf) : RawWrite(path, buf);
+  };
+  auto raw_read_file = [&](int t, const std::string& path, std::span<uint8_t> buf) {
+    return nfs ? raw_clients[t]->ReadFile(path, buf) : RawRead(path, buf);
+  };
+  const char* raw_name = nfs ? "raw libnfs" : "raw O_DIRECT";
 
   const int bufs = std::max(a.readers, a.writers);
   BufferPool pool(bufs, chunk);
@@ -237,8 +275,8 @@ int RunBenchTier(const BenchTierArgs& a) {
   std::vector<std::string> kept_namespaces;
   const std::string salt = fmt::format("{:016x}", rng());
   auto progress = [&](const char* what, uint64_t bytes, double s) {
-    fmt::print(stderr, "  {:<11} {:>6.2f} GB/s  ({} x {} MiB in {:.2f} s)\n", what,
-               bytes / s / 1e9, a.chunks, a.chunk_mib, s);
+    fmt::print(stderr, "  {:<11} {:>6.2f} GB/s  ({} x {} MiB in {:.2f} s)\n", what, bytes / s / 1e9,
+               a.chunks, a.chunk_mib, s);
   };
   fmt::print(stderr,
              "kvtier bench tier: {} chunks of {} MiB in {}, {} writers, {} readers, {} repeats\n",
@@ -258,6 +296,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     o.io_queue_depth = a.io_depth;
     o.io_request_bytes = a.request_kib << 10;
     o.io_write_request_bytes = a.write_request_kib << 10;
+    if (nfs) o.env = env;
     auto opened = FileTier::Open(o);
     if (!opened.ok()) return fail(opened.status().ToString());
     FileTier& tier = **opened;
@@ -265,8 +304,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     std::vector<ChunkKey> keys;
     for (uint32_t i = 0; i < a.chunks; ++i) {
       std::string s = fmt::format("bench-{}-{}-{}", salt, rep, i);
-      keys.push_back(
-          *ChunkKey::FromOpaque({reinterpret_cast<const uint8_t*>(s.data()), s.size()}));
+      keys.push_back(*ChunkKey::FromOpaque({reinterpret_cast<const uint8_t*>(s.data()), s.size()}));
     }
     std::vector<std::string> raw_paths, tier_paths;
     for (uint32_t i = 0; i < a.chunks; ++i) {
@@ -278,7 +316,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     std::mutex raw_mu;
     auto raw_write = [&] {
       double s = Parallel(a.writers, a.chunks, [&](int t, uint32_t i) {
-        Status st = RawWrite(raw_paths[i], pool.at(t % bufs).first(chunk));
+        Status st = raw_write_file(t, raw_paths[i], pool.at(t % bufs).first(chunk));
         if (!st.ok() && !raw_failed.exchange(true)) {
           std::lock_guard<std::mutex> lock(raw_mu);
           raw_error = st;
@@ -301,7 +339,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     };
     auto raw_read = [&] {
       double s = Parallel(a.readers, a.chunks, [&](int t, uint32_t i) {
-        Status st = RawRead(raw_paths[i], pool.at(t % bufs).first(chunk));
+        Status st = raw_read_file(t, raw_paths[i], pool.at(t % bufs).first(chunk));
         if (!st.ok() && !raw_failed.exchange(true)) {
           std::lock_guard<std::mutex> lock(raw_mu);
           raw_error = st;
@@ -332,8 +370,10 @@ int RunBenchTier(const BenchTierArgs& a) {
     }
     if (!raw_error.ok()) return fail(raw_error.ToString());
     if (!tier_error.ok()) return fail(tier_error.ToString());
-    DropFromPageCache(raw_paths);
-    DropFromPageCache(tier_paths);
+    if (!nfs) {  // over NFS this client caches nothing; the server's cache is the server's
+      DropFromPageCache(raw_paths);
+      DropFromPageCache(tier_paths);
+    }
     if (rep % 2 == 0) {
       raw_read();
       tier_read();
@@ -351,15 +391,17 @@ int RunBenchTier(const BenchTierArgs& a) {
     // and serves every read from the page cache. What counts is that the files read are not in
     // the page cache afterwards (they were dropped from it before the read phase).
     o_direct = o_direct && st.o_direct;
-    raw_resident += probe::MeasurePageCacheResidency(raw_paths).resident_bytes;
-    tier_resident += probe::MeasurePageCacheResidency(tier_paths).resident_bytes;
+    if (!nfs) {
+      raw_resident += probe::MeasurePageCacheResidency(raw_paths).resident_bytes;
+      tier_resident += probe::MeasurePageCacheResidency(tier_paths).resident_bytes;
+    }
     std::string ns_id = o.ns.Id();
     opened.value().reset();
-    for (const auto& p : raw_paths) fs::remove(p, ec);
+    for (const auto& p : raw_paths) (void)env->Unlink(p);
     if (a.keep) {
       kept_namespaces.push_back(ns_id);
     } else {
-      auto purged = PurgeCacheDir(a.dir, ns_id);
+      auto purged = PurgeCacheDir(a.dir, ns_id, env);
       if (!purged.ok()) fmt::print(stderr, "warning: {}\n", purged.status().ToString());
     }
   }
@@ -369,9 +411,10 @@ int RunBenchTier(const BenchTierArgs& a) {
   const bool tier_opened_o_direct = o_direct;
   std::string warning;
   if (!tier_opened_o_direct) {
-    warning = fmt::format("the file tier could not open its files with O_DIRECT in {}: its reads "
-                          "went through the page cache",
-                          a.dir);
+    warning = fmt::format(
+        "the file tier could not open its files with O_DIRECT in {}: its reads "
+        "went through the page cache",
+        a.dir);
   } else if (resident > 0) {
     warning = fmt::format(
         "O_DIRECT was accepted but not honoured in {}: after the read phases the page cache held "
@@ -402,15 +445,25 @@ int RunBenchTier(const BenchTierArgs& a) {
                         {"warnings", warning.empty() ? std::vector<std::string>{}
                                                      : std::vector<std::string>{warning}},
                         {"raw_write_includes_fdatasync", true},
+                        {"reference", raw_name},
+                        {"nfs_connections", nfs ? connections : 0},
                         {"kept_namespaces", kept_namespaces}};
     fmt::print("{}\n", j.dump(2));
   } else {
-    fmt::print("tier write   {:6.2f} GB/s   raw O_DIRECT write {:6.2f} GB/s   ratio {:.2f}\n",
-               tier_w.GBps(), raw_w.GBps(), wr);
-    fmt::print("tier read    {:6.2f} GB/s   raw O_DIRECT read  {:6.2f} GB/s   ratio {:.2f}\n",
-               tier_r.GBps(), raw_r.GBps(), rr);
-    fmt::print("o_direct {}, io engine {}, page cache holding {} bytes of the files afterwards\n",
-               o_direct, io_engine_name, resident);
+    fmt::print("tier write   {:6.2f} GB/s   {} write {:6.2f} GB/s   ratio {:.2f}\n", tier_w.GBps(),
+               raw_name, raw_w.GBps(), wr);
+    fmt::print("tier read    {:6.2f} GB/s   {} read  {:6.2f} GB/s   ratio {:.2f}\n", tier_r.GBps(),
+               raw_name, raw_r.GBps(), rr);
+    if (nfs) {
+      fmt::print(
+          "NFS: {} connections for the tier, one per thread for the reference; this client "
+          "caches nothing, the server may serve reads from its memory\n",
+          connections);
+    }
+    if (!nfs) {
+      fmt::print("o_direct {}, io engine {}, page cache holding {} bytes of the files afterwards\n",
+                 o_direct, io_engine_name, resident);
+    }
     if (a.keep) {
       fmt::print("kept the chunk files in {} (namespaces {})\n", a.dir,
                  fmt::join(kept_namespaces, ", "));
@@ -430,16 +483,20 @@ void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
       "tier",
       "Write then read chunks through the file tier, and compare with plain O_DIRECT writes and "
       "reads of same-size files at the same concurrency, measured in the same run");
-  cmd->add_option("--dir", args->dir, "Directory to benchmark (a kvtier cache or a new one)")
+  cmd->add_option("--dir", args->dir,
+                  "Directory to benchmark (a kvtier cache or a new one): a path, or "
+                  "nfs://HOST/EXPORT/PATH to speak NFS without a mount")
       ->required();
+  cmd->add_option("--nfs-connections", args->nfs_connections,
+                  "nfs:// only: the tier's TCP connections (default: max of --readers and "
+                  "--writers, the reference's connection count)");
   cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk payload size in MiB")
       ->capture_default_str();
   cmd->add_option("--chunks", args->chunks, "Chunks written and read per repeat")
       ->capture_default_str();
   cmd->add_option("--readers", args->readers, "Concurrent reads (tier read threads, raw readers)")
       ->capture_default_str();
-  cmd->add_option("--writers", args->writers,
-                  "Concurrent writes (tier write threads, raw writers)")
+  cmd->add_option("--writers", args->writers, "Concurrent writes (tier write threads, raw writers)")
       ->capture_default_str();
   cmd->add_option("--repeats", args->repeats,
                   "Rounds; raw and tier alternate going first, figures are totals over all")
@@ -450,8 +507,7 @@ void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--request-kib", args->request_kib, "Tier read request size in KiB")
       ->capture_default_str();
-  cmd->add_option("--write-request-kib", args->write_request_kib,
-                  "Tier write request size in KiB")
+  cmd->add_option("--write-request-kib", args->write_request_kib, "Tier write request size in KiB")
       ->capture_default_str();
   cmd->add_flag("--keep", args->keep, "Leave the tier's chunk files in --dir");
   cmd->add_flag("--json", args->json, "Print the result as JSON on stdout");
