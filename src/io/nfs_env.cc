@@ -364,7 +364,7 @@ class Connection {
         items.swap(queue_);
         stop = stop_;
       }
-      if (!items.empty() && nfs_ == nullptr && Clock::now() >= next_reconnect_) {
+      if (!items.empty() && !stop && nfs_ == nullptr && Clock::now() >= next_reconnect_) {
         Status s = Mount();
         if (!s.ok()) {
           next_reconnect_ = Clock::now() + std::chrono::seconds(1);
@@ -561,10 +561,12 @@ class NfsFile final : public File {
   NfsFile(NfsEnv* env, Connection* conn, std::string path, nfsfh* fh, uint64_t size)
       : env_(env), conn_(conn), path_(std::move(path)), fh_(fh), size_(size) {}
   ~NfsFile() override {
-    // Closing frees libnfs's handle (an NFSv3 close sends nothing): on the service thread.
+    // Closing frees libnfs's handle, on the service thread; nobody waits for it (NFSv3 has no
+    // open state on the server). Should the connection be down just then, the handle leaks.
     nfsfh* fh = fh_;
-    conn_->Call(
-        [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); });
+    conn_->Post(
+        [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); },
+        [](int, nfs_context*, void*) {});
   }
 
   const std::string& path() const override { return path_; }
