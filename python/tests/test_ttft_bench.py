@@ -97,11 +97,14 @@ def test_every_arm_runs_and_verifies(tiny_config, tmp_path, capsys):
     rc = ttft.main(["--model", tiny_config, "--contexts", "384,640", "--suffix", "128",
                     "--chunk-tokens", "128", "--block-tokens", "16", "--warmup", "0",
                     "--repeats", "2", "--dir", str(tmp_path / "l2"), "--json",
-                    "--plot", str(out_svg)])
+                    "--plot", str(out_svg), "--output", str(tmp_path / "ttft.json")])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     result = json.loads(captured.out)
     assert [r["context"] for r in result["rows"]] == [384, 640]
+    saved = json.loads((tmp_path / "ttft.json").read_text())
+    assert saved["complete"] is True
+    assert [r["context"] for r in saved["rows"]] == [384, 640]
     for r in result["rows"]:
         assert r["errors"] == []
         for arm in ("recompute", "gpu", "l1", "l1_serial", "server", "file", "save"):

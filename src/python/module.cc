@@ -46,6 +46,7 @@
 #include <nanobind/stl/vector.h>
 #include <spdlog/spdlog.h>
 
+#include "common/logging.h"
 #include "kvtier/chunk_key.h"
 #include "kvtier/client.h"
 #include "kvtier/engine.h"
@@ -2150,6 +2151,7 @@ void DefineFileTier(nb::module_& m) {
 void InitModule(nb::module_& m) {
   m.doc() = "kvtier's C++ core: chunk keys, the tiered engine, the server client, KV copiers.";
   m.attr("__version__") = KVTIER_VERSION;
+  InitLogging();  // log lines to stderr: a benchmark's JSON on stdout stays parseable
   DefineErrors(m);
   DefineKeys(m);
   DefineStores(m);

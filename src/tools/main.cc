@@ -1,13 +1,10 @@
 // The `kvtier` command line: server, benchmarks, planner and cache-directory tools.
 #include <fmt/format.h>
-#include <spdlog/cfg/env.h>
-#include <spdlog/spdlog.h>
-
+#include "common/logging.h"
 #include "tools/command.h"
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
-  spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug for more detail
+  kvtier::InitLogging();  // to stderr: stdout carries results; SPDLOG_LEVEL=debug for detail
   CLI::App app{"kvtier: a tiered KV-cache offload engine for LLM inference", "kvtier"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");

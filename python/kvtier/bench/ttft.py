@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kvtier command (for `serve` and `bench storage`); default: "
                    "$KVTIER_BIN, then PATH, then this Python's bin folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--output", default=None, metavar="FILE.json",
+                   help="also write the JSON to FILE, rewritten after every context (with "
+                        "\"complete\": false until the run ends), so a run cut short keeps "
+                        "the contexts it measured")
     p.add_argument("--plot", default=None, metavar="FILE.svg",
                    help="also draw TTFT against context with the copy floor")
     return p
@@ -735,6 +739,7 @@ def measure(args) -> dict:
                         run.run_save(save_engine, timed, rep * 1_000_003 + ctx)
             row = summarize(run, result, cfg, dtype)
             result["rows"].append(row)
+            save_partial(args, result)
             log(format_row(row))
             if run.errors:
                 log("\n".join("  ERROR " + e for e in run.errors))
@@ -1013,6 +1018,16 @@ def write_plot(result: dict, path: str) -> None:
         f.write("\n".join(out) + "\n")
 
 
+def save_partial(args, result: dict, complete: bool = False) -> None:
+    """Writes the result so far to --output (atomically: a reader never sees half a file)."""
+    if not args.output:
+        return
+    tmp = args.output + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(result, complete=complete), f, indent=1, default=str)
+    os.replace(tmp, args.output)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
@@ -1023,7 +1038,12 @@ def main(argv=None) -> int:
         d = os.path.dirname(os.path.abspath(args.plot))
         if not os.access(d, os.W_OK):
             raise SystemExit(f"error: cannot write the plot into {d}")
+    if args.output:
+        d = os.path.dirname(os.path.abspath(args.output))
+        if not os.access(d, os.W_OK):
+            raise SystemExit(f"error: cannot write the output into {d}")
     result = measure(args)
+    save_partial(args, result, complete=True)
     if args.plot:
         write_plot(result, args.plot)
     if args.json:
