@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "kvtier/io.h"
 #include "probe/units.h"
 
 namespace kvtier::probe {
@@ -166,7 +167,8 @@ Status WriteOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_si
 }
 
 Status ReadOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_size, char* buf,
-                   uint64_t nonce, bool direct, const std::atomic<bool>* stop) {
+                   uint64_t nonce, bool direct, const std::atomic<bool>* stop,
+                   std::atomic<uint64_t>* verified) {
   Fd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0)));
   if (fd.get() < 0) return Status::FromErrno(errno, fmt::format("opening {}", file.path));
   for (uint64_t off = 0; off < file_size; off += block_size) {
@@ -186,6 +188,7 @@ Status ReadOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_siz
       done += static_cast<uint64_t>(n);
     }
     KVTIER_RETURN_IF_ERROR(CheckBlock(buf, len, nonce, file, off));
+    verified->fetch_add(len, std::memory_order_relaxed);
   }
   return Status::Ok();
 }
@@ -224,11 +227,12 @@ Result<double> RunTimed(int threads, uint64_t buffer_size, Work work) {
 // files r, r + streams, r + 2 x streams, ...
 Result<PhaseResult> ReadFiles(const std::vector<ProbeFile>& files, int streams, uint64_t file_size,
                               uint64_t block_size, uint64_t nonce, bool direct,
-                              const std::atomic<bool>* stop) {
+                              const std::atomic<bool>* stop, std::atomic<uint64_t>* verified) {
   streams = std::max(1, std::min<int>(streams, static_cast<int>(files.size())));
   auto seconds = RunTimed(streams, block_size, [&](int r, char* buf) -> Status {
     for (size_t i = static_cast<size_t>(r); i < files.size(); i += static_cast<size_t>(streams)) {
-      KVTIER_RETURN_IF_ERROR(ReadOneFile(files[i], file_size, block_size, buf, nonce, direct, stop));
+      KVTIER_RETURN_IF_ERROR(
+          ReadOneFile(files[i], file_size, block_size, buf, nonce, direct, stop, verified));
     }
     return Status::Ok();
   });
@@ -322,9 +326,8 @@ const char* FilesystemName(const std::string& path) {
   }
 }
 
-Status ValidateOptions(const StorageProbeOptions& o) {
+Status ValidateLocalDirectory(const StorageProbeOptions& o) {
   std::error_code ec;
-  if (o.directory.empty()) return Status::InvalidArgument("no directory given");
   if (!std::filesystem::exists(o.directory, ec)) {
     return Status::InvalidArgument(fmt::format("directory {} does not exist", o.directory));
   }
@@ -334,6 +337,11 @@ Status ValidateOptions(const StorageProbeOptions& o) {
   if (::access(o.directory.c_str(), W_OK | X_OK) != 0) {
     return Status::InvalidArgument(fmt::format("directory {} is not writable", o.directory));
   }
+  return Status::Ok();
+}
+
+// Everything but the directory, which is checked by the local or the NFS path.
+Status ValidateSizes(const StorageProbeOptions& o) {
   if (o.block_size < kAlign || o.block_size % kAlign != 0 || o.block_size > (1ull << 30)) {
     return Status::InvalidArgument(fmt::format(
         "block size {} must be a multiple of 4 KiB between 4 KiB and 1 GiB", o.block_size));
@@ -358,13 +366,17 @@ Status ValidateOptions(const StorageProbeOptions& o) {
   if (o.writers < 1 || o.writers > 1024) {
     return Status::InvalidArgument("writers must be in [1, 1024]");
   }
+  if (o.nfs_connections < 0 || o.nfs_connections > 256) {
+    return Status::InvalidArgument(fmt::format(
+        "NFS connections {} out of range [0, 256] (0: one per reader)", o.nfs_connections));
+  }
   return Status::Ok();
 }
 
 void AddPlausibilityWarnings(StorageProbeReport& r) {
   const double memory = r.buffered_warm.GBps();
   const double control = r.control.GBps();
-  if (!r.o_direct.honoured) {
+  if (r.o_direct.applicable && !r.o_direct.honoured) {
     r.warnings.push_back(fmt::format(
         "O_DIRECT was not honoured ({}): the read figures include the page cache and are not "
         "storage figures",
@@ -385,7 +397,13 @@ void AddPlausibilityWarnings(StorageProbeReport& r) {
           phase.streams, phase.GBps(), memory));
     }
   }
-  if (control > 0 && r.control_reread.GBps() > 1.3 * control) {
+  if (r.nfs && control > 0 && r.control_reread.GBps() > 1.3 * control) {
+    r.warnings.push_back(fmt::format(
+        "re-reading the control files over NFS ran at {:.2f} GB/s against {:.2f} GB/s the first "
+        "time: the NFS server (or storage below it) serves repeated reads from a cache, so "
+        "reader counts after the first may be inflated; quote the control",
+        r.control_reread.GBps(), control));
+  } else if (control > 0 && r.control_reread.GBps() > 1.3 * control) {
     r.warnings.push_back(fmt::format(
         "re-reading the control files with O_DIRECT ran at {:.2f} GB/s against {:.2f} GB/s the "
         "first time: a cache below the page cache (hypervisor, storage server, array) serves "
@@ -403,6 +421,243 @@ void AddPlausibilityWarnings(StorageProbeReport& r) {
   too_short("write", r.write);
   too_short("control", r.control);
   for (const auto& phase : r.reads) too_short(fmt::format("{}-reader", phase.streams).c_str(), phase);
+}
+
+// ---- nfs://: the same phases through the user-space NFS client ----
+//
+// libnfs keeps no cache on this side, so every read goes to the server: there is no page cache
+// to bypass or to look into, and no buffered read to contrast with. What the server (or the
+// storage below it) caches is the server's business; the control re-read shows it.
+
+// The probe's private directory on the NFS server and everything in it; removed on destruction
+// unless kept.
+class NfsRunDirectory {
+ public:
+  static Result<std::unique_ptr<NfsRunDirectory>> Create(Env* env, const std::string& parent,
+                                                         bool keep) {
+    static constexpr char kChars[] =
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    std::random_device rd;
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      std::string path = parent + "/.kvtier-probe-";
+      for (int i = 0; i < 6; ++i) path.push_back(kChars[rd() % (sizeof(kChars) - 1)]);
+      // CreateDirs succeeds on an existing directory, so skip names in use. Not atomic as
+      // mkdtemp is: two runs drawing the same of 62^6 names at the same moment would share it.
+      auto existing = env->Stat(path);
+      if (existing.ok()) continue;
+      if (existing.status().code() != StatusCode::kNotFound) return existing.status();
+      if (Status s = env->CreateDirs(path); !s.ok()) {
+        return Status::InvalidArgument(
+            fmt::format("directory {} is not writable: {}", parent, s.ToString()));
+      }
+      return std::unique_ptr<NfsRunDirectory>(new NfsRunDirectory(env, std::move(path), keep));
+    }
+    return Status::IOError(fmt::format("no free name for the probe's directory in {}", parent));
+  }
+  ~NfsRunDirectory() {
+    if (keep_) return;
+    if (auto entries = env_->List(path_); entries.ok()) {
+      for (const DirEntry& e : *entries) (void)env_->Unlink(path_ + "/" + e.name);
+    }
+    (void)env_->RemoveDir(path_);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  NfsRunDirectory(Env* env, std::string path, bool keep)
+      : env_(env), path_(std::move(path)), keep_(keep) {}
+  Env* env_;
+  std::string path_;
+  bool keep_;
+};
+
+std::span<uint8_t> Bytes(char* buf, uint64_t len) {
+  return {reinterpret_cast<uint8_t*>(buf), static_cast<size_t>(len)};
+}
+
+// Creates the file, writes it in `block_size` requests, then COMMITs it (the NFS fdatasync).
+// NFSv3 has no preallocation: the writes extend the file.
+Status NfsWriteOneFile(Env& env, const ProbeFile& file, uint64_t file_size, uint64_t block_size,
+                       char* buf, uint64_t nonce, const std::atomic<bool>* stop) {
+  OpenOptions create;
+  create.write = create.create = create.exclusive = true;
+  KVTIER_ASSIGN_OR_RETURN(auto f, env.Open(file.path, create));
+  for (uint64_t off = 0; off < file_size; off += block_size) {
+    if (Stopped(stop)) return Interrupted();
+    const uint64_t len = std::min(block_size, file_size - off);
+    StampBlock(buf, len, nonce, file.id, off);
+    IoOp op = IoOp::Write(off, Bytes(buf, len));
+    KVTIER_RETURN_IF_ERROR(WriteExact(*f, std::span<IoOp>(&op, 1)));
+  }
+  return f->Sync();
+}
+
+// Opens the file (on the env's next connection, round robin) and reads it one `block_size`
+// request at a time, checking every sector's stamp.
+Status NfsReadOneFile(Env& env, const ProbeFile& file, uint64_t file_size, uint64_t block_size,
+                      char* buf, uint64_t nonce, const std::atomic<bool>* stop,
+                      std::atomic<uint64_t>* verified) {
+  KVTIER_ASSIGN_OR_RETURN(auto f, env.Open(file.path, OpenOptions{}));
+  for (uint64_t off = 0; off < file_size; off += block_size) {
+    if (Stopped(stop)) return Interrupted();
+    const uint64_t len = std::min(block_size, file_size - off);
+    IoOp op = IoOp::Read(off, Bytes(buf, len));
+    KVTIER_RETURN_IF_ERROR(ReadExact(*f, std::span<IoOp>(&op, 1)));
+    KVTIER_RETURN_IF_ERROR(CheckBlock(buf, len, nonce, file, off));
+    verified->fetch_add(len, std::memory_order_relaxed);
+  }
+  return Status::Ok();
+}
+
+// As ReadFiles. Each reader opens its own files from its own thread, one at a time: with one
+// file per reader the R readers' opens take R consecutive turns of the env's round robin, so
+// with at least R connections no two readers share one.
+Result<PhaseResult> NfsReadFiles(Env& env, const std::vector<ProbeFile>& files, int streams,
+                                 uint64_t file_size, uint64_t block_size, uint64_t nonce,
+                                 const std::atomic<bool>* stop, std::atomic<uint64_t>* verified) {
+  streams = std::max(1, std::min<int>(streams, static_cast<int>(files.size())));
+  auto seconds = RunTimed(streams, block_size, [&](int r, char* buf) -> Status {
+    for (size_t i = static_cast<size_t>(r); i < files.size(); i += static_cast<size_t>(streams)) {
+      KVTIER_RETURN_IF_ERROR(
+          NfsReadOneFile(env, files[i], file_size, block_size, buf, nonce, stop, verified));
+    }
+    return Status::Ok();
+  });
+  if (!seconds.ok()) return seconds.status();
+  return PhaseResult{streams, file_size * files.size(), *seconds};
+}
+
+Result<PhaseResult> NfsWriteFiles(Env& env, const std::vector<ProbeFile>& files, int writers,
+                                  uint64_t file_size, uint64_t block_size, uint64_t nonce,
+                                  const std::atomic<bool>* stop) {
+  writers = std::max(1, std::min<int>(writers, static_cast<int>(files.size())));
+  auto seconds = RunTimed(writers, block_size, [&](int w, char* buf) -> Status {
+    std::mt19937_64 rng(nonce ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(w + 1)));
+    for (uint64_t i = 0; i + sizeof(uint64_t) <= block_size; i += sizeof(uint64_t)) {
+      uint64_t v = rng();
+      std::memcpy(buf + i, &v, sizeof(v));
+    }
+    for (size_t i = static_cast<size_t>(w); i < files.size(); i += static_cast<size_t>(writers)) {
+      KVTIER_RETURN_IF_ERROR(
+          NfsWriteOneFile(env, files[i], file_size, block_size, buf, nonce, stop));
+    }
+    return Status::Ok();
+  });
+  if (!seconds.ok()) return seconds.status();
+  return PhaseResult{writers, file_size * files.size(), *seconds};
+}
+
+// NewNfsEnv's failure, said for people. It gives kUnavailable both when nothing answers and when
+// the server answers but refuses every prefix of the path; only the server's MOUNT status (an
+// MNT3ERR_* in libnfs's text) tells the second apart.
+Status NfsConnectError(const std::string& url, const Status& s) {
+  if (s.code() != StatusCode::kUnavailable) return s;
+  if (s.message().find("MNT3ERR") != std::string::npos) {
+    return Status::Unavailable(
+        fmt::format("{}: the NFS server answers but lets no prefix of this path be mounted (no "
+                    "such export, or not exported to this client): {}",
+                    url, s.message()));
+  }
+  return Status::Unavailable(
+      fmt::format("{}: cannot reach an NFS server there: {}", url, s.message()));
+}
+
+Result<StorageProbeReport> RunNfsProbe(const StorageProbeOptions& o) {
+  auto progress = [&](const std::string& line) {
+    if (o.progress) o.progress(line);
+  };
+  std::string directory = o.directory;
+  while (directory.size() > 1 && directory.back() == '/') directory.pop_back();
+  const uint64_t block_size = std::min(o.block_size, o.file_size);
+  const int max_readers = *std::max_element(o.reader_counts.begin(), o.reader_counts.end());
+  const int pool_count = max_readers * o.files_per_reader;
+  const uint64_t total_bytes = o.file_size * static_cast<uint64_t>(pool_count + o.control_files);
+
+  NfsEnvOptions no;
+  no.url = directory;
+  no.connections = o.nfs_connections > 0 ? o.nfs_connections : std::min(max_readers, 256);
+  // One probe request of block_size is one NFS READ or WRITE where the server's rsize/wsize
+  // allow it; a larger one is split into pieces of those, pipelined.
+  no.max_request_bytes = static_cast<size_t>(block_size);
+  auto made = NewNfsEnv(no);
+  if (!made.ok()) return NfsConnectError(directory, made.status());
+  std::unique_ptr<Env> env = std::move(*made);
+  auto info = env->Stat(directory);
+  if (!info.ok()) {
+    if (info.status().code() == StatusCode::kNotFound) {
+      return Status::InvalidArgument(fmt::format("directory {} does not exist", directory));
+    }
+    return info.status();
+  }
+  if (!info->is_directory) {
+    return Status::InvalidArgument(fmt::format("{} is not a directory", directory));
+  }
+
+  StorageProbeReport report;
+  report.directory = directory;
+  report.filesystem = "nfs (libnfs, user space)";
+  report.nfs = true;
+  report.nfs_connections = no.connections;
+  report.file_size = o.file_size;
+  report.block_size = block_size;
+  report.pool_files = pool_count;
+  report.control_files = o.control_files;
+  report.o_direct.applicable = false;
+  report.o_direct.detail =
+      "not applicable: this NFS client (libnfs, user space) has no page cache, every read is "
+      "sent to the server; the server may still serve reads from its own cache (see the control "
+      "re-read)";
+
+  KVTIER_ASSIGN_OR_RETURN(auto run_dir,
+                          NfsRunDirectory::Create(env.get(), directory, o.keep_files));
+  const uint64_t nonce = std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32) ^
+                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  std::vector<ProbeFile> pool, control;
+  for (int i = 0; i < pool_count; ++i) {
+    pool.push_back({fmt::format("{}/pool-{:05}", run_dir->path(), i), static_cast<uint64_t>(i)});
+  }
+  for (int i = 0; i < o.control_files; ++i) {
+    control.push_back({fmt::format("{}/control-{:05}", run_dir->path(), i),
+                       static_cast<uint64_t>(pool_count + i)});
+  }
+  std::vector<ProbeFile> all = pool;
+  all.insert(all.end(), control.begin(), control.end());
+  std::atomic<uint64_t> verified{0};
+
+  progress(fmt::format("writing {} files of {} ({} in all) into {} with {} writers over NFS ({} "
+                       "connections, COMMIT per file)",
+                       all.size(), FormatBytes(o.file_size), FormatBytes(total_bytes),
+                       run_dir->path(), std::min<size_t>(o.writers, all.size()), no.connections));
+  KVTIER_ASSIGN_OR_RETURN(report.write, NfsWriteFiles(*env, all, o.writers, o.file_size,
+                                                      block_size, nonce, o.stop));
+  progress(fmt::format("  write: {:.2f} GB/s", report.write.GBps()));
+
+  for (int readers : o.reader_counts) {
+    progress(fmt::format("reading {} files with {} readers, each on its own files, over {} NFS "
+                         "connections",
+                         pool.size(), readers, no.connections));
+    KVTIER_ASSIGN_OR_RETURN(PhaseResult phase, NfsReadFiles(*env, pool, readers, o.file_size,
+                                                            block_size, nonce, o.stop, &verified));
+    progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
+    report.reads.push_back(phase);
+  }
+
+  progress(fmt::format("control: 1 stream reading {} fresh files", control.size()));
+  KVTIER_ASSIGN_OR_RETURN(report.control, NfsReadFiles(*env, control, 1, o.file_size, block_size,
+                                                       nonce, o.stop, &verified));
+  progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
+  progress("control again: the same files, second read");
+  KVTIER_ASSIGN_OR_RETURN(report.control_reread, NfsReadFiles(*env, control, 1, o.file_size,
+                                                              block_size, nonce, o.stop,
+                                                              &verified));
+  progress(fmt::format("  control re-read: {:.2f} GB/s", report.control_reread.GBps()));
+  progress("O_DIRECT check, page-cache residency and buffered reads: not applicable over NFS "
+           "(no client cache)");
+
+  report.verified_bytes = verified.load();
+  AddPlausibilityWarnings(report);
+  if (o.keep_files) progress(fmt::format("files kept in {}", run_dir->path()));
+  return report;
 }
 
 }  // namespace
@@ -433,7 +688,13 @@ PageCacheResidency MeasurePageCacheResidency(const std::vector<std::string>& pat
 }
 
 Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
-  KVTIER_RETURN_IF_ERROR(ValidateOptions(o));
+  if (o.directory.empty()) return Status::InvalidArgument("no directory given");
+  if (IsNfsUrl(o.directory)) {
+    KVTIER_RETURN_IF_ERROR(ValidateSizes(o));
+    return RunNfsProbe(o);
+  }
+  KVTIER_RETURN_IF_ERROR(ValidateLocalDirectory(o));
+  KVTIER_RETURN_IF_ERROR(ValidateSizes(o));
   auto progress = [&](const std::string& line) {
     if (o.progress) o.progress(line);
   };
@@ -486,6 +747,7 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
     ::unlink(scratch.c_str());
   }
 
+  std::atomic<uint64_t> verified{0};
   std::vector<ProbeFile> all = pool;
   all.insert(all.end(), control.begin(), control.end());
   progress(fmt::format("writing {} files of {} ({} in all) into {} with {} writers{}", all.size(),
@@ -506,7 +768,8 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
     progress(fmt::format("reading {} files with {} readers, each on its own files", pool.size(),
                          readers));
     KVTIER_ASSIGN_OR_RETURN(
-        PhaseResult phase, ReadFiles(pool, readers, o.file_size, block_size, nonce, direct, o.stop));
+        PhaseResult phase, ReadFiles(pool, readers, o.file_size, block_size, nonce, direct, o.stop,
+                                     &verified));
     progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
     report.reads.push_back(phase);
   }
@@ -516,23 +779,27 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   // absorbing the writes (a hypervisor's or server's write-back) would slow it down.
   progress(fmt::format("control: 1 stream reading {} fresh files", control.size()));
   KVTIER_ASSIGN_OR_RETURN(report.control,
-                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop));
+                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop,
+                                    &verified));
   progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
   const double control_resident = ResidentFraction(control);
 
   if (!direct) DropFromPageCache(control);
   progress("control again: the same files, second read");
   KVTIER_ASSIGN_OR_RETURN(report.control_reread,
-                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop));
+                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop,
+                                    &verified));
   progress(fmt::format("  control re-read: {:.2f} GB/s", report.control_reread.GBps()));
 
   progress("buffered reads for contrast: cold (after dropping the files from the page cache), "
            "then warm");
   DropFromPageCache(pool);
   KVTIER_ASSIGN_OR_RETURN(report.buffered_cold,
-                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop));
+                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop,
+                                    &verified));
   KVTIER_ASSIGN_OR_RETURN(report.buffered_warm,
-                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop));
+                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop,
+                                    &verified));
   progress(fmt::format("  buffered: cold {:.2f} GB/s, warm {:.2f} GB/s", report.buffered_cold.GBps(),
                        report.buffered_warm.GBps()));
   DropFromPageCache(pool);
@@ -558,6 +825,7 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
                                                 : "is accepted (the filesystem does not enforce "
                                                   "alignment, as NFS and tmpfs do not)");
   }
+  report.verified_bytes = verified.load();
   AddPlausibilityWarnings(report);
   if (o.keep_files) progress(fmt::format("files kept in {}", run_dir->path()));
   return report;
@@ -571,10 +839,16 @@ std::string StorageProbeReportToJson(const StorageProbeReport& r) {
   j["block_size_bytes"] = r.block_size;
   j["pool_files"] = r.pool_files;
   j["control_files"] = r.control_files;
-  j["o_direct"] = r.o_direct.honoured;
+  // What does not apply (over NFS: no client page cache) is null, neither false nor 0.
+  const bool pc = r.o_direct.applicable;
+  j["o_direct"] = pc ? nlohmann::json(r.o_direct.honoured) : nlohmann::json(nullptr);
+  j["o_direct_applicable"] = pc;
   j["o_direct_detail"] = r.o_direct.detail;
-  j["o_direct_alignment_enforced"] = r.o_direct.alignment_enforced;
-  j["page_cache_resident_fraction"] = r.o_direct.resident_fraction;
+  j["o_direct_alignment_enforced"] =
+      pc ? nlohmann::json(r.o_direct.alignment_enforced) : nlohmann::json(nullptr);
+  j["page_cache_resident_fraction"] =
+      pc ? nlohmann::json(r.o_direct.resident_fraction) : nlohmann::json(nullptr);
+  j["nfs_connections"] = r.nfs_connections;
   j["readers"] = nlohmann::json::array();
   for (const auto& p : r.reads) {
     j["readers"].push_back(
@@ -582,33 +856,46 @@ std::string StorageProbeReportToJson(const StorageProbeReport& r) {
   }
   j["control_GBps"] = r.control.GBps();
   j["control_reread_GBps"] = r.control_reread.GBps();
-  j["buffered_read_GBps"] = r.buffered_warm.GBps();
-  j["buffered_cold_read_GBps"] = r.buffered_cold.GBps();
+  j["buffered_read_GBps"] = pc ? nlohmann::json(r.buffered_warm.GBps()) : nlohmann::json(nullptr);
+  j["buffered_cold_read_GBps"] =
+      pc ? nlohmann::json(r.buffered_cold.GBps()) : nlohmann::json(nullptr);
   j["write_GBps"] = r.write.GBps();
   j["writers"] = r.write.streams;
+  j["verified_bytes"] = r.verified_bytes;
   j["warnings"] = r.warnings;
   return j.dump(2);
 }
 
 std::string StorageProbeReportToText(const StorageProbeReport& r) {
   std::string out;
-  out += fmt::format("storage probe of {} ({}), files of {}, requests of {}\n", r.directory,
-                     r.filesystem, FormatBytes(r.file_size), FormatBytes(r.block_size));
+  out += fmt::format("storage probe of {} ({}{}), files of {}, requests of {}\n", r.directory,
+                     r.filesystem,
+                     r.nfs ? fmt::format(", {} connections", r.nfs_connections) : std::string(),
+                     FormatBytes(r.file_size), FormatBytes(r.block_size));
   auto line = [&](const std::string& name, const PhaseResult& p, const char* note) {
     out += fmt::format("  {:<34} {:>7.2f} GB/s  ({} in {:.3f} s){}\n", name, p.GBps(),
                        FormatBytes(p.bytes), p.seconds, note);
   };
-  const char* mode = r.o_direct.honoured ? "O_DIRECT" : "NOT O_DIRECT";
+  const char* mode = !r.o_direct.applicable ? "NFS"
+                     : r.o_direct.honoured     ? "O_DIRECT"
+                                               : "NOT O_DIRECT";
   line(fmt::format("write, {} writers, {}", r.write.streams, mode), r.write, "");
   for (const auto& p : r.reads) {
     line(fmt::format("read, {} readers, {}", p.streams, mode), p, "");
   }
-  line(fmt::format("control, 1 stream, {}", mode), r.control, "  <- storage figure");
+  line(fmt::format("control, 1 stream, {}", mode), r.control,
+       r.nfs ? "  <- server figure" : "  <- storage figure");
   line(fmt::format("control re-read, 1 stream, {}", mode), r.control_reread, "");
-  line("buffered read, cold, 1 stream", r.buffered_cold, "");
-  line("buffered read, warm, 1 stream", r.buffered_warm, "  <- page cache, not storage");
-  out += fmt::format("O_DIRECT honoured: {} ({})\n", r.o_direct.honoured ? "yes" : "NO",
-                     r.o_direct.detail);
+  if (r.o_direct.applicable) {
+    line("buffered read, cold, 1 stream", r.buffered_cold, "");
+    line("buffered read, warm, 1 stream", r.buffered_warm, "  <- page cache, not storage");
+    out += fmt::format("O_DIRECT honoured: {} ({})\n", r.o_direct.honoured ? "yes" : "NO",
+                       r.o_direct.detail);
+  } else {
+    out += fmt::format("  {:<34} not applicable (no client page cache)\n", "buffered read");
+    out += fmt::format("O_DIRECT: {}\n", r.o_direct.detail);
+  }
+  out += fmt::format("stamps verified: {} read\n", FormatBytes(r.verified_bytes));
   for (const auto& w : r.warnings) out += fmt::format("WARNING: {}\n", w);
   return out;
 }

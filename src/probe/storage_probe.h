@@ -20,6 +20,14 @@
 //
 // Throughputs are in GB/s (10^9 bytes per second), over the wall time of the whole phase.
 //
+// Over NFS without a mount (`directory` is nfs://HOST/EXPORT/PATH), the probe's I/O goes through
+// an NFS env (NewNfsEnv: libnfs, user space, `nfs_connections` TCP connections) instead of
+// system calls: steps 1, 3, 4, 5 and 7 run as above (COMMIT in place of fdatasync, no
+// preallocation), each reader opening its own files so that the env's round-robin spreads the
+// readers over the connections. Steps 2 and 6 do not apply: this client has no page cache, so
+// there is no O_DIRECT to check, no mincore and no buffered read; the report says so
+// (`nfs`, ODirectCheck::applicable) rather than reporting them as failed or as zeros.
+//
 // Thread-safety: RunStorageProbe may be called from any thread; it starts and joins its own
 // worker threads and shares nothing between calls.
 #pragma once
@@ -42,6 +50,9 @@ struct StorageProbeOptions {
   int files_per_reader = 1;           // pool = max(reader_counts) x files_per_reader files
   int control_files = 8;              // read by one stream; never part of the pool
   int writers = 4;                    // threads writing the files
+  // nfs:// only: TCP connections of the NFS env, in [0, 256]; 0 = the largest reader count
+  // (capped at 256), one connection per reader. Ignored for a local directory.
+  int nfs_connections = 0;
   bool keep_files = false;            // leave the files in place (for inspection)
   // Called from the calling thread with one line per step (may be empty).
   std::function<void(const std::string&)> progress;
@@ -58,6 +69,9 @@ struct PhaseResult {
 };
 
 struct ODirectCheck {
+  // False over NFS (libnfs has no client page cache: nothing to bypass, nothing to check); the
+  // fields below are then unset and `detail` says why.
+  bool applicable = true;
   bool open_accepted = false;       // open(O_DIRECT) succeeded
   bool flag_kept = false;           // fcntl(F_GETFL) still shows O_DIRECT
   bool alignment_enforced = false;  // a misaligned O_DIRECT read failed with EINVAL
@@ -70,7 +84,9 @@ struct ODirectCheck {
 
 struct StorageProbeReport {
   std::string directory;
-  std::string filesystem;  // e.g. "ext4", "nfs", "tmpfs"
+  std::string filesystem;  // e.g. "ext4", "nfs", "tmpfs"; "nfs (libnfs, user space)" for nfs://
+  bool nfs = false;        // measured through the user-space NFS client (nfs:// directory)
+  int nfs_connections = 0;  // the NFS env's connections (0 when not nfs)
   uint64_t file_size = 0;
   uint64_t block_size = 0;
   int pool_files = 0;
@@ -82,6 +98,8 @@ struct StorageProbeReport {
   PhaseResult control_reread;       // single stream, second read of the control files
   PhaseResult buffered_cold;        // single stream, buffered, after POSIX_FADV_DONTNEED
   PhaseResult buffered_warm;        // single stream, buffered, from the page cache
+                                    // (both not measured, all zero, over NFS)
+  uint64_t verified_bytes = 0;      // bytes read whose every sector's stamp was checked
   std::vector<std::string> warnings;
 };
 
@@ -95,15 +113,20 @@ struct PageCacheResidency {
 };
 PageCacheResidency MeasurePageCacheResidency(const std::vector<std::string>& paths);
 
-// Runs the probe. Fails with InvalidArgument for bad options or a directory that is missing or
-// not writable, NoSpace when the files would not fit, IOError for failed I/O, Corruption when a
-// read returns bytes this run did not write, and Aborted when `stop` was raised. Blocks for the
-// whole run (seconds to minutes, depending on sizes and storage).
+// Runs the probe. Fails with InvalidArgument for bad options, a malformed nfs:// URL or a
+// directory that is missing or not writable, NoSpace when the files would not fit (checked
+// beforehand for a local directory only; over NFS a full export fails the writes), IOError for
+// failed I/O, Corruption when a read returns bytes this run did not write, and Aborted when
+// `stop` was raised. Over NFS also Unavailable when the server cannot be reached or exports no
+// prefix of the URL's path (NewNfsEnv's errors). Blocks for the whole run (seconds to minutes,
+// depending on sizes and storage).
 Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& options);
 
 // The report as JSON: readers (list of {readers, read_GBps, bytes, seconds}), control_GBps,
 // control_reread_GBps, buffered_read_GBps (warm), buffered_cold_read_GBps, write_GBps, o_direct,
-// o_direct_detail, and the run's parameters and warnings.
+// o_direct_applicable, o_direct_detail, verified_bytes, nfs_connections, and the run's
+// parameters and warnings. What does not apply (over NFS: o_direct, the buffered figures, the
+// page-cache fraction, the alignment check) is null, never a number.
 std::string StorageProbeReportToJson(const StorageProbeReport& report);
 
 // The report as lines for people: one line per measured workload, then the verdict.

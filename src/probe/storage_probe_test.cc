@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "kvtier/io.h"
+#include "testing/nfs_target.h"
 #include "testing/temp_dir.h"
 
 namespace kvtier::probe {
@@ -67,6 +69,11 @@ TEST(StorageProbe, MeasuresEveryPhaseAndCleansUp) {
   EXPECT_EQ(report->write.bytes, 5u * (256 << 10));
   EXPECT_EQ(report->control.bytes, 2u * (256 << 10));
   EXPECT_GT(report->buffered_warm.GBps(), 0);
+  // Every byte read was checked: 2 reader phases and 2 buffered ones over the 3 pool files, the
+  // control and its re-read over the 2 control files.
+  EXPECT_EQ(report->verified_bytes, (4u * 3 + 2u * 2) * (256 << 10));
+  EXPECT_FALSE(report->nfs);
+  EXPECT_TRUE(report->o_direct.applicable);
   EXPECT_FALSE(lines.empty());
   // Everything it wrote is gone.
   EXPECT_EQ(Entries(dir.path()), 0u);
@@ -191,6 +198,154 @@ TEST(StorageProbe, RejectsBadInput) {
   auto status = RunStorageProbe(huge).status();
   EXPECT_EQ(status.code(), StatusCode::kNoSpace) << status.ToString();
   EXPECT_EQ(Entries(dir.path()), 1u);  // only plain-file; the probe left nothing
+}
+
+// ---- nfs://: the probe through the user-space NFS client, against the loopback server ----
+
+TEST(StorageProbeNfs, MeasuresTheNfsPhasesVerifiesAndCleansUp) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  std::vector<std::string> lines;
+  auto options = SmallOptions(dir->url());
+  options.progress = [&](const std::string& line) { lines.push_back(line); };
+  auto report = RunStorageProbe(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_TRUE(report->nfs);
+  EXPECT_EQ(report->filesystem, "nfs (libnfs, user space)");
+  EXPECT_EQ(report->nfs_connections, 3);  // 0 = one per reader of the largest count
+  EXPECT_EQ(report->pool_files, 3);
+  ASSERT_EQ(report->reads.size(), 2u);
+  EXPECT_EQ(report->reads[0].streams, 1);
+  EXPECT_EQ(report->reads[1].streams, 3);
+  for (const auto& phase : report->reads) {
+    EXPECT_EQ(phase.bytes, 3u * (256 << 10));
+    EXPECT_GT(phase.GBps(), 0);
+  }
+  EXPECT_EQ(report->write.bytes, 5u * (256 << 10));
+  EXPECT_GT(report->write.GBps(), 0);
+  EXPECT_EQ(report->control.bytes, 2u * (256 << 10));
+  EXPECT_GT(report->control.GBps(), 0);
+  EXPECT_EQ(report->control_reread.bytes, 2u * (256 << 10));
+  EXPECT_GT(report->control_reread.GBps(), 0);
+  // Every byte read over NFS had its stamps checked: 2 reader phases of the pool, the control
+  // and its re-read.
+  EXPECT_EQ(report->verified_bytes, (2u * 3 + 2u * 2) * (256 << 10));
+  // No client page cache: the O_DIRECT check and the buffered phases do not apply, and are
+  // neither failures nor numbers.
+  EXPECT_FALSE(report->o_direct.applicable);
+  EXPECT_NE(report->o_direct.detail.find("no page cache"), std::string::npos);
+  EXPECT_EQ(report->buffered_cold.bytes, 0u);
+  EXPECT_EQ(report->buffered_warm.bytes, 0u);
+  for (const auto& w : report->warnings) {
+    EXPECT_EQ(w.find("O_DIRECT was not honoured"), std::string::npos) << w;
+  }
+  auto json = nlohmann::json::parse(StorageProbeReportToJson(*report));
+  EXPECT_TRUE(json["o_direct"].is_null());
+  EXPECT_FALSE(json["o_direct_applicable"].get<bool>());
+  EXPECT_TRUE(json["buffered_read_GBps"].is_null());
+  EXPECT_TRUE(json["page_cache_resident_fraction"].is_null());
+  EXPECT_EQ(json["nfs_connections"], 3);
+  EXPECT_GT(json["control_GBps"].get<double>(), 0);
+  const std::string text = StorageProbeReportToText(*report);
+  EXPECT_NE(text.find("not applicable"), std::string::npos) << text;
+  EXPECT_EQ(text.find("O_DIRECT honoured"), std::string::npos) << text;
+  EXPECT_FALSE(lines.empty());
+  // Seen from the server's side, everything it wrote is gone.
+  EXPECT_EQ(Entries(dir->local()), 0u);
+}
+
+TEST(StorageProbeNfs, OneConnectionForManyReaders) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  auto options = SmallOptions(dir->url());
+  options.nfs_connections = 1;
+  auto report = RunStorageProbe(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->nfs_connections, 1);
+  ASSERT_EQ(report->reads.size(), 2u);
+  EXPECT_GT(report->reads[1].GBps(), 0);
+  EXPECT_EQ(Entries(dir->local()), 0u);
+}
+
+TEST(StorageProbeNfs, DetectsBytesItDidNotWrite) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  auto options = SmallOptions(dir->url());
+  const std::string local = dir->local();
+  options.progress = [&](const std::string& line) {
+    if (line.rfind("reading", 0) != 0) return;
+    // Something on the server rewrites a pool file behind the probe's back.
+    const std::string victim = RunDir(local) + "/pool-00001";
+    int fd = ::open(victim.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    std::vector<char> zeros(4096, 0);
+    ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), 8192), 4096);
+    ::fsync(fd);
+    ::close(fd);
+  };
+  auto report = RunStorageProbe(options);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
+  EXPECT_NE(report.status().message().find("pool-00001"), std::string::npos);
+  EXPECT_EQ(Entries(local), 0u);
+}
+
+TEST(StorageProbeNfs, StopsWhenAskedAndCleansUp) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  std::atomic<bool> stop{false};
+  auto options = SmallOptions(dir->url());
+  options.stop = &stop;
+  options.progress = [&](const std::string& line) {
+    if (line.rfind("reading", 0) == 0) stop = true;
+  };
+  auto report = RunStorageProbe(options);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kAborted);
+  EXPECT_EQ(Entries(dir->local()), 0u);
+}
+
+TEST(StorageProbeNfs, KeepsFilesOnlyWhenAsked) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  auto options = SmallOptions(dir->url());
+  options.keep_files = true;
+  auto report = RunStorageProbe(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  const std::string run = RunDir(dir->local());
+  ASSERT_FALSE(run.empty());
+  EXPECT_EQ(Entries(run), 5u);  // 3 pool + 2 control files
+}
+
+TEST(StorageProbeNfs, RejectsMissingDirectoryAndExport) {
+  KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
+  auto missing = SmallOptions(dir->url() + "/missing");
+  auto status = RunStorageProbe(missing).status();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+  EXPECT_NE(status.message().find("does not exist"), std::string::npos) << status.ToString();
+
+  std::ofstream(dir->local() + "/plain-file") << "x";
+  status = RunStorageProbe(SmallOptions(dir->url() + "/plain-file")).status();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+
+  // The server is there, the export is not.
+  const std::string url = dir->url();
+  const std::string host = url.substr(6, url.find('/', 6) - 6);
+  status = RunStorageProbe(SmallOptions("nfs://" + host + "/no-such-export/x")).status();
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("answers"), std::string::npos) << status.ToString();
+
+  auto bad = SmallOptions(dir->url());
+  bad.nfs_connections = 257;
+  EXPECT_EQ(RunStorageProbe(bad).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Entries(dir->local()), 1u);  // only plain-file; the probe left nothing
+}
+
+TEST(StorageProbeNfs, RejectsBadUrlsAndUnreachableServers) {
+  if (!NfsSupported()) GTEST_SKIP() << "built without libnfs";
+  for (const char* url : {"nfs://", "nfs://host", "nfs://host:2049/export"}) {
+    auto status = RunStorageProbe(SmallOptions(url)).status();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << url << ": " << status.ToString();
+  }
+  // Loopback, but nothing listens there: refused at once.
+  auto status = RunStorageProbe(SmallOptions("nfs://127.0.0.3/export/x")).status();
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("cannot reach"), std::string::npos) << status.ToString();
 }
 
 }  // namespace

@@ -30,6 +30,7 @@ struct StorageArgs {
   int files_per_reader = 1;
   int control_files = 8;
   int writers = 4;
+  int nfs_connections = 0;  // nfs:// only; 0: the largest reader count
   bool json = false;
   bool keep = false;
 };
@@ -63,6 +64,7 @@ int RunBenchStorage(const StorageArgs& a) {
   o.files_per_reader = a.files_per_reader;
   o.control_files = a.control_files;
   o.writers = a.writers;
+  o.nfs_connections = a.nfs_connections;
   o.keep_files = a.keep;
   o.stop = &g_stop;
   o.progress = [](const std::string& line) {
@@ -96,8 +98,11 @@ void AddBenchStorage(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
       "(each reader on its own files), a single-stream control on separate files, buffered reads "
       "for contrast and O_DIRECT writes. Checks that O_DIRECT bypassed the page cache, verifies "
       "every byte read, and removes its files (also on error or Ctrl-C). Throughputs in GB/s "
-      "(10^9 bytes/s).");
-  cmd->add_option("path", args->path, "Directory on the storage to test (must exist, writable)")
+      "(10^9 bytes/s). PATH may be nfs://HOST/EXPORT/PATH: the probe then speaks NFSv3 itself "
+      "(no mount; no page cache, so the O_DIRECT check and buffered reads do not apply).");
+  cmd->add_option("path", args->path,
+                  "Directory on the storage to test (must exist, writable), or "
+                  "nfs://HOST/EXPORT/PATH to test an NFS server without a mount")
       ->required();
   cmd->add_option("--file-size", args->file_size,
                   "Bytes per file, e.g. 36MiB, 4M, 1GiB (default: one chunk of --model). "
@@ -124,6 +129,12 @@ void AddBenchStorage(CLI::App& parent, kvtier::tools::CommandContext& ctx) {
                   "Files read by the single-stream control, never part of the pool")
       ->capture_default_str();
   cmd->add_option("--writers", args->writers, "Threads writing the files")->capture_default_str();
+  cmd->add_option("--nfs-connections", args->nfs_connections,
+                  "nfs:// only: TCP connections to the server, files spread over them round "
+                  "robin as they are opened (0: the largest --readers count, i.e. one per "
+                  "reader; at most 256)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 256));
   cmd->add_flag("--json", args->json,
                 "Print JSON: readers [{readers, read_GBps}], control_GBps, buffered_read_GBps, "
                 "write_GBps, o_direct, ...");
