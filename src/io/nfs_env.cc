@@ -170,7 +170,8 @@ Result<nfs_context*> MountContext(const NfsUrl& url, const std::string& export_p
 }
 
 // The export: the longest prefix of the URL's path that the server lets us mount (the path
-// below it may not exist yet).
+// below it may not exist yet). A server that cannot be reached at all is kUnavailable at the
+// first attempt (not once per prefix); one that refuses every prefix is kNotFound.
 Result<std::string> FindExport(const NfsUrl& url, int timeout_ms) {
   std::string candidate = url.path;
   for (;;) {
@@ -179,9 +180,13 @@ Result<std::string> FindExport(const NfsUrl& url, int timeout_ms) {
       nfs_destroy_context(*nfs);
       return candidate;
     }
+    // The MOUNT service answered with an error status (MNT3ERR_NOENT, _ACCES, ...): the server
+    // is there, this prefix is not exported to us. Anything else: the server is not there.
+    if (nfs.status().message().find("MNT3ERR") == std::string::npos) return nfs.status();
     if (candidate == "/") {
-      return Status::Unavailable(fmt::format("no prefix of {} could be mounted from {} (last: {})",
-                                             url.path, url.server, nfs.status().message()));
+      return Status::NotFound(fmt::format(
+          "the NFS server {} exports no prefix of {} to this client (last answer: {})", url.server,
+          url.path, nfs.status().message()));
     }
     size_t cut = candidate.rfind('/');
     candidate = cut == 0 ? "/" : candidate.substr(0, cut);
@@ -540,6 +545,11 @@ class NfsEnv final : public Env {
   }
 
   const NfsEnvOptions& options() const { return options_; }
+  // Files and metadata calls take turns on separate counters, so that files opened together
+  // spread evenly over the connections whatever metadata calls came before.
+  Connection& NextForFile() {
+    return *connections_[next_file_.fetch_add(1, std::memory_order_relaxed) % connections_.size()];
+  }
   Connection& Next() {
     return *connections_[next_.fetch_add(1, std::memory_order_relaxed) % connections_.size()];
   }
@@ -553,7 +563,7 @@ class NfsEnv final : public Env {
   std::string export_;
   std::string prefix_;  // nfs://server/export
   std::vector<std::unique_ptr<Connection>> connections_;
-  std::atomic<uint64_t> next_{0};
+  std::atomic<uint64_t> next_{0}, next_file_{0};
 };
 
 class NfsFile final : public File {
@@ -600,7 +610,7 @@ class NfsFile final : public File {
 
 Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOptions& options) {
   KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(path));
-  Connection& conn = Next();
+  Connection& conn = NextForFile();
   int flags = options.write ? O_RDWR : O_RDONLY;
   if (options.truncate) flags |= O_TRUNC;
   nfsfh* fh = nullptr;

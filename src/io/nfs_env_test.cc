@@ -62,6 +62,17 @@ TEST(NfsEnvTest, UnreachableServerIsUnavailable) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
+TEST(NfsEnvTest, AnExportTheServerDoesNotHaveIsNotFound) {
+  KVTIER_NFS_TEST_DIR(dir, "nfs-env");  // a server is there
+  const std::string url = dir->url();
+  const std::string server = url.substr(0, url.find('/', 6));  // nfs://host
+  NfsEnvOptions o;
+  o.url = server + "/no-such-export/kv";
+  auto env = NewNfsEnv(o);
+  ASSERT_FALSE(env.ok());
+  EXPECT_EQ(env.status().code(), StatusCode::kNotFound) << env.status().ToString();
+}
+
 TEST(NfsEnvTest, FilesRoundTripAndTheServerSeesTheSameBytes) {
   KVTIER_NFS_TEST_DIR(dir, "nfs-env");
   auto env = MustEnv(dir->url());

@@ -547,17 +547,9 @@ Result<PhaseResult> NfsWriteFiles(Env& env, const std::vector<ProbeFile>& files,
   return PhaseResult{writers, file_size * files.size(), *seconds};
 }
 
-// NewNfsEnv's failure, said for people. It gives kUnavailable both when nothing answers and when
-// the server answers but refuses every prefix of the path; only the server's MOUNT status (an
-// MNT3ERR_* in libnfs's text) tells the second apart.
+// NewNfsEnv's failure, said for people: kUnavailable means nothing answered.
 Status NfsConnectError(const std::string& url, const Status& s) {
-  if (s.code() != StatusCode::kUnavailable) return s;
-  if (s.message().find("MNT3ERR") != std::string::npos) {
-    return Status::Unavailable(
-        fmt::format("{}: the NFS server answers but lets no prefix of this path be mounted (no "
-                    "such export, or not exported to this client): {}",
-                    url, s.message()));
-  }
+  if (s.code() != StatusCode::kUnavailable) return s;  // e.g. NotFound: says what it is
   return Status::Unavailable(
       fmt::format("{}: cannot reach an NFS server there: {}", url, s.message()));
 }
