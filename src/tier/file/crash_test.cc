@@ -1,6 +1,8 @@
 // A writer process under load is killed with SIGKILL at random moments, again and again. After
 // every kill: the chunks on disk respect the capacity, a restarted tier never returns a wrong
 // chunk, a corrupted file is a miss, and `fsck --repair` leaves a clean directory.
+// With KVTIER_TEST_STORAGE=nfs the cache directory is on the NFS test server, spoken to over
+// nfs:// by the writers, the tier and fsck alike.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,7 +17,7 @@
 
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
-#include "testing/temp_dir.h"
+#include "testing/storage_dir.h"
 #include "tier/file/test_chunks.h"
 #include "tier/file/worker_process.h"
 
@@ -51,7 +53,7 @@ TEST(FileTierCrashTest, KilledWritersNeverLeaveCorruptChunksOrExceedCapacity) {
   constexpr uint64_t kKeys = 40;
   const uint64_t file_bytes = 4096 + kChunk;
   const uint64_t capacity = 12 * file_bytes;
-  testing::TempDir dir;
+  testing::StorageDir dir;  // the writer and the checks get path(); the scans and damage local()
   std::mt19937_64 rng(20261129);
   int killed_running = 0, temps_seen = 0, corrupted = 0;
   uint64_t max_chunks_seen = 0;
@@ -75,7 +77,7 @@ TEST(FileTierCrashTest, KilledWritersNeverLeaveCorruptChunksOrExceedCapacity) {
         << "the writer died on its own (status " << status << "): it saw a failure or wrong data";
 
     // What the dead writer left: published chunks within the capacity, maybe temporary files.
-    DiskState d = Scan(dir.path());
+    DiskState d = Scan(dir.local());
     EXPECT_LE(d.chunk_bytes, capacity);
     temps_seen += d.temps > 0;
     max_chunks_seen = std::max(max_chunks_seen, d.chunk_files);
@@ -91,12 +93,12 @@ TEST(FileTierCrashTest, KilledWritersNeverLeaveCorruptChunksOrExceedCapacity) {
       // Damage one chunk on the medium, as a failing disk would: it must be a miss.
       std::vector<uint64_t> present;
       for (uint64_t k = 0; k < kKeys; ++k) {
-        if (fs::exists((*tier)->ChunkPath(TestKey(k)))) present.push_back(k);
+        if (fs::exists(dir.LocalOf((*tier)->ChunkPath(TestKey(k))))) present.push_back(k);
       }
       int64_t damaged = -1;
       if (!present.empty()) {
         damaged = static_cast<int64_t>(present[rng() % present.size()]);
-        std::string path = (*tier)->ChunkPath(TestKey(damaged));
+        std::string path = dir.LocalOf((*tier)->ChunkPath(TestKey(damaged)));
         int fd = ::open(path.c_str(), O_RDWR);
         ASSERT_GE(fd, 0);
         uint8_t b = 0;
@@ -143,8 +145,8 @@ TEST(FileTierCrashTest, KilledWritersNeverLeaveCorruptChunksOrExceedCapacity) {
     // Two writers each hold a reservation while a write is in flight.
     EXPECT_GE(max_chunks_seen, 10u) << "the writer never filled the capacity";
   }
-  std::printf("%d kills (%d while writing), %d left temporary files, %d chunks damaged\n", rounds,
-              killed_running, temps_seen, corrupted);
+  std::printf("%s: %d kills (%d while writing), %d left temporary files, %d chunks damaged\n",
+              dir.nfs() ? "nfs" : "local", rounds, killed_running, temps_seen, corrupted);
 }
 
 }  // namespace

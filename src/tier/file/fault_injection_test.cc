@@ -6,7 +6,7 @@
 
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
-#include "testing/temp_dir.h"
+#include "testing/storage_dir.h"
 #include "tier/file/test_chunks.h"
 
 namespace kvtier {
@@ -19,11 +19,30 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kChunk = 64 << 10;
 
-std::unique_ptr<Env> SmallRequestEnv() {
+// Four requests per payload: more places for faults. Over NFS, an NFS env for `dir`.
+std::unique_ptr<Env> SmallRequestEnv(const testing::StorageDir& dir) {
+  if (dir.nfs()) {
+    NfsEnvOptions no;
+    no.url = dir.path();
+    no.max_request_bytes = 16 << 10;
+    auto env = NewNfsEnv(no);
+    EXPECT_TRUE(env.ok()) << env.status().ToString();
+    return env.ok() ? std::move(env).value() : nullptr;
+  }
   PosixEnvOptions eo;
-  eo.max_request_bytes = 16 << 10;  // four requests per payload: more places for faults
+  eo.max_request_bytes = 16 << 10;
   eo.max_write_request_bytes = 16 << 10;
   return NewPosixEnv(eo).value();
+}
+
+// The env a test wraps: the default one, or an NFS env for an nfs:// directory (`holder` keeps
+// it alive). Null, with a failure recorded, if the NFS server cannot be reached.
+Env* BaseEnv(const testing::StorageDir& dir, EnvForPath* holder) {
+  auto env = OpenEnvForPath(dir.path());
+  EXPECT_TRUE(env.ok()) << env.status().ToString();
+  if (!env.ok()) return nullptr;
+  *holder = std::move(env).value();
+  return holder->env;
 }
 
 FileTierOptions Options(const std::string& root, Env* env) {
@@ -47,11 +66,13 @@ bool Allowed(const Status& s) {
 }
 
 TEST(FileTierFaultTest, RandomFaultsEndAsMissesOrErrorsNeverWrongData) {
-  auto base = SmallRequestEnv();
+  testing::StorageDir top;
+  auto base = SmallRequestEnv(top);
+  ASSERT_NE(base, nullptr);
   uint64_t injected = 0, wrong = 0, reads_ok = 0;
   for (uint64_t seed = 1; seed <= 24; ++seed) {
     SCOPED_TRACE(seed);
-    testing::TempDir dir;
+    const std::string root = top.Sub("seed" + std::to_string(seed));
     FaultInjectionOptions fo;
     fo.seed = seed;
     fo.read_error = 0.03;
@@ -64,7 +85,7 @@ TEST(FileTierFaultTest, RandomFaultsEndAsMissesOrErrorsNeverWrongData) {
     fo.metadata_error = 0.03;
     FaultInjectionEnv env(base.get(), fo);
     env.SetEnabled(false);
-    FileTierOptions o = Options(dir.path(), &env);
+    FileTierOptions o = Options(root, &env);
     o.capacity_bytes = 6 * (4096 + kChunk);
     auto tier = FileTier::Open(o);
     ASSERT_TRUE(tier.ok()) << tier.status().ToString();
@@ -102,7 +123,7 @@ TEST(FileTierFaultTest, RandomFaultsEndAsMissesOrErrorsNeverWrongData) {
     FsckOptions fsck;
     fsck.repair = true;
     fsck.temp_grace = std::chrono::seconds(0);
-    auto report = FsckCacheDir(dir.path(), fsck);
+    auto report = FsckCacheDir(root, fsck);
     ASSERT_TRUE(report.ok());
     EXPECT_EQ(report->corrupt, 0u) << "a fault during a write must never publish a bad chunk";
     EXPECT_TRUE(report->clean());
@@ -115,10 +136,12 @@ TEST(FileTierFaultTest, RandomFaultsEndAsMissesOrErrorsNeverWrongData) {
 }
 
 TEST(FileTierFaultTest, FullDiskIsNoSpaceAndLeavesNothingBehind) {
-  testing::TempDir dir;
+  testing::StorageDir dir;
+  EnvForPath base;
+  ASSERT_NE(BaseEnv(dir, &base), nullptr);
   FaultInjectionOptions fo;
   fo.no_space = 1.0;
-  FaultInjectionEnv env(Env::Default(), fo);
+  FaultInjectionEnv env(base.env, fo);
   env.SetEnabled(false);
   auto tier = FileTier::Open(Options(dir.path(), &env));
   ASSERT_TRUE(tier.ok());
@@ -128,7 +151,7 @@ TEST(FileTierFaultTest, FullDiskIsNoSpaceAndLeavesNothingBehind) {
   EXPECT_EQ((*tier)->Write(TestKey(1), buf.span()).code(), StatusCode::kNoSpace);
   EXPECT_TRUE((*tier)->Read(TestKey(1), buf.span()).IsNotFound());
   size_t files = 0;
-  for (auto& e : fs::recursive_directory_iterator((*tier)->namespace_dir())) {
+  for (auto& e : fs::recursive_directory_iterator(dir.LocalOf((*tier)->namespace_dir()))) {
     files += e.is_regular_file() && e.path().filename() != "namespace.json";
   }
   EXPECT_EQ(files, 0u);
@@ -136,10 +159,12 @@ TEST(FileTierFaultTest, FullDiskIsNoSpaceAndLeavesNothingBehind) {
 }
 
 TEST(FileTierFaultTest, BitFlipsInTransitAreCaughtByTheChecksum) {
-  testing::TempDir dir;
+  testing::StorageDir dir;
+  EnvForPath base;
+  ASSERT_NE(BaseEnv(dir, &base), nullptr);
   FaultInjectionOptions fo;
   fo.bit_flip = 1.0;
-  FaultInjectionEnv env(Env::Default(), fo);
+  FaultInjectionEnv env(base.env, fo);
   env.SetEnabled(false);
   auto tier = FileTier::Open(Options(dir.path(), &env));
   ASSERT_TRUE(tier.ok());
@@ -197,8 +222,10 @@ AfterCrash ReadBack(const std::string& root, int n) {
 }
 
 TEST(FileTierFaultTest, PowerLossKeepsChunksPublishedWithDataAndDirectorySync) {
-  testing::TempDir dir;
-  FaultInjectionEnv env(Env::Default(), FaultInjectionOptions{});
+  testing::StorageDir dir;
+  EnvForPath base;
+  ASSERT_NE(BaseEnv(dir, &base), nullptr);
+  FaultInjectionEnv env(base.env, FaultInjectionOptions{});
   WriteThenCrash(dir.path(), &env, true, true, 6);
   AfterCrash r = ReadBack(dir.path(), 6);
   EXPECT_EQ(r.hits, 6);
@@ -206,8 +233,10 @@ TEST(FileTierFaultTest, PowerLossKeepsChunksPublishedWithDataAndDirectorySync) {
 }
 
 TEST(FileTierFaultTest, PowerLossWithoutDirectorySyncLosesChunksAsMisses) {
-  testing::TempDir dir;
-  FaultInjectionEnv env(Env::Default(), FaultInjectionOptions{});
+  testing::StorageDir dir;
+  EnvForPath base;
+  ASSERT_NE(BaseEnv(dir, &base), nullptr);
+  FaultInjectionEnv env(base.env, FaultInjectionOptions{});
   WriteThenCrash(dir.path(), &env, true, false, 6);
   AfterCrash r = ReadBack(dir.path(), 6);
   EXPECT_EQ(r.misses, 6);
@@ -215,8 +244,10 @@ TEST(FileTierFaultTest, PowerLossWithoutDirectorySyncLosesChunksAsMisses) {
 }
 
 TEST(FileTierFaultTest, PowerLossWithoutDataSyncIsCaughtByChecksums) {
-  testing::TempDir dir;
-  FaultInjectionEnv env(Env::Default(), FaultInjectionOptions{});
+  testing::StorageDir dir;
+  EnvForPath base;
+  ASSERT_NE(BaseEnv(dir, &base), nullptr);
+  FaultInjectionEnv env(base.env, FaultInjectionOptions{});
   WriteThenCrash(dir.path(), &env, false, true, 6);
   AfterCrash r = ReadBack(dir.path(), 6);
   EXPECT_EQ(r.hits, 0);
