@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -371,8 +372,13 @@ class Connection {
       }
       if (!items.empty() && !stop && nfs_ == nullptr && Clock::now() >= next_reconnect_) {
         Status s = Mount();
-        if (!s.ok()) {
-          next_reconnect_ = Clock::now() + std::chrono::seconds(1);
+        if (s.ok()) {
+          reconnect_backoff_ = kMinReconnectBackoff;
+        } else {
+          // Calls fail at once until the next attempt: 50 ms after the first failure, doubling
+          // up to a second while the server stays away.
+          next_reconnect_ = Clock::now() + reconnect_backoff_;
+          reconnect_backoff_ = std::min(2 * reconnect_backoff_, kMaxReconnectBackoff);
           spdlog::warn("{}", s.ToString());
         }
       }
@@ -390,7 +396,8 @@ class Connection {
         [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof v);
       }
       if (nfs_ != nullptr && nfs_service(nfs_, n > 0 ? fds[1].revents : 0) < 0) {
-        Break(nfs_get_error(nfs_));
+        // libnfs's last error text may belong to an earlier call; the socket is what failed.
+        Break("the server closed the connection or the socket failed");
       }
     }
   }
@@ -410,7 +417,9 @@ class Connection {
   nfs_context* nfs_ = nullptr;
   std::unordered_set<Pending*> in_flight_;
   std::vector<Pending*> orphans_;
+  static constexpr std::chrono::milliseconds kMinReconnectBackoff{50}, kMaxReconnectBackoff{1000};
   Clock::time_point next_reconnect_{};
+  std::chrono::milliseconds reconnect_backoff_ = kMinReconnectBackoff;
 };
 
 class NfsEnv final : public Env {

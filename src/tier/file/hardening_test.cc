@@ -271,7 +271,9 @@ TEST(FileTierHardeningTest, WriteFailuresAreCountedOnceByReason) {
     FileTierStats after = tier->Stats();
     EXPECT_EQ(after.errors, before.errors + 1) << s.ToString();
     EXPECT_EQ(after.rejections, before.rejections);
-    if (c.counter) EXPECT_EQ(after.*c.counter, before.*c.counter + 1) << s.ToString();
+    if (c.counter) {
+      EXPECT_EQ(after.*c.counter, before.*c.counter + 1) << s.ToString();
+    }
     EXPECT_FALSE(tier->Contains(TestKey(key)));
     ++key;
   }
