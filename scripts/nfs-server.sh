@@ -1,0 +1,397 @@
+#!/usr/bin/env bash
+# A real NFS server on loopback for tests and benchmarks: nfs-ganesha (VFS FSAL) exporting
+# STATE_DIR/export as nfs://127.0.0.1/export, NFSv3 (and v4) over TCP on 127.0.0.1:2049, mountd
+# on 20048. Clients are libnfs (nfs-ls, nfs-cp, nfs-cat, or kvtier's NFS backend); nothing is
+# mounted in the kernel.
+#
+#   scripts/nfs-server.sh start   [STATE_DIR]   # start (or find already running); prints the URL
+#   scripts/nfs-server.sh stop    [STATE_DIR]   # SIGTERM, wait up to 10 s, then SIGKILL
+#   scripts/nfs-server.sh restart [STATE_DIR]   # stop then start; the export's files are kept
+#   scripts/nfs-server.sh kill    [STATE_DIR]   # SIGKILL ganesha only (a server crash)
+#   scripts/nfs-server.sh status  [STATE_DIR]   # exit 0 if up and answering
+#   scripts/nfs-server.sh env     [STATE_DIR]   # shell lines exporting KVTIER_TEST_NFS_*
+#
+# STATE_DIR (default /tmp/kvtier-nfs) holds export/ (the exported files, kept across stops and
+# starts), recov/ (NFSv4 recovery state), ganesha.conf, ganesha.log, ganesha.pid and, when this
+# script had to start it, rpcbind.pid. Needs root (ganesha's VFS FSAL uses open_by_handle_at);
+# installs nfs-ganesha, nfs-ganesha-vfs, rpcbind and libnfs from Debian's archive when missing.
+#
+# Only processes this script started are ever signalled, by the PIDs it recorded, and only after
+# checking /proc/PID/cmdline still names that program (and, for ganesha, this STATE_DIR's config):
+# a recycled PID or somebody else's server is left alone.
+set -euo pipefail
+
+readonly URL=nfs://127.0.0.1/export
+readonly READY_TIMEOUT_S=20
+readonly STOP_TIMEOUT_S=10
+readonly PACKAGES=(nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-dev libnfs-utils)
+
+usage() {
+  cat <<EOF
+Usage: $(basename "$0") COMMAND [STATE_DIR]
+
+Runs nfs-ganesha (VFS FSAL, NFSv3 over TCP) on 127.0.0.1, exporting STATE_DIR/export as
+$URL, for kvtier's tests and benchmarks. STATE_DIR defaults to /tmp/kvtier-nfs.
+
+Commands:
+  start    start rpcbind (if not running) and ganesha; wait until the export answers.
+           Exits 0 at once if this STATE_DIR's server is already up; fails if another
+           NFS server already answers on 127.0.0.1:2049.
+  stop     SIGTERM ganesha (and rpcbind if this script started it), SIGKILL after
+           ${STOP_TIMEOUT_S} s. Exits 0 when nothing was running.
+  restart  stop, then start; the files in STATE_DIR/export are kept.
+  kill     SIGKILL ganesha only, as in a server crash; rpcbind is left running.
+  status   exit 0 if this STATE_DIR's server is running and answering, 1 otherwise.
+  env      print shell lines that export KVTIER_TEST_NFS_URL and KVTIER_TEST_NFS_EXPORT_DIR:
+             eval "\$($(basename "$0") env)"
+  -h, --help  this text.
+
+start, stop, restart and kill need root. start installs the Debian packages it needs
+when missing: ${PACKAGES[*]}.
+EOF
+}
+
+die() { echo "nfs-server: $*" >&2; exit 1; }
+
+now() { echo "${EPOCHREALTIME/,/.}"; }
+
+# --- processes -----------------------------------------------------------------------------
+
+# True if PID is alive (not a zombie) and its command line contains every further argument.
+pid_is() {
+  local pid=$1; shift
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  local stat cmd
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  # Field 3, after the parenthesised command name (which may itself contain spaces).
+  [[ ${stat##*) } == Z* ]] && return 1
+  cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || return 1
+  local want
+  for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
+}
+
+# The PID of this STATE_DIR's ganesha, or nothing.
+our_ganesha() {
+  local pid
+  pid=$(cat "$state/ganesha.pid" 2>/dev/null) || return 0
+  if pid_is "$pid" ganesha.nfsd -f "$state/ganesha.conf"; then echo "$pid"; fi
+}
+
+# The PID of the rpcbind this script started for this STATE_DIR, or nothing.
+our_rpcbind() {
+  local pid
+  pid=$(cat "$state/rpcbind.pid" 2>/dev/null) || return 0
+  if pid_is "$pid" rpcbind -f; then echo "$pid"; fi
+}
+
+# True if any ganesha.nfsd process is alive (zombies, which an init that does not reap leaves
+# behind, do not count). Only looks; never signals it.
+other_ganesha_alive() {
+  local p
+  for p in $(pgrep -x ganesha.nfsd 2>/dev/null); do
+    if pid_is "$p"; then return 0; fi
+  done
+  return 1
+}
+
+# Runs "$@" in the background in a session of its own, with stdin from /dev/null, stdout and
+# stderr appended to LOG and no other file descriptor of ours (a test that calls this script
+# must not find its pipes or sockets held open by the server). Sets launched_pid. In a shell
+# without job control the background child is not a process-group leader, so setsid execs in
+# place: the PID is the server's own.
+launch() {
+  local log=$1; shift
+  (
+    local fd
+    for fd in /proc/self/fd/*; do
+      fd=${fd##*/}
+      if ((fd > 2)); then exec {fd}>&- 2>/dev/null || true; fi
+    done
+    exec setsid "$@" </dev/null >>"$log" 2>&1
+  ) &
+  launched_pid=$!
+}
+
+answering() { timeout 5 nfs-ls "$URL" >/dev/null 2>&1; }
+
+# Sends SIG to PID, if it is still the program named by the rest, and waits up to SECS for it.
+# Returns 1 if it is still there.
+signal_and_wait() {
+  local sig=$1 secs=$2 pid=$3; shift 3
+  pid_is "$pid" "$@" || return 0
+  kill "-$sig" "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + secs))
+  while pid_is "$pid" "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.1
+  done
+}
+
+terminate() {  # PID NAME MATCH...
+  local pid=$1 name=$2; shift 2
+  local t0; t0=$(now)
+  if ! signal_and_wait TERM "$STOP_TIMEOUT_S" "$pid" "$@"; then
+    echo "$name (pid $pid) still running ${STOP_TIMEOUT_S} s after SIGTERM; sending SIGKILL"
+    signal_and_wait KILL 5 "$pid" "$@" || die "$name (pid $pid) survived SIGKILL"
+  fi
+  echo "stopped $name (pid $pid) in $(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}') s"
+}
+
+# --- setup ---------------------------------------------------------------------------------
+
+need_root() {
+  [ "$(id -u)" = 0 ] ||
+    die "'$cmd' must run as root (ganesha's VFS FSAL needs it); try: sudo $0 $cmd"
+}
+
+install_packages() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # Installing nfs-ganesha on a machine with an init system starts the packaged service, which
+  # would take port 2049 on every address with /etc/ganesha/ganesha.conf. Forbid service starts
+  # for the install, unless the machine already has a policy (containers usually do).
+  local policy=/usr/sbin/policy-rc.d made_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+  fi
+  local rc=0
+  apt-get install -y -qq "${missing[@]}" || {
+    apt-get update -qq && apt-get install -y -qq "${missing[@]}"
+  } || rc=$?
+  [ "$made_policy" = 1 ] && rm -f "$policy"
+  [ "$rc" = 0 ] || die "could not install ${missing[*]}"
+}
+
+write_config() {
+  cat > "$state/ganesha.conf" <<EOF
+# Written by scripts/nfs-server.sh; rewritten on every start.
+NFS_CORE_PARAM {
+  Bind_addr = 127.0.0.1;
+  NFS_Port = 2049;
+  MNT_Port = 20048;
+  Protocols = 3, 4;
+  Enable_UDP = false;
+  Enable_NLM = false;
+  Enable_RQUOTA = false;
+  # NFSv3 clients mount the Pseudo path (/export), as NFSv4 clients do, not the local Path.
+  mount_path_pseudo = true;
+}
+MDCACHE {
+  # ganesha keeps a file's descriptor open while it is cached, and reaps descriptors only above
+  # this share of its limit: a file deleted in the export directory (not through NFS) would hold
+  # its disk space until ganesha exits. Reap idle descriptors on every LRU pass instead.
+  FD_LWMark_Percent = 0;
+  LRU_Run_Interval = 5;
+}
+NFS_KRB5 {
+  Active_krb5 = false;
+}
+NFSv4 {
+  # Without it every start opens a 90 s grace period in which opens block.
+  Graceless = true;
+  RecoveryRoot = "$state/recov";
+  Only_Numeric_Owners = true;
+}
+EXPORT {
+  Export_Id = 1;
+  Path = "$state/export";
+  Pseudo = /export;
+  Protocols = 3, 4;
+  Transports = TCP;
+  Access_Type = RW;
+  Squash = No_Root_Squash;
+  SecType = sys;
+  # Revalidate attributes and names on every access instead of trusting the 60 s cache: tests
+  # change, truncate and delete files in the export directory directly, behind ganesha's back.
+  Attr_Expiration_Time = 0;
+  FSAL {
+    Name = VFS;
+  }
+}
+EOF
+}
+
+start_rpcbind() {
+  if rpcinfo -p 127.0.0.1 >/dev/null 2>&1; then
+    [ -n "$(our_rpcbind)" ] || rm -f "$state/rpcbind.pid"
+    return 0
+  fi
+  # Not `-h 127.0.0.1`: Debian 12's rpcbind aborts with a double free on it.
+  launch "$state/rpcbind.log" rpcbind -f
+  local pid=$launched_pid
+  echo "$pid" > "$state/rpcbind.pid"
+  rpcbind_started_now=$pid
+  local deadline=$((SECONDS + 5))
+  until rpcinfo -p 127.0.0.1 >/dev/null 2>&1; do
+    pid_is "$pid" rpcbind || die "rpcbind exited at start; see $state/rpcbind.log"
+    ((SECONDS < deadline)) || die "rpcbind (pid $pid) not answering after 5 s"
+    sleep 0.05
+  done
+  echo "started rpcbind (pid $pid)"
+}
+
+# A start that fails does not leave behind the rpcbind it started.
+rpcbind_started_now=""
+undo_failed_start() {
+  local rc=$?
+  if [ "$rc" != 0 ] && [ -n "$rpcbind_started_now" ]; then
+    terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
+    rm -f "$state/rpcbind.pid"
+  fi
+}
+
+# --- commands ------------------------------------------------------------------------------
+
+do_start() {
+  install_packages
+  mkdir -p "$state/export" "$state/recov"
+  chmod 1777 "$state/export"  # non-root test processes may create files in it too
+
+  local pid
+  pid=$(our_ganesha)
+  if [ -n "$pid" ]; then
+    local deadline=$((SECONDS + READY_TIMEOUT_S))
+    until answering; do
+      ((SECONDS < deadline)) || die "ganesha (pid $pid) from $state is running but not answering" \
+        "at $URL; see $state/ganesha.log, or try: $0 restart $state"
+      sleep 0.2
+    done
+    echo "NFS already up: $URL -> $state/export (ganesha pid $pid)"
+    return 0
+  fi
+  if answering; then
+    echo "nfs-server: $URL is already served by another NFS server, not one started" \
+         "from $state:" >&2
+    ss -ltnp 'sport = :2049' 2>/dev/null | tail -n +2 >&2 || true
+    exit 1
+  fi
+
+  start_rpcbind
+  write_config
+  rm -f "$state/ganesha.pid"
+  local log=$state/ganesha.log log_offset t0
+  log_offset=$(( $(stat -c %s "$log" 2>/dev/null || echo 0) + 1 ))
+  t0=$(now)
+  launch "$state/ganesha.stdout" \
+    ganesha.nfsd -F -L "$log" -f "$state/ganesha.conf" -p "$state/ganesha.pid"
+  pid=$launched_pid
+  local deadline=$((SECONDS + READY_TIMEOUT_S))
+  until answering; do
+    if ! pid_is "$pid" ganesha.nfsd; then
+      echo "nfs-server: ganesha exited at start; from $log:" >&2
+      local lines
+      lines=$(tail -c "+$log_offset" "$log" 2>/dev/null | grep -E ':(FATAL|MAJ) ' || true)
+      [ -n "$lines" ] || lines=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
+      echo "$lines" >&2
+      tail -n 5 "$state/ganesha.stdout" >&2 2>/dev/null || true
+      exit 1
+    fi
+    if ((SECONDS >= deadline)); then
+      echo "nfs-server: ganesha (pid $pid) not answering at $URL after ${READY_TIMEOUT_S} s;" \
+           "stopping it. From $log:" >&2
+      tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20 >&2
+      terminate "$pid" ganesha.nfsd ganesha.nfsd -f "$state/ganesha.conf" >&2
+      exit 1
+    fi
+    sleep 0.05
+  done
+  # ganesha's own pid file is the record stop/kill/status trust; write it if ganesha has not.
+  [ -s "$state/ganesha.pid" ] || echo "$pid" > "$state/ganesha.pid"
+  echo "NFS up: $URL -> $state/export (ganesha pid $pid," \
+       "ready in $(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}') s)"
+}
+
+do_stop() {
+  local pid stopped=0
+  pid=$(our_ganesha)
+  if [ -n "$pid" ]; then
+    terminate "$pid" ganesha.nfsd ganesha.nfsd -f "$state/ganesha.conf"
+    stopped=1
+  fi
+  rm -f "$state/ganesha.pid"
+  pid=$(our_rpcbind)
+  if [ -n "$pid" ]; then
+    # Another ganesha (another STATE_DIR's, or not ours) may still be registered with this
+    # rpcbind; stopping it would break that server's mounts, so leave it to the last one.
+    if other_ganesha_alive; then
+      echo "leaving rpcbind (pid $pid) running: another ganesha.nfsd still uses it"
+    else
+      terminate "$pid" rpcbind rpcbind -f
+      rm -f "$state/rpcbind.pid"
+      stopped=1
+    fi
+  else
+    rm -f "$state/rpcbind.pid"
+  fi
+  [ "$stopped" = 1 ] || echo "nothing running from $state"
+}
+
+do_kill() {
+  local pid
+  pid=$(our_ganesha)
+  [ -n "$pid" ] || { echo "no ganesha running from $state"; return 0; }
+  signal_and_wait KILL 5 "$pid" ganesha.nfsd -f "$state/ganesha.conf" ||
+    die "ganesha (pid $pid) survived SIGKILL"
+  echo "killed ganesha (pid $pid) with SIGKILL"
+}
+
+do_status() {
+  local pid
+  pid=$(our_ganesha)
+  if [ -z "$pid" ]; then
+    if answering; then
+      echo "not running from $state ($URL is served by another NFS server)"
+    else
+      echo "not running from $state"
+    fi
+    return 1
+  fi
+  if answering; then
+    echo "up: $URL -> $state/export (ganesha pid $pid)"
+  else
+    echo "ganesha (pid $pid) running from $state but not answering at $URL"
+    return 1
+  fi
+}
+
+do_env() {
+  echo "export KVTIER_TEST_NFS_URL=$URL"
+  echo "export KVTIER_TEST_NFS_EXPORT_DIR=$state/export"
+}
+
+# --- main ----------------------------------------------------------------------------------
+
+cmd=${1:-}
+case "$cmd" in
+  -h|--help|help) usage; exit 0 ;;
+  start|stop|restart|kill|status|env) ;;
+  "") usage >&2; exit 2 ;;
+  *) echo "nfs-server: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
+esac
+[ $# -le 2 ] || { usage >&2; exit 2; }
+state=$(realpath -m "${2:-/tmp/kvtier-nfs}")
+[[ $state != *[[:space:]\"]* ]] || die "STATE_DIR must not contain spaces or quotes: '$state'"
+
+case "$cmd" in
+  env) do_env; exit 0 ;;
+  status) do_status; exit $? ;;
+esac
+
+need_root
+# One start/stop/kill at a time per STATE_DIR. The servers started below do not inherit fd 9,
+# so they do not hold this lock after the script exits.
+mkdir -p "$state"
+exec 9>"$state/.lock"
+flock -w 60 9 || die "another nfs-server.sh is still working on $state"
+
+case "$cmd" in
+  start) trap undo_failed_start EXIT; do_start ;;
+  stop) do_stop ;;
+  restart) do_stop; trap undo_failed_start EXIT; do_start ;;
+  kill) do_kill ;;
+esac
