@@ -9,6 +9,8 @@ packages=(
   libssl-dev                        # SHA-256 for chunk keys
   libxxhash-dev                     # payload checksums
   liburing-dev                      # io_uring I/O engine
+  libnfs-dev libnfs-utils           # the NFS client of nfs:// directories (and nfs-cp)
+  nfs-ganesha nfs-ganesha-vfs rpcbind  # a real NFS server on loopback for the tests
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcurl4-openssl-dev libcpp-httplib-dev prometheus-cpp-dev

@@ -3,6 +3,7 @@
 # and in an AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA data path
 # where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh),
 # crash-tests the server (kvtier stress), runs the concurrent parts under ThreadSanitizer,
+# runs the file tier's suites against a real NFS server on loopback (nfs://, user space),
 # fuzzes the server's protocol decoders, and runs the Python package's tests and the vLLM
 # connector's tests against real vLLM (its CPU build, installed into $VLLM_VENV).
 set -euo pipefail
@@ -22,14 +23,32 @@ run_tests() {  # run_tests <dir>
   ctest --test-dir "build/$1" --output-on-failure -j"$jobs" --timeout 900
 }
 
+# A real NFS server on loopback (nfs-ganesha, NFSv3) for the nfs:// tests of every build below;
+# KVTIER_REQUIRE_NFS=1 turns "no server" from a skip into a failure. Stopped on exit.
+stage "NFS server on loopback"
+nfs_state=$(mktemp -d /tmp/kvtier-test-nfs.XXXXXX)
+trap './scripts/nfs-server.sh stop "$nfs_state" >/dev/null 2>&1 || true; rm -rf "$nfs_state"' EXIT
+./scripts/nfs-server.sh start "$nfs_state"
+eval "$(./scripts/nfs-server.sh env "$nfs_state")"
+export KVTIER_REQUIRE_NFS=1
+
 stage "Release build and tests"
-build release -DCMAKE_BUILD_TYPE=Release
+build release -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_NFS=ON
 run_tests release
+
+stage "The file tier's suites again on nfs:// (the loopback server), and bench tier over NFS"
+# The same test binaries with their directories inside the export, reached through nfs://
+# (docs/file-format.md, "On NFS"): every test of the tier, the crash test and the fault tests.
+for t in file_tier_test crash_test fault_injection_test; do
+  KVTIER_TEST_STORAGE=nfs "./build/release/src/tier/file/$t" --gtest_brief=1
+done
+./build/release/kvtier bench tier --dir "$KVTIER_TEST_NFS_URL/bench-tier" --chunk-mib 4 \
+  --chunks 8 --repeats 2 --readers 2 --writers 2
 
 stage "ASan+UBSan build and tests"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON
+build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON -DKVTIER_WITH_NFS=ON
 run_tests asan
 
 stage "Stress and crash test: kvtier serve with a file tier, SIGKILLs, faults, 75 s"
@@ -41,7 +60,7 @@ stage "ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, ser
 # Only the components that run threads (and their tests), to keep the stage short; the server's
 # tests start the `kvtier` binary, which this build lacks, so the server runs under TSan in
 # kvtier_stress (every server it starts is in-process).
-build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON \
+build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON -DKVTIER_WITH_NFS=ON \
   -DKVTIER_COMPONENTS="common;testing;io;tier/memory;tier/file;engine;server;testing/stress"
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan-suppressions.txt"
 run_tests tsan
