@@ -185,9 +185,9 @@ Result<std::string> FindExport(const NfsUrl& url, int timeout_ms) {
     // is there, this prefix is not exported to us. Anything else: the server is not there.
     if (nfs.status().message().find("MNT3ERR") == std::string::npos) return nfs.status();
     if (candidate == "/") {
-      return Status::NotFound(fmt::format(
-          "the NFS server {} exports no prefix of {} to this client (last answer: {})", url.server,
-          url.path, nfs.status().message()));
+      return Status::NotFound(
+          fmt::format("the NFS server {} exports no prefix of {} to this client (last answer: {})",
+                      url.server, url.path, nfs.status().message()));
     }
     size_t cut = candidate.rfind('/');
     candidate = cut == 0 ? "/" : candidate.substr(0, cut);
@@ -577,8 +577,10 @@ class NfsEnv final : public Env {
 
 class NfsFile final : public File {
  public:
-  NfsFile(NfsEnv* env, Connection* conn, std::string path, nfsfh* fh, uint64_t size)
-      : env_(env), conn_(conn), path_(std::move(path)), fh_(fh), size_(size) {}
+  // `size`: from the open, and what Size() answers for a file opened read-only (chunk files never
+  // change once published; a writable one is asked again).
+  NfsFile(NfsEnv* env, Connection* conn, std::string path, nfsfh* fh, uint64_t size, bool writable)
+      : env_(env), conn_(conn), path_(std::move(path)), fh_(fh), size_(size), writable_(writable) {}
   ~NfsFile() override {
     // Closing frees libnfs's handle, on the service thread; nobody waits for it (NFSv3 has no
     // open state on the server). Should the connection be down just then, the handle leaks.
@@ -600,6 +602,7 @@ class NfsFile final : public File {
     return Status::Ok();
   }
   Result<uint64_t> Size() override {
+    if (!writable_) return size_;
     nfsfh* fh = fh_;
     uint64_t size = 0;
     Completion c = conn_->Call(
@@ -614,7 +617,8 @@ class NfsFile final : public File {
   Connection* const conn_;
   const std::string path_;
   nfsfh* const fh_;
-  [[maybe_unused]] uint64_t size_;
+  const uint64_t size_;
+  const bool writable_;
 };
 
 Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOptions& options) {
@@ -645,7 +649,7 @@ Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOp
   Completion st = conn.Call(
       [&](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fstat64_async(nfs, fh, cb, p); },
       [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); });
-  auto file = std::make_unique<NfsFile>(this, &conn, path, fh, info.size);
+  auto file = std::make_unique<NfsFile>(this, &conn, path, fh, info.size, options.write);
   if (st.status < 0) return NfsError(st.status, "stat " + path, st.error);
   if (!info.is_regular) {
     return Status::InvalidArgument(fmt::format("{} is not a regular file", path));
@@ -662,7 +666,9 @@ struct Transfer {
   size_t next = 0;  // service thread only
   std::mutex mu;
   std::condition_variable cv;
-  size_t remaining;  // guarded by mu
+  size_t remaining;            // guarded by mu
+  std::vector<char> finished;  // per piece, guarded by mu
+  bool notify_each = false;    // wake the submitter at every completion (it reports progress)
 
   void StartPiece(size_t i, bool from_service_thread) {
     io::IoPiece* piece = &pieces[i];
@@ -681,7 +687,8 @@ struct Transfer {
       }
       if (next < pieces.size()) StartPiece(next++, true);
       std::lock_guard lock(mu);
-      if (--remaining == 0) cv.notify_one();
+      finished[static_cast<size_t>(piece - pieces.data())] = 1;
+      if (--remaining == 0 || notify_each) cv.notify_one();
     };
     if (from_service_thread) {
       conn->StartNow(start, std::move(done));
@@ -710,14 +717,37 @@ Status NfsFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
   t.is_read = read;
   t.pieces = io::SplitOps(ops, rmax, wmax);
   t.remaining = t.pieces.size();
+  t.finished.assign(t.pieces.size(), 0);
+  t.notify_each = observer != nullptr;
   t.window = std::min<size_t>(t.pieces.size(), static_cast<size_t>(o.requests_in_flight));
   // The first window is posted from here; `next` is touched only by the service thread after
   // these posts, and the posts happen-before their callbacks (through the connection's queue).
   t.next = t.window;
   for (size_t i = 0; i < t.window; ++i) t.StartPiece(i, false);
   if (observer != nullptr) observer->Submitted();
+  // Tell the observer as each op's leading bytes arrive, so its work on them (the file tier's
+  // checksum) overlaps the transfer of the rest. Pieces are in op order, each op's in offset order.
+  size_t cursor = 0;    // first piece not reported yet
+  uint64_t prefix = 0;  // bytes of pieces[cursor].op reported so far
   std::unique_lock lock(t.mu);
-  t.cv.wait(lock, [&] { return t.remaining == 0; });
+  while (t.remaining > 0) {
+    t.cv.wait(lock);
+    if (observer == nullptr) continue;
+    std::vector<std::pair<size_t, uint64_t>> report;
+    for (; cursor < t.pieces.size() && t.finished[cursor]; ++cursor) {
+      const io::IoPiece& p = t.pieces[cursor];
+      if (cursor > 0 && t.pieces[cursor - 1].op != p.op) prefix = 0;
+      if (p.result != static_cast<int64_t>(p.len)) {  // short or failed: no more for this op
+        while (cursor + 1 < t.pieces.size() && t.pieces[cursor + 1].op == p.op) ++cursor;
+        continue;
+      }
+      prefix += p.len;
+      report.emplace_back(p.op, prefix);
+    }
+    lock.unlock();
+    for (auto [op, bytes] : report) observer->Progress(op, bytes);
+    lock.lock();
+  }
   lock.unlock();
   io::GatherResults(ops, t.pieces);
   return Status::Ok();
@@ -747,17 +777,77 @@ NfsRawClient::~NfsRawClient() {
   if (nfs_ != nullptr) nfs_destroy_context(nfs_);
 }
 
+namespace {
+
+// Moves a whole buffer in requests of at most `piece` bytes, every one of them in flight at
+// once on this one connection, driving the context's event loop until all have answered: libnfs
+// at its best, with no reassembly buffer (its synchronous whole-buffer calls allocate and copy
+// one). The reference the NFS env is measured against.
+Status AllInFlight(nfs_context* nfs, nfsfh* fh, uint8_t* buf, size_t size, bool read,
+                   const std::string& what) {
+  struct Piece;
+  struct State {
+    int pending = 0;
+    int error = 0;
+    std::string text;
+  } state;
+  struct Piece {
+    State* state;
+    uint8_t* dst;
+    size_t len;
+  };
+  const size_t piece =
+      std::max<uint64_t>(4096, read ? nfs_get_readmax(nfs) : nfs_get_writemax(nfs));
+  auto cb = [](int status, nfs_context* ctx, void* data, void* private_data) {
+    auto* p = static_cast<Piece*>(private_data);
+    State* st = p->state;
+    --st->pending;
+    if (status < 0 || static_cast<size_t>(status) < p->len) {
+      if (st->error == 0) {
+        st->error = status < 0 ? status : -EIO;
+        st->text = status < 0 ? nfs_get_error(ctx) : "short transfer";
+      }
+    } else if (data != nullptr && p->dst != nullptr) {
+      std::memcpy(p->dst, data, p->len);  // a read: libnfs hands over its receive buffer
+    }
+    delete p;
+  };
+  for (size_t off = 0; off < size && state.error == 0; off += piece) {
+    size_t len = std::min(piece, size - off);
+    auto* p = new Piece{&state, read ? buf + off : nullptr, len};
+    int rc = read ? nfs_pread_async(nfs, fh, off, len, cb, p)
+                  : nfs_pwrite_async(nfs, fh, off, len, buf + off, cb, p);
+    if (rc != 0) {
+      delete p;
+      state.error = -EIO;
+      state.text = nfs_get_error(nfs);
+      break;
+    }
+    ++state.pending;
+  }
+  while (state.pending > 0) {
+    pollfd pfd{nfs_get_fd(nfs), static_cast<short>(nfs_which_events(nfs)), 0};
+    int n = ::poll(&pfd, 1, 100);
+    if (nfs_service(nfs, n > 0 ? pfd.revents : 0) < 0) {
+      // The connection is gone; the pieces still out are never answered (and leak).
+      return Status::IOError(
+          fmt::format("{}: the connection failed ({})", what, nfs_get_error(nfs)));
+    }
+  }
+  if (state.error != 0) return NfsError(state.error, what, state.text);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status NfsRawClient::WriteFile(const std::string& url, std::span<const uint8_t> data) {
   KVTIER_ASSIGN_OR_RETURN(std::string rel, RelativeTo(prefix_, url));
   nfsfh* fh = nullptr;
   int rc = nfs_create(nfs_, rel.c_str(), O_RDWR | O_TRUNC, 0644, &fh);
   if (rc < 0) return NfsError(rc, "create " + url, nfs_get_error(nfs_));
-  rc = nfs_pwrite(nfs_, fh, 0, data.size(), data.data());
-  Status s;
-  if (rc < 0 || static_cast<size_t>(rc) != data.size()) {
-    s = rc < 0 ? NfsError(rc, "write " + url, nfs_get_error(nfs_))
-               : Status::IOError(fmt::format("write {}: {} of {} bytes", url, rc, data.size()));
-  } else if ((rc = nfs_fsync(nfs_, fh)) < 0) {
+  Status s =
+      AllInFlight(nfs_, fh, const_cast<uint8_t*>(data.data()), data.size(), false, "write " + url);
+  if (s.ok() && (rc = nfs_fsync(nfs_, fh)) < 0) {
     s = NfsError(rc, "commit " + url, nfs_get_error(nfs_));
   }
   nfs_close(nfs_, fh);
@@ -769,13 +859,7 @@ Status NfsRawClient::ReadFile(const std::string& url, std::span<uint8_t> out) {
   nfsfh* fh = nullptr;
   int rc = nfs_open(nfs_, rel.c_str(), O_RDONLY, &fh);
   if (rc < 0) return NfsError(rc, "open " + url, nfs_get_error(nfs_));
-  rc = nfs_pread(nfs_, fh, 0, out.size(), out.data());
-  Status s;
-  if (rc < 0) {
-    s = NfsError(rc, "read " + url, nfs_get_error(nfs_));
-  } else if (static_cast<size_t>(rc) != out.size()) {
-    s = Status::Corruption(fmt::format("{} is short: {} of {} bytes", url, rc, out.size()));
-  }
+  Status s = AllInFlight(nfs_, fh, out.data(), out.size(), true, "read " + url);
   nfs_close(nfs_, fh);
   return s;
 }

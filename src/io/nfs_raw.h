@@ -1,7 +1,7 @@
-// Internal: libnfs's own synchronous calls on one connection, the reference that benchmarks
-// compare the NFS env with. A whole buffer per call: libnfs splits it into rsize/wsize requests
-// and sends them all at once, as its `nfs-cp` does. One client = one TCP connection; use one per
-// thread.
+// Internal: plain libnfs on one connection, the reference that benchmarks compare the NFS env
+// with. A whole file per call, split into requests of the server's rsize/wsize that are all in
+// flight at once, landing straight in the caller's buffer (libnfs's own whole-buffer calls would
+// add a reassembly buffer and a copy). One client = one TCP connection; use one per thread.
 #pragma once
 
 #include <memory>
@@ -22,9 +22,9 @@ class NfsRawClient {
   NfsRawClient(const NfsRawClient&) = delete;
   NfsRawClient& operator=(const NfsRawClient&) = delete;
 
-  // Creates or truncates the file at `url`, writes `data` in one call, COMMITs, closes.
+  // Creates or truncates the file at `url`, writes `data`, COMMITs, closes.
   Status WriteFile(const std::string& url, std::span<const uint8_t> data);
-  // Reads out.size() bytes from the start of the file in one call; a short file is kCorruption.
+  // Reads out.size() bytes from the start of the file; a short file is an error.
   Status ReadFile(const std::string& url, std::span<uint8_t> out);
   Status Unlink(const std::string& url);
 
