@@ -331,7 +331,9 @@ class Connection {
     auto* p = new Pending{this, std::move(done)};
     in_flight_.insert(p);
     if (start(nfs_, &Callback, p) != 0) {
-      in_flight_.erase(p);
+      // Some libnfs calls run the callback before failing to queue (out of memory): then `p` is
+      // already gone, and so is its entry.
+      if (in_flight_.erase(p) == 0) return;
       std::string error = nfs_get_error(nfs_);
       Done d = std::move(p->done);
       delete p;
