@@ -22,7 +22,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "io/io_engine.h"
 #include "io/nfs_raw.h"
@@ -288,6 +288,7 @@ class Connection {
   // A call in flight: the callback's private data.
   struct Pending {
     Connection* connection;
+    uint64_t id;
     Done done;
     bool orphaned = false;  // already failed by us (the context broke); ignore libnfs's answer
   };
@@ -316,7 +317,7 @@ class Connection {
     auto* p = static_cast<Pending*>(private_data);
     if (p->orphaned) return;
     Connection* c = p->connection;
-    c->in_flight_.erase(p);
+    c->in_flight_.erase(p->id);
     Done done = std::move(p->done);
     delete p;
     done(status, nfs, data);
@@ -328,12 +329,13 @@ class Connection {
       done(-ENOTCONN, nullptr, const_cast<char*>(kDown));
       return;
     }
-    auto* p = new Pending{this, std::move(done)};
-    in_flight_.insert(p);
+    const uint64_t id = next_id_++;
+    auto* p = new Pending{this, id, std::move(done)};
+    in_flight_.emplace(id, p);
     if (start(nfs_, &Callback, p) != 0) {
       // Some libnfs calls run the callback before failing to queue (out of memory): then `p` is
-      // already gone, and so is its entry.
-      if (in_flight_.erase(p) == 0) return;
+      // already gone, and so is its entry (looked up by id: its address may be reused already).
+      if (in_flight_.erase(id) == 0) return;
       std::string error = nfs_get_error(nfs_);
       Done d = std::move(p->done);
       delete p;
@@ -351,7 +353,8 @@ class Connection {
     // may start its next piece, which must fail at once rather than join the dying context.
     nfs_context* nfs = nfs_;
     nfs_ = nullptr;
-    std::vector<Pending*> failed(in_flight_.begin(), in_flight_.end());
+    std::vector<Pending*> failed;
+    for (auto& [id, p] : in_flight_) failed.push_back(p);
     in_flight_.clear();
     for (Pending* p : failed) {
       p->orphaned = true;
@@ -417,7 +420,8 @@ class Connection {
 
   // Service thread only:
   nfs_context* nfs_ = nullptr;
-  std::unordered_set<Pending*> in_flight_;
+  std::unordered_map<uint64_t, Pending*> in_flight_;
+  uint64_t next_id_ = 0;
   std::vector<Pending*> orphans_;
   static constexpr std::chrono::milliseconds kMinReconnectBackoff{50}, kMaxReconnectBackoff{1000};
   Clock::time_point next_reconnect_{};
