@@ -8,6 +8,7 @@
 #   scripts/nfs-server.sh stop    [STATE_DIR]   # SIGTERM, wait up to 10 s, then SIGKILL
 #   scripts/nfs-server.sh restart [STATE_DIR]   # stop then start; the export's files are kept
 #   scripts/nfs-server.sh kill    [STATE_DIR]   # SIGKILL ganesha only (a server crash)
+#   scripts/nfs-server.sh pause   [STATE_DIR]   # SIGSTOP ganesha (a hung server); resume: SIGCONT
 #   scripts/nfs-server.sh status  [STATE_DIR]   # exit 0 if up and answering
 #   scripts/nfs-server.sh env     [STATE_DIR]   # shell lines exporting KVTIER_TEST_NFS_*
 #
@@ -41,6 +42,8 @@ Commands:
            ${STOP_TIMEOUT_S} s. Exits 0 when nothing was running.
   restart  stop, then start; the files in STATE_DIR/export are kept.
   kill     SIGKILL ganesha only, as in a server crash; rpcbind is left running.
+  pause    SIGSTOP ganesha: a server that hangs, connections open, nothing answered.
+  resume   SIGCONT ganesha after pause.
   status   exit 0 if this STATE_DIR's server is running and answering, 1 otherwise.
   env      print shell lines that export KVTIER_TEST_NFS_URL and KVTIER_TEST_NFS_EXPORT_DIR:
              eval "\$($(basename "$0") env)"
@@ -359,6 +362,14 @@ do_status() {
   fi
 }
 
+do_signal() {  # SIGNAL WHAT: stop or continue our ganesha
+  local pid
+  pid=$(our_ganesha)
+  [ -n "$pid" ] || die "no ganesha running from $state"
+  kill -s "$1" "$pid"
+  echo "$2 ganesha (pid $pid)"
+}
+
 do_env() {
   echo "export KVTIER_TEST_NFS_URL=$URL"
   echo "export KVTIER_TEST_NFS_EXPORT_DIR=$state/export"
@@ -369,7 +380,7 @@ do_env() {
 cmd=${1:-}
 case "$cmd" in
   -h|--help|help) usage; exit 0 ;;
-  start|stop|restart|kill|status|env) ;;
+  start|stop|restart|kill|pause|resume|status|env) ;;
   "") usage >&2; exit 2 ;;
   *) echo "nfs-server: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
 esac
@@ -394,4 +405,6 @@ case "$cmd" in
   stop) do_stop ;;
   restart) do_stop; trap undo_failed_start EXIT; do_start ;;
   kill) do_kill ;;
+  pause) do_signal STOP paused ;;
+  resume) do_signal CONT resumed ;;
 esac

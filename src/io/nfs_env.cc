@@ -251,6 +251,19 @@ class Connection {
     Wake();
   }
 
+  // Thread-safe: frees libnfs's handle of a closed file. While the connection is down this waits
+  // for it to come back (a handle can only be freed through a context, and one with writes not
+  // yet committed sends a COMMIT first); at shutdown, one last reconnection is tried.
+  void PostClose(nfsfh* fh) {
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(
+          {[fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); },
+           [](int, nfs_context*, void*) {}, /*needs_connection=*/true});
+    }
+    Wake();
+  }
+
   // On the service thread only (from a Done): starts another call right away.
   void StartNow(const Start& start, Done done) { Issue(start, std::move(done)); }
 
@@ -284,6 +297,7 @@ class Connection {
   struct Item {
     Start start;
     Done done;
+    bool needs_connection = false;  // waits for a reconnection instead of failing
   };
   // A call in flight: the callback's private data.
   struct Pending {
@@ -375,7 +389,9 @@ class Connection {
         items.swap(queue_);
         stop = stop_;
       }
-      if (!items.empty() && !stop && nfs_ == nullptr && Clock::now() >= next_reconnect_) {
+      const bool work = !items.empty() || !deferred_.empty();
+      if (work && nfs_ == nullptr && (stop ? !last_try_ : Clock::now() >= next_reconnect_)) {
+        if (stop) last_try_ = true;  // shutting down: one attempt, for the deferred closes
         Status s = Mount();
         if (s.ok()) {
           reconnect_backoff_ = kMinReconnectBackoff;
@@ -387,8 +403,24 @@ class Connection {
           spdlog::warn("{}", s.ToString());
         }
       }
-      for (Item& item : items) Issue(item.start, std::move(item.done));
-      if (stop && in_flight_.empty()) return;
+      if (nfs_ != nullptr) {
+        for (Item& item : deferred_) items.push_front(std::move(item));
+        deferred_.clear();
+      }
+      for (Item& item : items) {
+        if (item.needs_connection && nfs_ == nullptr) {
+          deferred_.push_back(std::move(item));
+        } else {
+          Issue(item.start, std::move(item.done));
+        }
+      }
+      if (stop && in_flight_.empty()) {
+        if (!deferred_.empty()) {
+          spdlog::debug("nfs://{}{}: {} file handles not freed: the server is away", url_.server,
+                        export_, deferred_.size());
+        }
+        return;
+      }
 
       pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, 0, 0}};
       if (nfs_ != nullptr)
@@ -421,6 +453,8 @@ class Connection {
   // Service thread only:
   nfs_context* nfs_ = nullptr;
   std::unordered_map<uint64_t, Pending*> in_flight_;
+  std::deque<Item> deferred_;  // closes waiting for a connection
+  bool last_try_ = false;      // the reconnection attempt at shutdown was made
   uint64_t next_id_ = 0;
   std::vector<Pending*> orphans_;
   static constexpr std::chrono::milliseconds kMinReconnectBackoff{50}, kMaxReconnectBackoff{1000};
@@ -589,11 +623,8 @@ class NfsFile final : public File {
       : env_(env), conn_(conn), path_(std::move(path)), fh_(fh), size_(size), writable_(writable) {}
   ~NfsFile() override {
     // Closing frees libnfs's handle, on the service thread; nobody waits for it (NFSv3 has no
-    // open state on the server). Should the connection be down just then, the handle leaks.
-    nfsfh* fh = fh_;
-    conn_->Post(
-        [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); },
-        [](int, nfs_context*, void*) {});
+    // open state on the server).
+    conn_->PostClose(fh_);
   }
 
   const std::string& path() const override { return path_; }

@@ -354,6 +354,7 @@ class NfsServerControl {
       : script_(std::string(KVTIER_SOURCE_DIR) + "/scripts/nfs-server.sh"),
         state_(std::move(state_dir)) {}
   ~NfsServerControl() {
+    if (paused_) Resume();
     if (killed_) Start();
   }
   NfsServerControl(const NfsServerControl&) = delete;
@@ -377,6 +378,16 @@ class NfsServerControl {
     if (ok) killed_ = false;
     return ok;
   }
+  // SIGSTOP / SIGCONT: a server that hangs with its connections open.
+  bool Pause() {
+    paused_ = true;
+    return Run("pause") == 0;
+  }
+  bool Resume() {
+    bool ok = Run("resume") == 0;
+    if (ok) paused_ = false;
+    return ok;
+  }
 
  private:
   int Run(const std::string& command) const {
@@ -387,7 +398,7 @@ class NfsServerControl {
   }
 
   const std::string script_, state_;
-  bool killed_ = false;
+  bool killed_ = false, paused_ = false;
 };
 
 // Calls `fire` if not disarmed within `limit`: a hung operation becomes a test failure with a
@@ -456,6 +467,96 @@ struct Load {
     cv.notify_all();
   }
 };
+
+#ifdef KVTIER_NFS_TEST_ENGINE
+// A server that stops answering (SIGSTOP: its connections stay open, nothing comes back): an
+// engine's load from nfs:// ends at the load deadline, as a miss; once the server answers again,
+// loads hit again; nothing blocks past a bound.
+TEST(NfsFileTierTest, AHungServerCostsTheLoadDeadlineNotAHang) {
+  KVTIER_NFS_TEST_DIR(dir, "nfs-hung");
+  fs::path exported = std::getenv("KVTIER_TEST_NFS_EXPORT_DIR");
+  if (!exported.has_filename()) exported = exported.parent_path();
+  NfsServerControl server(exported.parent_path());
+  if (std::string why = server.WhyNot(); !why.empty()) {
+    if (testing::NfsRequired()) FAIL() << why;
+    GTEST_SKIP() << why;
+  }
+  Watchdog watchdog(std::chrono::seconds(120), [&] {
+    server.Resume();
+    ADD_FAILURE() << "the hung-server test ran past 120 s";
+    std::abort();
+  });
+  constexpr auto kDeadline = std::chrono::milliseconds(1000);
+  auto options = [&](WritePolicy policy) {
+    EngineOptions o;
+    o.ns = testing::TestNamespace();
+    o.chunk_bytes = kChunk;
+    o.memory.capacity_bytes = 4 * AlignUp(kChunk);
+    o.memory.prefault = false;
+    o.write_policy = policy;
+    o.worker_threads = 1;
+    o.load_deadline = kDeadline;
+    o.file = Options(dir->url());
+    o.file->stall_timeout = std::chrono::milliseconds(500);
+    return o;
+  };
+  constexpr size_t kChunks = 2;
+  std::vector<ChunkKey> keys;
+  std::vector<std::vector<uint8_t>> in(kChunks, std::vector<uint8_t>(kChunk)),
+      out(kChunks, std::vector<uint8_t>(kChunk));
+  for (size_t i = 0; i < kChunks; ++i) {
+    keys.push_back(TestKey(i));
+    FillChunk(keys[i], in[i]);
+  }
+  std::vector<std::span<const uint8_t>> src(in.begin(), in.end());
+  std::vector<std::span<uint8_t>> dst(out.begin(), out.end());
+  {
+    auto writer = Engine::Open(options(WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    auto stored = (*writer)->Store(keys, src);
+    ASSERT_TRUE(stored.ok());
+    ASSERT_TRUE(stored->Wait().status.ok());
+    ASSERT_TRUE((*writer)->Drain());
+  }
+  // A second engine, its L1 empty: its loads come from NFS. Opened (and mounted) before the hang.
+  auto reader = Engine::Open(options(WritePolicy::kNone));
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+
+  ASSERT_TRUE(server.Pause());
+  auto t0 = Clock::now();
+  auto loaded = (*reader)->Load(keys, dst);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  OpResult r = loaded->Wait();
+  auto took = Clock::now() - t0;
+  EXPECT_LT(r.chunks, kChunks) << "a load from a hung server cannot have found everything";
+  EXPECT_LT(took, kDeadline + std::chrono::seconds(2))
+      << "the load took " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+      << " ms against a " << kDeadline.count() << " ms deadline";
+  EXPECT_GT((*reader)->Stats().deadline_misses, 0u);
+  std::printf(
+      "hung server: the load ended after %lld ms with %zu of %zu chunks\n",
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+      r.chunks, kChunks);
+  ASSERT_TRUE(server.Resume());
+
+  // Answering again: the same load hits (the requests held by the stopped server are answered,
+  // or time out and are retried by a later load).
+  bool hit = false;
+  for (auto until = Clock::now() + std::chrono::seconds(60); !hit && Clock::now() < until;) {
+    for (auto& o : out) std::fill(o.begin(), o.end(), 0);
+    auto again = (*reader)->Load(keys, dst);
+    ASSERT_TRUE(again.ok());
+    OpResult a = again->Wait();
+    hit = a.status.ok() && a.chunks == kChunks;
+    if (!hit) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_TRUE(hit) << "no full hit within 60 s of the server answering again";
+  for (size_t i = 0; i < kChunks; ++i) EXPECT_TRUE(VerifyChunk(keys[i], out[i])) << i;
+  auto t1 = Clock::now();
+  reader->reset();  // shutting down does not hang either
+  EXPECT_LT(Clock::now() - t1, std::chrono::seconds(30));
+}
+#endif  // KVTIER_NFS_TEST_ENGINE
 
 TEST(NfsFileTierTest, ServerKilledAndRestartedMidRunCostsMissesNeverWrongBytesOrAHang) {
   KVTIER_NFS_TEST_DIR(dir, "nfs-restart");
