@@ -37,7 +37,7 @@ cleanup() {
   if [ "$started" = 1 ]; then ./scripts/nfs-server.sh stop "$state"; fi
 }
 trap cleanup EXIT
-mkdir -p "$scratch" "$local_dir"
+mkdir -p "$scratch/probe" "$local_dir"
 
 field() { python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(j$2)" "$1"; }
 
