@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <latch>
 #include <memory>
 #include <random>
@@ -223,41 +224,47 @@ Result<double> RunTimed(int threads, uint64_t buffer_size, Work work) {
   return seconds;
 }
 
-// Reads every file in `files` with `streams` threads, each on its own files: thread r reads
-// files r, r + streams, r + 2 x streams, ...
-Result<PhaseResult> ReadFiles(const std::vector<ProbeFile>& files, int streams, uint64_t file_size,
-                              uint64_t block_size, uint64_t nonce, bool direct,
-                              const std::atomic<bool>* stop, std::atomic<uint64_t>* verified) {
-  streams = std::max(1, std::min<int>(streams, static_cast<int>(files.size())));
-  auto seconds = RunTimed(streams, block_size, [&](int r, char* buf) -> Status {
-    for (size_t i = static_cast<size_t>(r); i < files.size(); i += static_cast<size_t>(streams)) {
-      KVTIER_RETURN_IF_ERROR(
-          ReadOneFile(files[i], file_size, block_size, buf, nonce, direct, stop, verified));
+// One file's transfer, with the calling thread's block-sized buffer.
+using OneFile = std::function<Status(const ProbeFile& file, char* buf)>;
+
+// Runs `one` over every file with `threads` threads, each on its own files: thread t takes files
+// t, t + threads, t + 2 x threads, ... With `fill_seed` nonzero, each thread's buffer is first
+// filled with random bytes, different per thread, so that written payloads do not compress.
+Result<PhaseResult> OverFiles(const std::vector<ProbeFile>& files, int threads, uint64_t file_size,
+                              uint64_t block_size, uint64_t fill_seed, const OneFile& one) {
+  threads = std::max(1, std::min<int>(threads, static_cast<int>(files.size())));
+  auto seconds = RunTimed(threads, block_size, [&](int t, char* buf) -> Status {
+    if (fill_seed != 0) {
+      std::mt19937_64 rng(fill_seed ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1)));
+      for (uint64_t i = 0; i + sizeof(uint64_t) <= block_size; i += sizeof(uint64_t)) {
+        uint64_t v = rng();
+        std::memcpy(buf + i, &v, sizeof(v));
+      }
+    }
+    for (size_t i = static_cast<size_t>(t); i < files.size(); i += static_cast<size_t>(threads)) {
+      KVTIER_RETURN_IF_ERROR(one(files[i], buf));
     }
     return Status::Ok();
   });
   if (!seconds.ok()) return seconds.status();
-  return PhaseResult{streams, file_size * files.size(), *seconds};
+  return PhaseResult{threads, file_size * files.size(), *seconds};
+}
+
+Result<PhaseResult> ReadFiles(const std::vector<ProbeFile>& files, int streams, uint64_t file_size,
+                              uint64_t block_size, uint64_t nonce, bool direct,
+                              const std::atomic<bool>* stop, std::atomic<uint64_t>* verified) {
+  return OverFiles(files, streams, file_size, block_size, 0, [&](const ProbeFile& f, char* buf) {
+    return ReadOneFile(f, file_size, block_size, buf, nonce, direct, stop, verified);
+  });
 }
 
 Result<PhaseResult> WriteFiles(const std::vector<ProbeFile>& files, int writers, uint64_t file_size,
                                uint64_t block_size, uint64_t nonce, bool direct,
                                const std::atomic<bool>* stop) {
-  writers = std::max(1, std::min<int>(writers, static_cast<int>(files.size())));
-  auto seconds = RunTimed(writers, block_size, [&](int w, char* buf) -> Status {
-    // Random filler, different per writer, so the payload does not compress.
-    std::mt19937_64 rng(nonce ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(w + 1)));
-    for (uint64_t i = 0; i + sizeof(uint64_t) <= block_size; i += sizeof(uint64_t)) {
-      uint64_t v = rng();
-      std::memcpy(buf + i, &v, sizeof(v));
-    }
-    for (size_t i = static_cast<size_t>(w); i < files.size(); i += static_cast<size_t>(writers)) {
-      KVTIER_RETURN_IF_ERROR(WriteOneFile(files[i], file_size, block_size, buf, nonce, direct, stop));
-    }
-    return Status::Ok();
-  });
-  if (!seconds.ok()) return seconds.status();
-  return PhaseResult{writers, file_size * files.size(), *seconds};
+  return OverFiles(files, writers, file_size, block_size, nonce | 1,
+                   [&](const ProbeFile& f, char* buf) {
+                     return WriteOneFile(f, file_size, block_size, buf, nonce, direct, stop);
+                   });
 }
 
 void DropFromPageCache(const std::vector<ProbeFile>& files) {
@@ -515,36 +522,18 @@ Status NfsReadOneFile(Env& env, const ProbeFile& file, uint64_t file_size, uint6
 Result<PhaseResult> NfsReadFiles(Env& env, const std::vector<ProbeFile>& files, int streams,
                                  uint64_t file_size, uint64_t block_size, uint64_t nonce,
                                  const std::atomic<bool>* stop, std::atomic<uint64_t>* verified) {
-  streams = std::max(1, std::min<int>(streams, static_cast<int>(files.size())));
-  auto seconds = RunTimed(streams, block_size, [&](int r, char* buf) -> Status {
-    for (size_t i = static_cast<size_t>(r); i < files.size(); i += static_cast<size_t>(streams)) {
-      KVTIER_RETURN_IF_ERROR(
-          NfsReadOneFile(env, files[i], file_size, block_size, buf, nonce, stop, verified));
-    }
-    return Status::Ok();
+  return OverFiles(files, streams, file_size, block_size, 0, [&](const ProbeFile& f, char* buf) {
+    return NfsReadOneFile(env, f, file_size, block_size, buf, nonce, stop, verified);
   });
-  if (!seconds.ok()) return seconds.status();
-  return PhaseResult{streams, file_size * files.size(), *seconds};
 }
 
 Result<PhaseResult> NfsWriteFiles(Env& env, const std::vector<ProbeFile>& files, int writers,
                                   uint64_t file_size, uint64_t block_size, uint64_t nonce,
                                   const std::atomic<bool>* stop) {
-  writers = std::max(1, std::min<int>(writers, static_cast<int>(files.size())));
-  auto seconds = RunTimed(writers, block_size, [&](int w, char* buf) -> Status {
-    std::mt19937_64 rng(nonce ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(w + 1)));
-    for (uint64_t i = 0; i + sizeof(uint64_t) <= block_size; i += sizeof(uint64_t)) {
-      uint64_t v = rng();
-      std::memcpy(buf + i, &v, sizeof(v));
-    }
-    for (size_t i = static_cast<size_t>(w); i < files.size(); i += static_cast<size_t>(writers)) {
-      KVTIER_RETURN_IF_ERROR(
-          NfsWriteOneFile(env, files[i], file_size, block_size, buf, nonce, stop));
-    }
-    return Status::Ok();
-  });
-  if (!seconds.ok()) return seconds.status();
-  return PhaseResult{writers, file_size * files.size(), *seconds};
+  return OverFiles(files, writers, file_size, block_size, nonce | 1,
+                   [&](const ProbeFile& f, char* buf) {
+                     return NfsWriteOneFile(env, f, file_size, block_size, buf, nonce, stop);
+                   });
 }
 
 // NewNfsEnv's failure, said for people: kUnavailable means nothing answered.
