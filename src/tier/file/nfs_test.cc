@@ -275,31 +275,44 @@ TEST(NfsFileTierTest, FsckStatsAndPurgeSeeTheSameDirectoryOverNfs) {
 }
 
 #ifdef KVTIER_NFS_TEST_ENGINE
+// An engine with four L1 slots (so most chunks live only in L2) and its file tier at `root`.
+EngineOptions EngineOn(const std::string& root, WritePolicy policy) {
+  EngineOptions o;
+  o.ns = testing::TestNamespace();
+  o.chunk_bytes = kChunk;
+  o.memory.capacity_bytes = 4 * AlignUp(kChunk);
+  o.memory.prefault = false;
+  o.write_policy = policy;
+  o.worker_threads = 1;
+  o.file = Options(root);
+  return o;
+}
+
+// `n` test chunks: keys, their contents, buffers to load them into, and spans over both.
+struct EngineChunks {
+  explicit EngineChunks(size_t n)
+      : in(n, std::vector<uint8_t>(kChunk)), out(n, std::vector<uint8_t>(kChunk)) {
+    for (size_t i = 0; i < n; ++i) {
+      keys.push_back(TestKey(i));
+      FillChunk(keys[i], in[i]);
+    }
+    src.assign(in.begin(), in.end());
+    dst.assign(out.begin(), out.end());
+  }
+  std::vector<ChunkKey> keys;
+  std::vector<std::vector<uint8_t>> in, out;
+  std::vector<std::span<const uint8_t>> src;
+  std::vector<std::span<uint8_t>> dst;
+};
+
 // Two engines, one with its L2 on the nfs:// URL, one on the export's local path: what the first
 // writes through to L2, the second loads, with the right bytes.
 TEST(NfsFileTierTest, EnginesOnNfsAndOnTheExportPathShareChunks) {
   KVTIER_NFS_TEST_DIR(dir, "nfs-engine");
-  auto options = [](const std::string& root, WritePolicy policy) {
-    EngineOptions o;
-    o.ns = testing::TestNamespace();
-    o.chunk_bytes = kChunk;
-    o.memory.capacity_bytes = 4 * AlignUp(kChunk);  // four slots: the rest only in L2
-    o.memory.prefault = false;
-    o.write_policy = policy;
-    o.worker_threads = 1;
-    o.file = Options(root);
-    return o;
-  };
+  auto options = [](const std::string& root, WritePolicy policy) { return EngineOn(root, policy); };
   constexpr size_t kChunks = 8;
-  std::vector<ChunkKey> keys;
-  std::vector<std::vector<uint8_t>> in(kChunks, std::vector<uint8_t>(kChunk)),
-      out(kChunks, std::vector<uint8_t>(kChunk));
-  for (size_t i = 0; i < kChunks; ++i) {
-    keys.push_back(TestKey(i));
-    FillChunk(keys[i], in[i]);
-  }
-  std::vector<std::span<const uint8_t>> src(in.begin(), in.end());
-  std::vector<std::span<uint8_t>> dst(out.begin(), out.end());
+  EngineChunks c(kChunks);
+  auto& [keys, in, out, src, dst] = c;
 
   auto writer = Engine::Open(options(dir->url(), WritePolicy::kWriteThrough));
   ASSERT_TRUE(writer.ok()) << writer.status().ToString();
@@ -488,28 +501,14 @@ TEST(NfsFileTierTest, AHungServerCostsTheLoadDeadlineNotAHang) {
   });
   constexpr auto kDeadline = std::chrono::milliseconds(1000);
   auto options = [&](WritePolicy policy) {
-    EngineOptions o;
-    o.ns = testing::TestNamespace();
-    o.chunk_bytes = kChunk;
-    o.memory.capacity_bytes = 4 * AlignUp(kChunk);
-    o.memory.prefault = false;
-    o.write_policy = policy;
-    o.worker_threads = 1;
+    EngineOptions o = EngineOn(dir->url(), policy);
     o.load_deadline = kDeadline;
-    o.file = Options(dir->url());
     o.file->stall_timeout = std::chrono::milliseconds(500);
     return o;
   };
   constexpr size_t kChunks = 2;
-  std::vector<ChunkKey> keys;
-  std::vector<std::vector<uint8_t>> in(kChunks, std::vector<uint8_t>(kChunk)),
-      out(kChunks, std::vector<uint8_t>(kChunk));
-  for (size_t i = 0; i < kChunks; ++i) {
-    keys.push_back(TestKey(i));
-    FillChunk(keys[i], in[i]);
-  }
-  std::vector<std::span<const uint8_t>> src(in.begin(), in.end());
-  std::vector<std::span<uint8_t>> dst(out.begin(), out.end());
+  EngineChunks c(kChunks);
+  auto& [keys, in, out, src, dst] = c;
   {
     auto writer = Engine::Open(options(WritePolicy::kWriteThrough));
     ASSERT_TRUE(writer.ok()) << writer.status().ToString();
