@@ -130,3 +130,41 @@ def test_capacity_is_enforced(tmp_path):
         st = tier.stats()
         assert st["chunks"] <= 8 and st["evictions"] >= 8
         assert st["bytes"] <= st["capacity_bytes"]
+
+
+def nfs_export():
+    """The loopback NFS server of scripts/nfs-server.sh: (url, local dir of the same export)."""
+    url, local = os.environ.get("KVTIER_TEST_NFS_URL"), os.environ.get("KVTIER_TEST_NFS_EXPORT_DIR")
+    if not url or not local:
+        if os.environ.get("KVTIER_REQUIRE_NFS") == "1":
+            pytest.fail("KVTIER_REQUIRE_NFS=1 but no NFS test server (scripts/nfs-server.sh env)")
+        pytest.skip("no NFS test server (scripts/nfs-server.sh start; eval its env)")
+    return url, local
+
+
+def test_an_nfs_url_tier_shares_chunks_with_the_export_path(tmp_path):
+    """The same JSON as `kvtier serve --l2`, with an nfs:// URL: no mount; a tier on the
+    export's local path reads what it wrote."""
+    url, local = nfs_export()
+    name = os.path.basename(str(tmp_path))
+    src, dst = region(3), region(3)
+    fill(src, 3, 5)
+    spec = {"type": "nfs", "url": f"{url}/{name}", "connections": 2}
+    try:
+        with kvtier.open_file_tier(ns(), CHUNK, spec) as tier:
+            tier.submit_write(1, keys(3), src, [i * CHUNK for i in range(3)])
+            assert finish(tier)[0][1:4] == (True, 3, "")
+            assert tier.chunk_path(keys(1)[0]).startswith(f"{url}/{name}/")
+            assert tier.stats()["io_engine"].startswith("nfs")
+        with kvtier.open_file_tier(ns(), CHUNK, {"type": "fs", "path": f"{local}/{name}"}) as tier:
+            tier.submit_read(2, keys(3), dst, [i * CHUNK for i in range(3)])
+            assert finish(tier)[0][1:4] == (True, 3, "")
+            assert bytes(dst) == bytes(src)
+    finally:
+        import shutil
+        shutil.rmtree(f"{local}/{name}", ignore_errors=True)
+
+
+def test_a_bad_nfs_url_is_refused_with_the_reason():
+    with pytest.raises(kvtier.KvtierError, match="nfs://"):
+        kvtier.open_file_tier(ns(), CHUNK, {"type": "nfs", "url": "/not/a/url"})

@@ -681,11 +681,16 @@ Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOp
     }
     return NfsError(c.status, "open " + path, c.error);
   }
-  // Only regular files are files here (a FIFO or device over NFS is not ours to read).
+  // Only regular files are files here (a FIFO or device over NFS is not ours to read). A file
+  // this call created empty is one, with no need to ask.
   FileInfo info;
-  Completion st = conn.Call(
-      [&](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fstat64_async(nfs, fh, cb, p); },
-      [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); });
+  info.is_regular = true;
+  Completion st;
+  if (!(options.create && (options.exclusive || options.truncate))) {
+    st = conn.Call(
+        [&](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fstat64_async(nfs, fh, cb, p); },
+        [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); });
+  }
   auto file = std::make_unique<NfsFile>(this, &conn, path, fh, info.size, options.write);
   if (st.status < 0) return NfsError(st.status, "stat " + path, st.error);
   if (!info.is_regular) {
