@@ -1,6 +1,7 @@
 #include "probe/storage_probe.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -16,11 +17,9 @@
 #include <functional>
 #include <latch>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "kvtier/io.h"
 #include "probe/units.h"
@@ -58,7 +57,8 @@ Result<AlignedBuffer> AllocateAligned(uint64_t bytes) {
   if (int rc = posix_memalign(&p, kAlign, bytes); rc != 0) {
     return Status::FromErrno(rc, fmt::format("allocating a {} I/O buffer", FormatBytes(bytes)));
   }
-  std::memset(p, 0, bytes);  // pre-fault: first touch of fresh memory is slow, keep it out of timing
+  std::memset(p, 0,
+              bytes);  // pre-fault: first touch of fresh memory is slow, keep it out of timing
   return AlignedBuffer(static_cast<char*>(p));
 }
 
@@ -103,6 +103,29 @@ struct ProbeFile {
   std::string path;
   uint64_t id;  // stamped into its sectors
 };
+
+// A run's files: the pool (read by the readers), the control files (read once by one stream,
+// then again), both in `all`; and the nonce that makes this run's stamps its own.
+struct RunFiles {
+  std::vector<ProbeFile> pool, control, all;
+  uint64_t nonce;
+};
+
+RunFiles MakeRunFiles(const std::string& dir, int pool_count, int control_files) {
+  RunFiles f;
+  f.nonce = std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32) ^
+            static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  for (int i = 0; i < pool_count; ++i) {
+    f.pool.push_back({fmt::format("{}/pool-{:05}", dir, i), static_cast<uint64_t>(i)});
+  }
+  for (int i = 0; i < control_files; ++i) {
+    f.control.push_back(
+        {fmt::format("{}/control-{:05}", dir, i), static_cast<uint64_t>(pool_count + i)});
+  }
+  f.all = f.pool;
+  f.all.insert(f.all.end(), f.control.begin(), f.control.end());
+  return f;
+}
 
 bool Stopped(const std::atomic<bool>* stop) {
   return stop != nullptr && stop->load(std::memory_order_relaxed);
@@ -156,7 +179,8 @@ Status WriteOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_si
       ssize_t n = ::pwrite(fd.get(), buf + done, len - done, static_cast<off_t>(off + done));
       if (n < 0) {
         if (errno == EINTR) continue;
-        return Status::FromErrno(errno, fmt::format("writing {} at offset {}", file.path, off + done));
+        return Status::FromErrno(errno,
+                                 fmt::format("writing {} at offset {}", file.path, off + done));
       }
       done += static_cast<uint64_t>(n);
     }
@@ -180,11 +204,12 @@ Status ReadOneFile(const ProbeFile& file, uint64_t file_size, uint64_t block_siz
       ssize_t n = ::pread(fd.get(), buf + done, len - done, static_cast<off_t>(off + done));
       if (n < 0) {
         if (errno == EINTR) continue;
-        return Status::FromErrno(errno, fmt::format("reading {} at offset {}", file.path, off + done));
+        return Status::FromErrno(errno,
+                                 fmt::format("reading {} at offset {}", file.path, off + done));
       }
       if (n == 0) {
-        return Status::IOError(fmt::format("{} ended at {} bytes, expected {}", file.path,
-                                           off + done, file_size));
+        return Status::IOError(
+            fmt::format("{} ended at {} bytes, expected {}", file.path, off + done, file_size));
       }
       done += static_cast<uint64_t>(n);
     }
@@ -312,24 +337,42 @@ const char* FilesystemName(const std::string& path) {
   struct statfs sf;
   if (::statfs(path.c_str(), &sf) != 0) return "unknown";
   switch (static_cast<unsigned long>(sf.f_type)) {
-    case 0xEF53: return "ext4";
-    case 0x58465342: return "xfs";
-    case 0x9123683E: return "btrfs";
-    case 0x01021994: return "tmpfs";
-    case 0x6969: return "nfs";
-    case 0xFE534D42: return "smb2";
-    case 0xFF534D42: return "cifs";
-    case 0x794c7630: return "overlayfs";
-    case 0x65735546: return "fuse";
-    case 0x2FC12FC1: return "zfs";
-    case 0x00C36400: return "ceph";
-    case 0x0BD00BD0: return "lustre";
-    case 0x47504653: return "gpfs";
-    case 0x5346414F: return "afs";
-    case 0x858458F6: return "ramfs";
-    case 0x4d44: return "vfat";
-    case 0xF2F52010: return "f2fs";
-    default: return "unknown";
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x9123683E:
+      return "btrfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x6969:
+      return "nfs";
+    case 0xFE534D42:
+      return "smb2";
+    case 0xFF534D42:
+      return "cifs";
+    case 0x794c7630:
+      return "overlayfs";
+    case 0x65735546:
+      return "fuse";
+    case 0x2FC12FC1:
+      return "zfs";
+    case 0x00C36400:
+      return "ceph";
+    case 0x0BD00BD0:
+      return "lustre";
+    case 0x47504653:
+      return "gpfs";
+    case 0x5346414F:
+      return "afs";
+    case 0x858458F6:
+      return "ramfs";
+    case 0x4d44:
+      return "vfat";
+    case 0xF2F52010:
+      return "f2fs";
+    default:
+      return "unknown";
   }
 }
 
@@ -427,7 +470,8 @@ void AddPlausibilityWarnings(StorageProbeReport& r) {
   };
   too_short("write", r.write);
   too_short("control", r.control);
-  for (const auto& phase : r.reads) too_short(fmt::format("{}-reader", phase.streams).c_str(), phase);
+  for (const auto& phase : r.reads)
+    too_short(fmt::format("{}-reader", phase.streams).c_str(), phase);
 }
 
 // ---- nfs://: the same phases through the user-space NFS client ----
@@ -591,32 +635,23 @@ Result<StorageProbeReport> RunNfsProbe(const StorageProbeOptions& o) {
 
   KVTIER_ASSIGN_OR_RETURN(auto run_dir,
                           NfsRunDirectory::Create(env.get(), directory, o.keep_files));
-  const uint64_t nonce = std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32) ^
-                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  std::vector<ProbeFile> pool, control;
-  for (int i = 0; i < pool_count; ++i) {
-    pool.push_back({fmt::format("{}/pool-{:05}", run_dir->path(), i), static_cast<uint64_t>(i)});
-  }
-  for (int i = 0; i < o.control_files; ++i) {
-    control.push_back({fmt::format("{}/control-{:05}", run_dir->path(), i),
-                       static_cast<uint64_t>(pool_count + i)});
-  }
-  std::vector<ProbeFile> all = pool;
-  all.insert(all.end(), control.begin(), control.end());
+  auto [pool, control, all, nonce] = MakeRunFiles(run_dir->path(), pool_count, o.control_files);
   std::atomic<uint64_t> verified{0};
 
-  progress(fmt::format("writing {} files of {} ({} in all) into {} with {} writers over NFS ({} "
-                       "connections, COMMIT per file)",
-                       all.size(), FormatBytes(o.file_size), FormatBytes(total_bytes),
-                       run_dir->path(), std::min<size_t>(o.writers, all.size()), no.connections));
-  KVTIER_ASSIGN_OR_RETURN(report.write, NfsWriteFiles(*env, all, o.writers, o.file_size,
-                                                      block_size, nonce, o.stop));
+  progress(
+      fmt::format("writing {} files of {} ({} in all) into {} with {} writers over NFS ({} "
+                  "connections, COMMIT per file)",
+                  all.size(), FormatBytes(o.file_size), FormatBytes(total_bytes), run_dir->path(),
+                  std::min<size_t>(o.writers, all.size()), no.connections));
+  KVTIER_ASSIGN_OR_RETURN(
+      report.write, NfsWriteFiles(*env, all, o.writers, o.file_size, block_size, nonce, o.stop));
   progress(fmt::format("  write: {:.2f} GB/s", report.write.GBps()));
 
   for (int readers : o.reader_counts) {
-    progress(fmt::format("reading {} files with {} readers, each on its own files, over {} NFS "
-                         "connections",
-                         pool.size(), readers, no.connections));
+    progress(
+        fmt::format("reading {} files with {} readers, each on its own files, over {} NFS "
+                    "connections",
+                    pool.size(), readers, no.connections));
     KVTIER_ASSIGN_OR_RETURN(PhaseResult phase, NfsReadFiles(*env, pool, readers, o.file_size,
                                                             block_size, nonce, o.stop, &verified));
     progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
@@ -628,12 +663,13 @@ Result<StorageProbeReport> RunNfsProbe(const StorageProbeOptions& o) {
                                                        nonce, o.stop, &verified));
   progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
   progress("control again: the same files, second read");
-  KVTIER_ASSIGN_OR_RETURN(report.control_reread, NfsReadFiles(*env, control, 1, o.file_size,
-                                                              block_size, nonce, o.stop,
-                                                              &verified));
+  KVTIER_ASSIGN_OR_RETURN(
+      report.control_reread,
+      NfsReadFiles(*env, control, 1, o.file_size, block_size, nonce, o.stop, &verified));
   progress(fmt::format("  control re-read: {:.2f} GB/s", report.control_reread.GBps()));
-  progress("O_DIRECT check, page-cache residency and buffered reads: not applicable over NFS "
-           "(no client cache)");
+  progress(
+      "O_DIRECT check, page-cache residency and buffered reads: not applicable over NFS "
+      "(no client cache)");
 
   report.verified_bytes = verified.load();
   AddPlausibilityWarnings(report);
@@ -704,16 +740,7 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   report.control_files = o.control_files;
 
   KVTIER_ASSIGN_OR_RETURN(auto run_dir, RunDirectory::Create(o.directory, o.keep_files));
-  const uint64_t nonce = std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32) ^
-                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  std::vector<ProbeFile> pool, control;
-  for (int i = 0; i < pool_count; ++i) {
-    pool.push_back({fmt::format("{}/pool-{:05}", run_dir->path(), i), static_cast<uint64_t>(i)});
-  }
-  for (int i = 0; i < o.control_files; ++i) {
-    control.push_back({fmt::format("{}/control-{:05}", run_dir->path(), i),
-                       static_cast<uint64_t>(pool_count + i)});
-  }
+  auto [pool, control, all, nonce] = MakeRunFiles(run_dir->path(), pool_count, o.control_files);
 
   // Does this filesystem take O_DIRECT at all? Try on a scratch file first, so a refusal is a
   // reported fact rather than a failed write.
@@ -729,13 +756,12 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   }
 
   std::atomic<uint64_t> verified{0};
-  std::vector<ProbeFile> all = pool;
-  all.insert(all.end(), control.begin(), control.end());
   progress(fmt::format("writing {} files of {} ({} in all) into {} with {} writers{}", all.size(),
                        FormatBytes(o.file_size), FormatBytes(total_bytes), run_dir->path(),
-                       std::min<size_t>(o.writers, all.size()), direct ? ", O_DIRECT" : ", buffered"));
-  KVTIER_ASSIGN_OR_RETURN(report.write,
-                          WriteFiles(all, o.writers, o.file_size, block_size, nonce, direct, o.stop));
+                       std::min<size_t>(o.writers, all.size()),
+                       direct ? ", O_DIRECT" : ", buffered"));
+  KVTIER_ASSIGN_OR_RETURN(
+      report.write, WriteFiles(all, o.writers, o.file_size, block_size, nonce, direct, o.stop));
   progress(fmt::format("  write: {:.2f} GB/s", report.write.GBps()));
 
   if (direct) {
@@ -748,9 +774,8 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
     if (!direct) DropFromPageCache(pool);
     progress(fmt::format("reading {} files with {} readers, each on its own files", pool.size(),
                          readers));
-    KVTIER_ASSIGN_OR_RETURN(
-        PhaseResult phase, ReadFiles(pool, readers, o.file_size, block_size, nonce, direct, o.stop,
-                                     &verified));
+    KVTIER_ASSIGN_OR_RETURN(PhaseResult phase, ReadFiles(pool, readers, o.file_size, block_size,
+                                                         nonce, direct, o.stop, &verified));
     progress(fmt::format("  {} readers: {:.2f} GB/s", readers, phase.GBps()));
     report.reads.push_back(phase);
   }
@@ -759,39 +784,37 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   // The control comes after the pool phases, not right after the writes: storage that is still
   // absorbing the writes (a hypervisor's or server's write-back) would slow it down.
   progress(fmt::format("control: 1 stream reading {} fresh files", control.size()));
-  KVTIER_ASSIGN_OR_RETURN(report.control,
-                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop,
-                                    &verified));
+  KVTIER_ASSIGN_OR_RETURN(report.control, ReadFiles(control, 1, o.file_size, block_size, nonce,
+                                                    direct, o.stop, &verified));
   progress(fmt::format("  control: {:.2f} GB/s", report.control.GBps()));
   const double control_resident = ResidentFraction(control);
 
   if (!direct) DropFromPageCache(control);
   progress("control again: the same files, second read");
-  KVTIER_ASSIGN_OR_RETURN(report.control_reread,
-                          ReadFiles(control, 1, o.file_size, block_size, nonce, direct, o.stop,
-                                    &verified));
+  KVTIER_ASSIGN_OR_RETURN(report.control_reread, ReadFiles(control, 1, o.file_size, block_size,
+                                                           nonce, direct, o.stop, &verified));
   progress(fmt::format("  control re-read: {:.2f} GB/s", report.control_reread.GBps()));
 
-  progress("buffered reads for contrast: cold (after dropping the files from the page cache), "
-           "then warm");
+  progress(
+      "buffered reads for contrast: cold (after dropping the files from the page cache), "
+      "then warm");
   DropFromPageCache(pool);
-  KVTIER_ASSIGN_OR_RETURN(report.buffered_cold,
-                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop,
-                                    &verified));
-  KVTIER_ASSIGN_OR_RETURN(report.buffered_warm,
-                          ReadFiles(pool, 1, o.file_size, block_size, nonce, false, o.stop,
-                                    &verified));
-  progress(fmt::format("  buffered: cold {:.2f} GB/s, warm {:.2f} GB/s", report.buffered_cold.GBps(),
-                       report.buffered_warm.GBps()));
+  KVTIER_ASSIGN_OR_RETURN(report.buffered_cold, ReadFiles(pool, 1, o.file_size, block_size, nonce,
+                                                          false, o.stop, &verified));
+  KVTIER_ASSIGN_OR_RETURN(report.buffered_warm, ReadFiles(pool, 1, o.file_size, block_size, nonce,
+                                                          false, o.stop, &verified));
+  progress(fmt::format("  buffered: cold {:.2f} GB/s, warm {:.2f} GB/s",
+                       report.buffered_cold.GBps(), report.buffered_warm.GBps()));
   DropFromPageCache(pool);
 
   ODirectCheck& c = report.o_direct;
   c.resident_fraction = std::max(control_resident, pool_resident);
   c.honoured = direct && c.open_accepted && c.flag_kept && c.resident_fraction < 0.02;
   if (!direct || !c.open_accepted) {
-    c.detail = fmt::format("{} refuses O_DIRECT (EINVAL); reads were buffered after dropping the "
-                           "files from the page cache",
-                           report.filesystem);
+    c.detail = fmt::format(
+        "{} refuses O_DIRECT (EINVAL); reads were buffered after dropping the "
+        "files from the page cache",
+        report.filesystem);
   } else if (!c.flag_kept) {
     c.detail = "open() accepted O_DIRECT but the file descriptor does not carry the flag";
   } else if (c.resident_fraction >= 0.02) {
@@ -800,11 +823,12 @@ Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
         "ignores O_DIRECT",
         c.resident_fraction * 100);
   } else {
-    c.detail = fmt::format("page cache bypassed: no pages of the files were cached after the "
-                           "reads; misaligned O_DIRECT I/O {}",
-                           c.alignment_enforced ? "is refused (EINVAL)"
-                                                : "is accepted (the filesystem does not enforce "
-                                                  "alignment, as NFS and tmpfs do not)");
+    c.detail = fmt::format(
+        "page cache bypassed: no pages of the files were cached after the "
+        "reads; misaligned O_DIRECT I/O {}",
+        c.alignment_enforced ? "is refused (EINVAL)"
+                             : "is accepted (the filesystem does not enforce "
+                               "alignment, as NFS and tmpfs do not)");
   }
   report.verified_bytes = verified.load();
   AddPlausibilityWarnings(report);
@@ -832,8 +856,10 @@ std::string StorageProbeReportToJson(const StorageProbeReport& r) {
   j["nfs_connections"] = r.nfs_connections;
   j["readers"] = nlohmann::json::array();
   for (const auto& p : r.reads) {
-    j["readers"].push_back(
-        {{"readers", p.streams}, {"read_GBps", p.GBps()}, {"bytes", p.bytes}, {"seconds", p.seconds}});
+    j["readers"].push_back({{"readers", p.streams},
+                            {"read_GBps", p.GBps()},
+                            {"bytes", p.bytes},
+                            {"seconds", p.seconds}});
   }
   j["control_GBps"] = r.control.GBps();
   j["control_reread_GBps"] = r.control_reread.GBps();
@@ -858,8 +884,8 @@ std::string StorageProbeReportToText(const StorageProbeReport& r) {
                        FormatBytes(p.bytes), p.seconds, note);
   };
   const char* mode = !r.o_direct.applicable ? "NFS"
-                     : r.o_direct.honoured     ? "O_DIRECT"
-                                               : "NOT O_DIRECT";
+                     : r.o_direct.honoured  ? "O_DIRECT"
+                                            : "NOT O_DIRECT";
   line(fmt::format("write, {} writers, {}", r.write.streams, mode), r.write, "");
   for (const auto& p : r.reads) {
     line(fmt::format("read, {} readers, {}", p.streams, mode), p, "");
