@@ -41,26 +41,21 @@ mkdir -p "$scratch/probe" "$local_dir"
 
 field() { python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(j$2)" "$1"; }
 
-echo "== kvtier bench tier: nfs:// vs libnfs's own calls, and the local disk"
+# bench_tier LABEL NAME DIR THREADS: one `bench tier` run, its JSON in $out/NAME.json, one row.
+bench_tier() {
+  local f=$out/$2.json
+  "$kvtier" bench tier --dir "$3" --chunk-mib "$chunk_mib" --chunks "$chunks" \
+    --repeats "$repeats" --readers "$4" --writers "$4" --json >"$f" 2>"$out/$2.log"
+  printf '%-22s %10.2f %10.2f %7.2f %10.2f %10.2f %7.2f\n' "$1" \
+    "$(field "$f" "['write_GBps']")" "$(field "$f" "['raw_write_GBps']")" \
+    "$(field "$f" "['write_ratio']")" "$(field "$f" "['read_GBps']")" \
+    "$(field "$f" "['raw_read_GBps']")" "$(field "$f" "['read_ratio']")"
+}
+
+echo "== kvtier bench tier: nfs:// vs plain libnfs, and the local disk vs plain O_DIRECT"
 printf '%-22s %10s %10s %7s %10s %10s %7s\n' where write ref ratio read ref ratio
-for c in $connections; do
-  f=$out/tier-nfs-$c.json
-  "$kvtier" bench tier --dir "$url/tier" --chunk-mib "$chunk_mib" --chunks "$chunks" \
-    --repeats "$repeats" --readers "$c" --writers "$c" --json >"$f" 2>"$out/tier-nfs-$c.log"
-  printf '%-22s %10.2f %10.2f %7.2f %10.2f %10.2f %7.2f\n' "nfs, $c connections" \
-    "$(field "$f" "['write_GBps']")" "$(field "$f" "['raw_write_GBps']")" \
-    "$(field "$f" "['write_ratio']")" "$(field "$f" "['read_GBps']")" \
-    "$(field "$f" "['raw_read_GBps']")" "$(field "$f" "['read_ratio']")"
-done
-for c in 1 8; do
-  f=$out/tier-local-$c.json
-  "$kvtier" bench tier --dir "$local_dir/tier" --chunk-mib "$chunk_mib" --chunks "$chunks" \
-    --repeats "$repeats" --readers "$c" --writers "$c" --json >"$f" 2>"$out/tier-local-$c.log"
-  printf '%-22s %10.2f %10.2f %7.2f %10.2f %10.2f %7.2f\n' "local disk, $c threads" \
-    "$(field "$f" "['write_GBps']")" "$(field "$f" "['raw_write_GBps']")" \
-    "$(field "$f" "['write_ratio']")" "$(field "$f" "['read_GBps']")" \
-    "$(field "$f" "['raw_read_GBps']")" "$(field "$f" "['read_ratio']")"
-done
+for c in $connections; do bench_tier "nfs, $c connections" "tier-nfs-$c" "$url/tier" "$c"; done
+for c in 1 8; do bench_tier "local disk, $c threads" "tier-local-$c" "$local_dir/tier" "$c"; done
 
 echo "== kvtier bench storage (the probe): nfs:// with C connections and C readers, local disk"
 printf '%-22s %10s %10s %10s\n' where read write control

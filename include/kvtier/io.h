@@ -199,6 +199,15 @@ class Env {
   }
 };
 
+// What RemoveTree removed.
+struct RemovedCounts {
+  uint64_t files = 0, bytes = 0, directories = 0;
+};
+// Removes `dir` and everything below it through `env` (rm -r). A file that vanishes meanwhile
+// (removed by someone else) is skipped, as is `dir` itself if it is gone by the end. With
+// `counts`, each file is stat'ed before its removal so that its bytes are counted too.
+Status RemoveTree(Env& env, const std::string& dir, RemovedCounts* counts = nullptr);
+
 struct PosixEnvOptions {
   IoEngineKind engine = IoEngineKind::kAuto;
   // Requests in flight per Submit call, and the size a large op is split into.

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "io/io_engine.h"
 #include "io/nfs_raw.h"
@@ -72,7 +73,6 @@ Status NfsRawClient::WriteFile(const std::string&, std::span<const uint8_t>) {
 Status NfsRawClient::ReadFile(const std::string&, std::span<uint8_t>) {
   return Status::Unimplemented("no NFS client");
 }
-Status NfsRawClient::Unlink(const std::string&) { return Status::Unimplemented("no NFS client"); }
 }  // namespace io
 
 #else
@@ -122,12 +122,11 @@ Result<NfsUrl> ParseNfsUrl(std::string_view url) {
   return u;
 }
 
-// A libnfs failure as a Status: a stale handle means the file was removed (by another host):
-// a miss, like ENOENT.
+// A libnfs failure as a Status (a stale handle, a file removed by another host, is NotFound:
+// Status::FromErrno).
 Status NfsError(int status, const std::string& what, const std::string& error) {
   int err = -status;
   std::string msg = error.empty() ? what : fmt::format("{} ({})", what, error);
-  if (err == ESTALE) return Status::NotFound(msg + ": stale file handle (removed)");
   if (err == ETIMEDOUT) return Status::Unavailable(msg + ": the NFS server did not answer in time");
   return Status::FromErrno(err, msg);
 }
@@ -229,7 +228,7 @@ class Connection {
     }
     Wake();
     if (thread_.joinable()) thread_.join();
-    if (nfs_ != nullptr) DestroyContext();
+    if (nfs_ != nullptr) DestroyContext(std::exchange(nfs_, nullptr));
     if (wake_fd_ >= 0) ::close(wake_fd_);
   }
 
@@ -242,11 +241,13 @@ class Connection {
     return Status::Ok();
   }
 
-  // Thread-safe: queues `start`; `done` runs exactly once on the service thread.
-  void Post(Start start, Done done) {
+  // Thread-safe: queues `start`; `done` runs exactly once on the service thread. With
+  // `needs_connection`, a call made while the connection is down waits for it to come back
+  // instead of failing.
+  void Post(Start start, Done done, bool needs_connection = false) {
     {
       std::lock_guard lock(mu_);
-      queue_.push_back({std::move(start), std::move(done)});
+      queue_.push_back({std::move(start), std::move(done), needs_connection});
     }
     Wake();
   }
@@ -255,13 +256,8 @@ class Connection {
   // for it to come back (a handle can only be freed through a context, and one with writes not
   // yet committed sends a COMMIT first); at shutdown, one last reconnection is tried.
   void PostClose(nfsfh* fh) {
-    {
-      std::lock_guard lock(mu_);
-      queue_.push_back(
-          {[fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); },
-           [](int, nfs_context*, void*) {}, /*needs_connection=*/true});
-    }
-    Wake();
+    Post([fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_close_async(nfs, fh, cb, p); },
+         [](int, nfs_context*, void*) {}, /*needs_connection=*/true);
   }
 
   // On the service thread only (from a Done): starts another call right away.
@@ -290,6 +286,12 @@ class Connection {
     return c;
   }
 
+  // Call, with a failure turned into a Status that names `what`.
+  Status Run(const std::string& what, Start start, OnDone on_done = nullptr) {
+    Completion c = Call(std::move(start), std::move(on_done));
+    return c.status < 0 ? NfsError(c.status, what, c.error) : Status::Ok();
+  }
+
   uint64_t readmax() const { return readmax_.load(std::memory_order_relaxed); }
   uint64_t writemax() const { return writemax_.load(std::memory_order_relaxed); }
 
@@ -314,9 +316,8 @@ class Connection {
     return Status::Ok();
   }
 
-  void DestroyContext() {
-    nfs_context* nfs = nfs_;
-    nfs_ = nullptr;            // from here on, new calls fail at once
+  // REQUIRES: `nfs` is no longer nfs_ (new calls fail at once).
+  void DestroyContext(nfs_context* nfs) {
     nfs_destroy_context(nfs);  // may call back orphaned calls: they are ignored
     for (Pending* p : orphans_) delete p;
     orphans_.clear();
@@ -365,8 +366,7 @@ class Connection {
     std::string error = "connection to the NFS server lost: " + why;
     // Drop the context first (as far as new calls are concerned): a failed transfer's handler
     // may start its next piece, which must fail at once rather than join the dying context.
-    nfs_context* nfs = nfs_;
-    nfs_ = nullptr;
+    nfs_context* nfs = std::exchange(nfs_, nullptr);
     std::vector<Pending*> failed;
     for (auto& [id, p] : in_flight_) failed.push_back(p);
     in_flight_.clear();
@@ -376,8 +376,7 @@ class Connection {
       Done d = std::move(p->done);
       d(-EIO, nullptr, error.data());
     }
-    nfs_ = nfs;
-    DestroyContext();
+    DestroyContext(nfs);
   }
 
   void Loop() {
@@ -499,19 +498,16 @@ class NfsEnv final : public Env {
   Status Rename(const std::string& from, const std::string& to) override {
     KVTIER_ASSIGN_OR_RETURN(std::string a, Relative(from));
     KVTIER_ASSIGN_OR_RETURN(std::string b, Relative(to));
-    Completion c = Next().Call([&](nfs_context* nfs, nfs_cb cb, void* p) {
-      return nfs_rename_async(nfs, a.c_str(), b.c_str(), cb, p);
-    });
-    if (c.status < 0) return NfsError(c.status, fmt::format("rename {} to {}", from, to), c.error);
-    return Status::Ok();
+    return Next().Run(fmt::format("rename {} to {}", from, to),
+                      [&](nfs_context* nfs, nfs_cb cb, void* p) {
+                        return nfs_rename_async(nfs, a.c_str(), b.c_str(), cb, p);
+                      });
   }
   Status Unlink(const std::string& path) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(path));
-    Completion c = Next().Call([&](nfs_context* nfs, nfs_cb cb, void* p) {
+    return Next().Run("unlink " + path, [&](nfs_context* nfs, nfs_cb cb, void* p) {
       return nfs_unlink_async(nfs, rel.c_str(), cb, p);
     });
-    if (c.status < 0) return NfsError(c.status, "unlink " + path, c.error);
-    return Status::Ok();
   }
   Status CreateDirs(const std::string& path) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(path));
@@ -538,46 +534,46 @@ class NfsEnv final : public Env {
   }
   Status RemoveDir(const std::string& path) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(path));
-    Completion c = Next().Call([&](nfs_context* nfs, nfs_cb cb, void* p) {
+    return Next().Run("rmdir " + path, [&](nfs_context* nfs, nfs_cb cb, void* p) {
       return nfs_rmdir_async(nfs, rel.c_str(), cb, p);
     });
-    if (c.status < 0) return NfsError(c.status, "rmdir " + path, c.error);
-    return Status::Ok();
   }
   Result<std::vector<DirEntry>> List(const std::string& dir) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(dir));
     std::vector<DirEntry> out;
-    Completion c = Next().Call([&](nfs_context* nfs, nfs_cb cb,
-                                   void* p) { return nfs_opendir_async(nfs, rel.c_str(), cb, p); },
-                               [&](nfs_context* nfs, void* data) {
-                                 // On the service thread: nfs_readdir only walks what opendir
-                                 // fetched.
-                                 auto* d = static_cast<nfsdir*>(data);
-                                 while (nfsdirent* e = nfs_readdir(nfs, d)) {
-                                   std::string_view name = e->name;
-                                   if (name == "." || name == "..") continue;
-                                   DirEntry entry;
-                                   entry.name = std::string(name);
-                                   // The NFSv3 file type (RFC 1813 ftype3): 1 regular, 2 directory.
-                                   entry.type = e->type == 1   ? DirEntry::Type::kFile
-                                                : e->type == 2 ? DirEntry::Type::kDirectory
-                                                               : DirEntry::Type::kOther;
-                                   out.push_back(std::move(entry));
-                                 }
-                                 nfs_closedir(nfs, d);
-                               });
-    if (c.status < 0) return NfsError(c.status, "list " + dir, c.error);
+    KVTIER_RETURN_IF_ERROR(Next().Run(
+        "list " + dir,
+        [&](nfs_context* nfs, nfs_cb cb, void* p) {
+          return nfs_opendir_async(nfs, rel.c_str(), cb, p);
+        },
+        [&](nfs_context* nfs, void* data) {
+          // On the service thread: nfs_readdir only walks what opendir
+          // fetched.
+          auto* d = static_cast<nfsdir*>(data);
+          while (nfsdirent* e = nfs_readdir(nfs, d)) {
+            std::string_view name = e->name;
+            if (name == "." || name == "..") continue;
+            DirEntry entry;
+            entry.name = std::string(name);
+            // The NFSv3 file type (RFC 1813 ftype3): 1 regular, 2 directory.
+            entry.type = e->type == 1   ? DirEntry::Type::kFile
+                         : e->type == 2 ? DirEntry::Type::kDirectory
+                                        : DirEntry::Type::kOther;
+            out.push_back(std::move(entry));
+          }
+          nfs_closedir(nfs, d);
+        }));
     return out;
   }
   Result<FileInfo> Stat(const std::string& path) override {
     KVTIER_ASSIGN_OR_RETURN(std::string rel, Relative(path));
     FileInfo info;
-    Completion c = Next().Call(
+    KVTIER_RETURN_IF_ERROR(Next().Run(
+        "stat " + path,
         [&](nfs_context* nfs, nfs_cb cb, void* p) {
           return nfs_stat64_async(nfs, rel.c_str(), cb, p);
         },
-        [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); });
-    if (c.status < 0) return NfsError(c.status, "stat " + path, c.error);
+        [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); }));
     return info;
   }
   // An NFSv3 server makes CREATE, RENAME and REMOVE stable before it answers them.
@@ -633,19 +629,18 @@ class NfsFile final : public File {
   Status Submit(std::span<IoOp> ops, IoObserver* observer) override;
   Status Sync() override {
     nfsfh* fh = fh_;
-    Completion c = conn_->Call(
-        [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fsync_async(nfs, fh, cb, p); });
-    if (c.status < 0) return NfsError(c.status, "commit " + path_, c.error);
-    return Status::Ok();
+    return conn_->Run("commit " + path_, [fh](nfs_context* nfs, nfs_cb cb, void* p) {
+      return nfs_fsync_async(nfs, fh, cb, p);
+    });
   }
   Result<uint64_t> Size() override {
     if (!writable_) return size_;
     nfsfh* fh = fh_;
     uint64_t size = 0;
-    Completion c = conn_->Call(
+    KVTIER_RETURN_IF_ERROR(conn_->Run(
+        "stat " + path_,
         [fh](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fstat64_async(nfs, fh, cb, p); },
-        [&](nfs_context*, void* data) { size = static_cast<nfs_stat_64*>(data)->nfs_size; });
-    if (c.status < 0) return NfsError(c.status, "stat " + path_, c.error);
+        [&](nfs_context*, void* data) { size = static_cast<nfs_stat_64*>(data)->nfs_size; }));
     return size;
   }
 
@@ -685,14 +680,16 @@ Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOp
   // this call created empty is one, with no need to ask.
   FileInfo info;
   info.is_regular = true;
-  Completion st;
+  Status st;
   if (!(options.create && (options.exclusive || options.truncate))) {
-    st = conn.Call(
+    st = conn.Run(
+        "stat " + path,
         [&](nfs_context* nfs, nfs_cb cb, void* p) { return nfs_fstat64_async(nfs, fh, cb, p); },
         [&](nfs_context*, void* data) { info = ToFileInfo(*static_cast<nfs_stat_64*>(data)); });
   }
+  // Made before the checks: on any error below, its destructor frees the handle.
   auto file = std::make_unique<NfsFile>(this, &conn, path, fh, info.size, options.write);
-  if (st.status < 0) return NfsError(st.status, "stat " + path, st.error);
+  KVTIER_RETURN_IF_ERROR(st);
   if (!info.is_regular) {
     return Status::InvalidArgument(fmt::format("{} is not a regular file", path));
   }
@@ -703,8 +700,8 @@ Result<std::unique_ptr<File>> NfsEnv::Open(const std::string& path, const OpenOp
 struct Transfer {
   Connection* conn;
   nfsfh* fh;
+  bool is_read;
   std::vector<io::IoPiece> pieces;
-  size_t window;
   size_t next = 0;  // service thread only
   std::mutex mu;
   std::condition_variable cv;
@@ -714,7 +711,7 @@ struct Transfer {
 
   void StartPiece(size_t i, bool from_service_thread) {
     io::IoPiece* piece = &pieces[i];
-    const bool read = piece->buf != nullptr && is_read;
+    const bool read = is_read;
     Connection::Start start = [this, piece, read](nfs_context* nfs, nfs_cb cb, void* p) {
       if (read) return nfs_pread_async(nfs, fh, piece->offset, piece->len, cb, p);
       return nfs_pwrite_async(nfs, fh, piece->offset, piece->len, piece->buf, cb, p);
@@ -738,7 +735,6 @@ struct Transfer {
       conn->Post(std::move(start), std::move(done));
     }
   }
-  bool is_read = true;
 };
 
 Status NfsFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
@@ -761,11 +757,12 @@ Status NfsFile::Submit(std::span<IoOp> ops, IoObserver* observer) {
   t.remaining = t.pieces.size();
   t.finished.assign(t.pieces.size(), 0);
   t.notify_each = observer != nullptr;
-  t.window = std::min<size_t>(t.pieces.size(), static_cast<size_t>(o.requests_in_flight));
+  const size_t window =
+      std::min<size_t>(t.pieces.size(), static_cast<size_t>(o.requests_in_flight));
   // The first window is posted from here; `next` is touched only by the service thread after
   // these posts, and the posts happen-before their callbacks (through the connection's queue).
-  t.next = t.window;
-  for (size_t i = 0; i < t.window; ++i) t.StartPiece(i, false);
+  t.next = window;
+  for (size_t i = 0; i < window; ++i) t.StartPiece(i, false);
   if (observer != nullptr) observer->Submitted();
   // Tell the observer as each op's leading bytes arrive, so its work on them (the file tier's
   // checksum) overlaps the transfer of the rest. Pieces are in op order, each op's in offset order.
@@ -827,7 +824,6 @@ namespace {
 // one). The reference the NFS env is measured against.
 Status AllInFlight(nfs_context* nfs, nfsfh* fh, uint8_t* buf, size_t size, bool read,
                    const std::string& what) {
-  struct Piece;
   struct State {
     int pending = 0;
     int error = 0;
@@ -904,13 +900,6 @@ Status NfsRawClient::ReadFile(const std::string& url, std::span<uint8_t> out) {
   Status s = AllInFlight(nfs_, fh, out.data(), out.size(), true, "read " + url);
   nfs_close(nfs_, fh);
   return s;
-}
-
-Status NfsRawClient::Unlink(const std::string& url) {
-  KVTIER_ASSIGN_OR_RETURN(std::string rel, RelativeTo(prefix_, url));
-  int rc = nfs_unlink(nfs_, rel.c_str());
-  if (rc < 0) return NfsError(rc, "unlink " + url, nfs_get_error(nfs_));
-  return Status::Ok();
 }
 
 }  // namespace io

@@ -26,7 +26,6 @@ class NfsRawClient {
   Status WriteFile(const std::string& url, std::span<const uint8_t> data);
   // Reads out.size() bytes from the start of the file; a short file is an error.
   Status ReadFile(const std::string& url, std::span<uint8_t> out);
-  Status Unlink(const std::string& url);
 
  private:
   NfsRawClient() = default;

@@ -328,6 +328,30 @@ Status TransferExact(File& file, std::span<IoOp> ops, bool reads, IoObserver* ob
 
 }  // namespace
 
+Status RemoveTree(Env& env, const std::string& dir, RemovedCounts* counts) {
+  KVTIER_ASSIGN_OR_RETURN(auto entries, env.List(dir));
+  for (const DirEntry& e : entries) {
+    const std::string child = fmt::format("{}/{}", dir, e.name);
+    if (e.type == DirEntry::Type::kDirectory) {
+      KVTIER_RETURN_IF_ERROR(RemoveTree(env, child, counts));
+      continue;
+    }
+    Result<FileInfo> info = counts != nullptr ? env.Stat(child) : Result<FileInfo>(FileInfo{});
+    Status s = env.Unlink(child);
+    if (s.IsNotFound()) continue;  // removed by someone else meanwhile
+    KVTIER_RETURN_IF_ERROR(s);
+    if (counts != nullptr) {
+      ++counts->files;
+      if (info.ok()) counts->bytes += info->size;
+    }
+  }
+  Status s = env.RemoveDir(dir);
+  if (s.IsNotFound()) return Status::Ok();
+  KVTIER_RETURN_IF_ERROR(s);
+  if (counts != nullptr) ++counts->directories;
+  return Status::Ok();
+}
+
 Status ReadExact(File& file, std::span<IoOp> ops, IoObserver* observer) {
   return TransferExact(file, ops, true, observer);
 }

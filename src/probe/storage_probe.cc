@@ -506,11 +506,7 @@ class NfsRunDirectory {
     return Status::IOError(fmt::format("no free name for the probe's directory in {}", parent));
   }
   ~NfsRunDirectory() {
-    if (keep_) return;
-    if (auto entries = env_->List(path_); entries.ok()) {
-      for (const DirEntry& e : *entries) (void)env_->Unlink(path_ + "/" + e.name);
-    }
-    (void)env_->RemoveDir(path_);
+    if (!keep_) (void)RemoveTree(*env_, path_);
   }
   const std::string& path() const { return path_; }
 

@@ -1,13 +1,13 @@
 #include "probe/storage_probe.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
-
-#include <gtest/gtest.h>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "kvtier/io.h"
@@ -83,7 +83,8 @@ TEST(StorageProbe, MeasuresEveryPhaseAndCleansUp) {
     EXPECT_LT(report->o_direct.resident_fraction, 0.02);
   }
   auto json = nlohmann::json::parse(StorageProbeReportToJson(*report));
-  for (const char* key : {"readers", "control_GBps", "buffered_read_GBps", "write_GBps", "o_direct"}) {
+  for (const char* key :
+       {"readers", "control_GBps", "buffered_read_GBps", "write_GBps", "o_direct"}) {
     EXPECT_TRUE(json.contains(key)) << key;
   }
   ASSERT_EQ(json["readers"].size(), 2u);
@@ -127,13 +128,14 @@ TEST(StorageProbe, MeasuresPageCacheResidencyOfFiles) {
   EXPECT_EQ(r.resident_bytes, 10000u);
 }
 
-TEST(StorageProbe, DetectsBytesItDidNotWrite) {
-  testing::TempDir dir("probe");
-  auto options = SmallOptions(dir.path());
-  options.progress = [&](const std::string& line) {
+// A progress hook that, as the read phases start, zeroes a sector of pool file 1 in the run
+// directory under `local_parent` (this host's view of the probed directory): something else
+// rewriting a file behind the probe's back, which its stamps must catch.
+std::function<void(const std::string&)> RewritePoolFileWhenReading(
+    const std::string& local_parent) {
+  return [local_parent](const std::string& line) {
     if (line.rfind("reading", 0) != 0) return;
-    // Something else rewrites a pool file behind the probe's back.
-    const std::string victim = RunDir(dir.path()) + "/pool-00001";
+    const std::string victim = RunDir(local_parent) + "/pool-00001";
     int fd = ::open(victim.c_str(), O_WRONLY);
     ASSERT_GE(fd, 0);
     std::vector<char> zeros(4096, 0);
@@ -141,10 +143,19 @@ TEST(StorageProbe, DetectsBytesItDidNotWrite) {
     ::fsync(fd);
     ::close(fd);
   };
-  auto report = RunStorageProbe(options);
+}
+
+void ExpectCorruptionOfPoolFile1(const Result<StorageProbeReport>& report) {
   ASSERT_FALSE(report.ok());
   EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
   EXPECT_NE(report.status().message().find("pool-00001"), std::string::npos);
+}
+
+TEST(StorageProbe, DetectsBytesItDidNotWrite) {
+  testing::TempDir dir("probe");
+  auto options = SmallOptions(dir.path());
+  options.progress = RewritePoolFileWhenReading(dir.path());
+  ExpectCorruptionOfPoolFile1(RunStorageProbe(options));
   EXPECT_EQ(Entries(dir.path()), 0u);
 }
 
@@ -268,23 +279,9 @@ TEST(StorageProbeNfs, OneConnectionForManyReaders) {
 TEST(StorageProbeNfs, DetectsBytesItDidNotWrite) {
   KVTIER_NFS_TEST_DIR(dir, "probe-nfs");
   auto options = SmallOptions(dir->url());
-  const std::string local = dir->local();
-  options.progress = [&](const std::string& line) {
-    if (line.rfind("reading", 0) != 0) return;
-    // Something on the server rewrites a pool file behind the probe's back.
-    const std::string victim = RunDir(local) + "/pool-00001";
-    int fd = ::open(victim.c_str(), O_WRONLY);
-    ASSERT_GE(fd, 0);
-    std::vector<char> zeros(4096, 0);
-    ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), 8192), 4096);
-    ::fsync(fd);
-    ::close(fd);
-  };
-  auto report = RunStorageProbe(options);
-  ASSERT_FALSE(report.ok());
-  EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
-  EXPECT_NE(report.status().message().find("pool-00001"), std::string::npos);
-  EXPECT_EQ(Entries(local), 0u);
+  options.progress = RewritePoolFileWhenReading(dir->local());  // the server's side
+  ExpectCorruptionOfPoolFile1(RunStorageProbe(options));
+  EXPECT_EQ(Entries(dir->local()), 0u);
 }
 
 TEST(StorageProbeNfs, StopsWhenAskedAndCleansUp) {

@@ -192,8 +192,9 @@ int RunBenchTier(const BenchTierArgs& a) {
   if (a.repeats < 1) return fail("--repeats must be positive");
   auto engine = ParseIoEngineKind(a.io_engine);
   if (!engine.ok()) return fail(engine.status().message());
-  // On NFS (nfs://, no kernel mount) the reference is libnfs's own whole-file calls, one
-  // connection per thread, and the tier gets as many connections as there are threads.
+  // On NFS (nfs://, no kernel mount) the reference is plain libnfs with every request of a file
+  // in flight (io::NfsRawClient), one connection per thread, and the tier gets as many
+  // connections as there are threads.
   const bool nfs = IsNfsUrl(a.dir);
   const int connections =
       a.nfs_connections > 0 ? a.nfs_connections : std::max(a.readers, a.writers);
@@ -234,12 +235,7 @@ int RunBenchTier(const BenchTierArgs& a) {
   struct Cleanup {
     Env* env;
     std::string dir;
-    ~Cleanup() {
-      if (auto list = env->List(dir); list.ok()) {
-        for (const DirEntry& e : *list) (void)env->Unlink(dir + "/" + e.name);
-      }
-      (void)env->RemoveDir(dir);
-    }
+    ~Cleanup() { (void)RemoveTree(*env, dir); }
   } cleanup{env, raw_dir};
 
   // The reference's plain writes and reads: O_DIRECT system calls, or libnfs's own calls.
@@ -459,8 +455,7 @@ int RunBenchTier(const BenchTierArgs& a) {
           "NFS: {} connections for the tier, one per thread for the reference; this client "
           "caches nothing, the server may serve reads from its memory\n",
           connections);
-    }
-    if (!nfs) {
+    } else {
       fmt::print("o_direct {}, io engine {}, page cache holding {} bytes of the files afterwards\n",
                  o_direct, io_engine_name, resident);
     }

@@ -361,30 +361,6 @@ Result<CacheDirSummary> SummarizeCacheDir(const std::string& root, Env* env_arg)
   return sum;
 }
 
-namespace {
-Status RemoveTree(Env* env, const std::string& path, PurgeReport* report) {
-  KVTIER_ASSIGN_OR_RETURN(auto entries, env->List(path));
-  for (const DirEntry& e : entries) {
-    const std::string child = fmt::format("{}/{}", path, e.name);
-    if (e.type == DirEntry::Type::kDirectory) {
-      KVTIER_RETURN_IF_ERROR(RemoveTree(env, child, report));
-      continue;
-    }
-    auto info = env->Stat(child);
-    Status s = env->Unlink(child);
-    if (s.IsNotFound()) continue;  // evicted by someone else meanwhile
-    KVTIER_RETURN_IF_ERROR(s);
-    ++report->files;
-    if (info.ok()) report->bytes += info->size;
-  }
-  Status s = env->RemoveDir(path);
-  if (s.IsNotFound()) return Status::Ok();
-  KVTIER_RETURN_IF_ERROR(s);
-  ++report->directories;
-  return Status::Ok();
-}
-}  // namespace
-
 Result<PurgeReport> PurgeCacheDir(const std::string& root, const std::string& namespace_id,
                                   Env* env_arg) {
   KVTIER_ASSIGN_OR_RETURN(EnvForPath holder, EnvFor(root, env_arg));
@@ -401,7 +377,11 @@ Result<PurgeReport> PurgeCacheDir(const std::string& root, const std::string& na
     if (!(IsNamespaceName(n.name) && n.type == DirEntry::Type::kDirectory)) continue;
     if (!namespace_id.empty() && n.name != namespace_id) continue;
     found = true;
-    KVTIER_RETURN_IF_ERROR(RemoveTree(env, fmt::format("{}/{}", root, n.name), &report));
+    RemovedCounts removed;
+    KVTIER_RETURN_IF_ERROR(RemoveTree(*env, fmt::format("{}/{}", root, n.name), &removed));
+    report.files += removed.files;
+    report.bytes += removed.bytes;
+    report.directories += removed.directories;
   }
   if (!namespace_id.empty() && !found) {
     return Status::NotFound(fmt::format("no namespace {} in {}", namespace_id, root));
