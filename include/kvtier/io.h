@@ -160,6 +160,12 @@ struct FileInfo {
   bool is_regular = false;
 };
 
+// A regular file found by Env::ListTree: its path relative to the listed directory ("a/b/c").
+struct TreeEntry {
+  std::string path;
+  FileInfo info;
+};
+
 class Env {
  public:
   virtual ~Env() = default;
@@ -197,6 +203,16 @@ class Env {
   virtual std::chrono::steady_clock::time_point Now() const {
     return std::chrono::steady_clock::now();
   }
+  // Every regular file below `dir`, at any depth, with its size and mtime, in no particular
+  // order; directories themselves are not listed. kNotFound if `dir` does not exist. This
+  // default walks List and Stat; an object store lists a whole prefix in a few requests.
+  virtual Result<std::vector<TreeEntry>> ListTree(const std::string& dir);
+  // False for a filesystem. True for an object store, whose files are objects: one written
+  // through this env stays invisible until File::Sync, which publishes it whole (a PUT) and
+  // atomically replaces any object of that name; a written file closed without Sync is
+  // discarded. A writer then writes to the final name directly: a temporary name and a rename
+  // would cost a second copy of the data on the server.
+  virtual bool publishes_at_sync() const { return false; }
 };
 
 // What RemoveTree removed.
@@ -254,15 +270,61 @@ bool NfsSupported();
 // prefix of the URL's path is exported, kUnimplemented in a build without libnfs.
 Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options);
 
+// An Env over an S3 bucket (or any S3-compatible object store), for directories given as
+// `s3://BUCKET[/PREFIX]`: the paths it takes are URLs under that one, objects stand for files
+// and key prefixes (up to a '/') for directories. docs/s3.md says how the file tier uses it.
+//
+// Configured the standard way, from the environment, unless the options say otherwise:
+// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN (optional), AWS_REGION (or
+// AWS_DEFAULT_REGION; us-east-1 when neither is set), AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL
+// (an on-premises server; AWS's regional endpoint when unset).
+//
+// Requests are signed with AWS Signature Version 4 and run through libcurl, `connections` at a
+// time over kept-alive connections. A read of a File is split into ranged GETs of
+// `part_bytes`, all in flight at once; a File written is kept in memory and published by Sync:
+// one PUT up to `multipart_threshold`, a multipart upload of `part_bytes` parts (in parallel)
+// above. Open of a file for reading sends nothing: a missing object is the first read's
+// kNotFound (ENOENT). Unlink of a missing object succeeds (S3's DELETE cannot tell). Rename is
+// a server-side copy and a delete. CreateDirs, RemoveDir and SyncDir have nothing to do.
+// Throttling (503 SlowDown) and transient server errors are retried with backoff within
+// `request_timeout`; a request that runs past it fails (ETIMEDOUT).
+struct S3EnvOptions {
+  std::string url;  // s3://BUCKET[/PREFIX]
+  // Empty: from the environment, as above.
+  std::string endpoint, region, access_key_id, secret_access_key, session_token;
+  // "path" (endpoint/BUCKET/KEY), "virtual" (BUCKET.endpoint/KEY), or "auto": path-style for
+  // an endpoint given by the user (on-premises servers), virtual-hosted for AWS.
+  std::string addressing = "auto";
+  int connections = 16;
+  size_t part_bytes = 8u << 20;
+  size_t multipart_threshold = 64u << 20;
+  std::chrono::milliseconds request_timeout{10000};
+  std::chrono::milliseconds connect_timeout{2000};
+  int max_retries = 4;
+};
+
+// True for `s3://...`.
+bool IsS3Url(std::string_view path);
+// Whether this build can speak S3 (it was built with libcurl and pugixml).
+bool S3Supported();
+// Checks the bucket with one listing request. Fails with kInvalidArgument (a malformed URL, no
+// credentials), kNotFound (no such bucket), kPermissionDenied (unknown key, wrong secret,
+// clock skew, expired token, access denied: the message says which), kUnavailable (nothing
+// answers at the endpoint), kUnimplemented in a build without S3.
+Result<std::unique_ptr<Env>> NewS3Env(const S3EnvOptions& options);
+
 // The Env for a directory given by the user: `fallback` (Env::Default() when null) for a local
-// path, a new NFS env (not shared, owned by the result) for an `nfs://` URL. The returned
-// pointer is valid as long as the result lives.
+// path, a new NFS or S3 env (not shared, owned by the result) for an `nfs://` or `s3://` URL,
+// with `connections` connections to the server. The returned pointer is valid as long as the
+// result lives.
 struct EnvForPath {
   Env* env = nullptr;
   std::unique_ptr<Env> owned;
 };
 Result<EnvForPath> OpenEnvForPath(const std::string& path, Env* fallback = nullptr,
-                                  int nfs_connections = 4);
+                                  int connections = 4);
+// True for a directory that OpenEnvForPath opens remotely (nfs:// or s3://).
+inline bool IsRemoteUrl(std::string_view path) { return IsNfsUrl(path) || IsS3Url(path); }
 
 // Probabilities (0..1) of each fault, drawn independently per operation from one seeded generator.
 struct FaultInjectionOptions {
@@ -329,6 +391,7 @@ class FaultInjectionEnv : public Env {
   Result<FileInfo> Stat(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
   std::chrono::steady_clock::time_point Now() const override;
+  bool publishes_at_sync() const override { return base_->publishes_at_sync(); }
 
  private:
   friend class FaultFile;

@@ -39,16 +39,22 @@ namespace kvtier {
 
 bool IsNfsUrl(std::string_view path) { return path.starts_with("nfs://"); }
 
-Result<EnvForPath> OpenEnvForPath(const std::string& path, Env* fallback, int nfs_connections) {
+Result<EnvForPath> OpenEnvForPath(const std::string& path, Env* fallback, int connections) {
   EnvForPath r;
-  if (!IsNfsUrl(path)) {
+  if (IsS3Url(path)) {
+    S3EnvOptions o;
+    o.url = path;
+    o.connections = connections;
+    KVTIER_ASSIGN_OR_RETURN(r.owned, NewS3Env(o));
+  } else if (IsNfsUrl(path)) {
+    NfsEnvOptions o;
+    o.url = path;
+    o.connections = connections;
+    KVTIER_ASSIGN_OR_RETURN(r.owned, NewNfsEnv(o));
+  } else {
     r.env = fallback != nullptr ? fallback : Env::Default();
     return r;
   }
-  NfsEnvOptions o;
-  o.url = path;
-  o.connections = nfs_connections;
-  KVTIER_ASSIGN_OR_RETURN(r.owned, NewNfsEnv(o));
   r.env = r.owned.get();
   return r;
 }

@@ -352,6 +352,35 @@ Status RemoveTree(Env& env, const std::string& dir, RemovedCounts* counts) {
   return Status::Ok();
 }
 
+namespace {
+Status ListTreeInto(Env& env, const std::string& dir, const std::string& rel,
+                    std::vector<TreeEntry>* out) {
+  KVTIER_ASSIGN_OR_RETURN(auto entries, env.List(dir));
+  for (const DirEntry& e : entries) {
+    const std::string child = fmt::format("{}/{}", dir, e.name);
+    const std::string child_rel = rel.empty() ? e.name : fmt::format("{}/{}", rel, e.name);
+    if (e.type == DirEntry::Type::kDirectory) {
+      Status s = ListTreeInto(env, child, child_rel, out);
+      if (!s.ok() && !s.IsNotFound()) return s;  // NotFound: removed meanwhile
+      continue;
+    }
+    auto info = env.Stat(child);
+    if (!info.ok()) {
+      if (info.status().IsNotFound()) continue;
+      return info.status();
+    }
+    if (info->is_regular) out->push_back({child_rel, *info});
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Result<std::vector<TreeEntry>> Env::ListTree(const std::string& dir) {
+  std::vector<TreeEntry> out;
+  KVTIER_RETURN_IF_ERROR(ListTreeInto(*this, dir, "", &out));
+  return out;
+}
+
 Status ReadExact(File& file, std::span<IoOp> ops, IoObserver* observer) {
   return TransferExact(file, ops, true, observer);
 }

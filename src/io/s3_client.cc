@@ -1,0 +1,543 @@
+// S3Client: libcurl's multi interface on one event-loop thread (see s3_client.h).
+#include "io/s3_client.h"
+
+#include <curl/curl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "common/strings.h"
+#include "pugixml.hpp"
+
+namespace kvtier::io {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// curl_global_init once per process, before any thread uses libcurl.
+void GlobalInit() {
+  static const bool done = [] {
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    return true;
+  }();
+  (void)done;
+}
+
+bool Retryable(const S3Response& r) {
+  if (r.http_status == 0) {
+    switch (r.curl_code) {
+      case CURLE_COULDNT_CONNECT:
+      case CURLE_SEND_ERROR:
+      case CURLE_RECV_ERROR:
+      case CURLE_GOT_NOTHING:
+      case CURLE_PARTIAL_FILE: return true;
+      default: return false;  // a timeout is final: the deadline has passed
+    }
+  }
+  return r.http_status == 500 || r.http_status == 502 || r.http_status == 503 ||
+         r.http_status == 504;
+}
+
+std::string_view Hint(std::string_view code) {
+  if (code == "InvalidAccessKeyId") {
+    return " (the server does not know this access key: check AWS_ACCESS_KEY_ID)";
+  }
+  if (code == "SignatureDoesNotMatch") {
+    return " (check AWS_SECRET_ACCESS_KEY and AWS_REGION)";
+  }
+  if (code == "RequestTimeTooSkewed") {
+    return " (this machine's clock is too far from the server's: synchronize it, e.g. with NTP)";
+  }
+  if (code == "ExpiredToken" || code == "InvalidToken" || code == "TokenRefreshRequired") {
+    return " (the session credentials are expired or wrong: renew AWS_SESSION_TOKEN)";
+  }
+  if (code == "NoSuchBucket") return " (create the bucket, or check the URL and AWS_ENDPOINT_URL)";
+  if (code == "AccessDenied") return " (the credentials lack permission for this bucket or key)";
+  if (code == "SlowDown") return " (the server kept throttling after every retry)";
+  return {};
+}
+
+}  // namespace
+
+std::string UriEncode(std::string_view s, bool keep_slash) {
+  std::string out;
+  out.reserve(s.size());
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' ||
+        (keep_slash && c == '/')) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += fmt::format("%{:02X}", c);
+    }
+  }
+  return out;
+}
+
+void ParseS3Error(std::string_view body, std::string* code, std::string* message) {
+  code->clear();
+  message->clear();
+  pugi::xml_document doc;
+  if (!doc.load_buffer(body.data(), body.size())) return;
+  pugi::xml_node e = doc.child("Error");
+  if (!e) return;
+  *code = e.child_value("Code");
+  *message = e.child_value("Message");
+}
+
+int64_t ParseHttpTime(std::string_view text) {
+  std::string s(text);
+  int y, mo, d, h, mi;
+  double sec;
+  if (std::sscanf(s.c_str(), "%4d-%2d-%2dT%2d:%2d:%lfZ", &y, &mo, &d, &h, &mi, &sec) == 6) {
+    std::tm tm{};
+    tm.tm_year = y - 1900, tm.tm_mon = mo - 1, tm.tm_mday = d;
+    tm.tm_hour = h, tm.tm_min = mi, tm.tm_sec = 0;
+    return static_cast<int64_t>(timegm(&tm)) * 1000000000 + static_cast<int64_t>(sec * 1e9);
+  }
+  time_t t = curl_getdate(s.c_str(), nullptr);
+  return t < 0 ? 0 : static_cast<int64_t>(t) * 1000000000;
+}
+
+int S3Response::Errno() const {
+  if (ok()) return 0;
+  if (timed_out) return ETIMEDOUT;
+  if (http_status == 0) return curl_code == CURLE_COULDNT_CONNECT ? ECONNREFUSED : EIO;
+  if (http_status == 404) return ENOENT;
+  if (http_status == 403) return EACCES;
+  if (http_status == 503) return EAGAIN;
+  return EIO;
+}
+
+std::string S3Response::Describe(const S3Request& request, const std::string& bucket) const {
+  std::string what = fmt::format("{} s3://{}/{}", request.method, bucket, request.key);
+  if (http_status == 0) {
+    return fmt::format("{}: {}{}", what, timed_out ? "no answer before the deadline: " : "",
+                       curl_error.empty() ? curl_easy_strerror(static_cast<CURLcode>(curl_code))
+                                          : curl_error);
+  }
+  std::string s = fmt::format("{}: HTTP {}", what, http_status);
+  if (!error_code.empty()) s += fmt::format(" {}", error_code);
+  if (!error_message.empty()) s += fmt::format(": {}", error_message);
+  s += Hint(error_code);
+  if (attempts > 1) s += fmt::format(" [{} attempts]", attempts);
+  return s;
+}
+
+Status S3Response::ToStatus(const S3Request& request, const std::string& bucket) const {
+  std::string msg = Describe(request, bucket);
+  if (timed_out) return Status::Timeout(std::move(msg));
+  if (http_status == 0) return Status::Unavailable(std::move(msg));
+  if (http_status == 404) return Status::NotFound(std::move(msg));
+  if (http_status == 403) return Status::PermissionDenied(std::move(msg));
+  if (http_status == 503) return Status::Unavailable(std::move(msg));
+  return Status::IOError(std::move(msg));
+}
+
+// The event loop. Transfers are handed to it through `incoming_`; it alone touches the multi
+// handle and the easy handles.
+class S3Client::Loop {
+ public:
+  // What Execute waits on.
+  struct Batch {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<size_t> finished;
+    size_t remaining = 0;
+  };
+  // One request from its first attempt to its answer.
+  struct Transfer {
+    const S3Request* req = nullptr;
+    S3Response* resp = nullptr;
+    Batch* batch = nullptr;
+    size_t index = 0;
+    std::string url;
+    Clock::time_point deadline;
+    Clock::time_point not_before;  // of a retry
+    // Per attempt:
+    CURL* easy = nullptr;
+    curl_slist* headers = nullptr;
+    uint64_t upload_pos = 0;
+    uint64_t skip = 0;  // bytes of a 200 answer to a ranged GET before the range
+    char errbuf[CURL_ERROR_SIZE] = {};
+  };
+
+  explicit Loop(const S3ClientConfig& config) : config_(config) {
+    multi_ = curl_multi_init();
+    curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, long{config.max_connections});
+    curl_multi_setopt(multi_, CURLMOPT_MAX_TOTAL_CONNECTIONS, long{config.max_connections});
+    curl_multi_setopt(multi_, CURLMOPT_MAXCONNECTS, long{config.max_connections});
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Loop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    curl_multi_wakeup(multi_);
+    thread_.join();
+    for (CURL* e : idle_) curl_easy_cleanup(e);
+    curl_multi_cleanup(multi_);
+  }
+
+  void Submit(std::span<Transfer> transfers) {
+    {
+      std::lock_guard lock(mu_);
+      for (Transfer& t : transfers) incoming_.push_back(&t);
+    }
+    curl_multi_wakeup(multi_);
+  }
+
+  S3ClientCounters counters() const {
+    S3ClientCounters c;
+    c.requests = requests_.load(), c.retries = retries_.load(), c.throttled = throttled_.load();
+    c.timeouts = timeouts_.load(), c.failures = failures_.load();
+    c.bytes_sent = bytes_sent_.load(), c.bytes_received = bytes_received_.load();
+    return c;
+  }
+
+ private:
+  void Run() {
+    std::vector<Transfer*> starting;
+    for (;;) {
+      bool stopping;
+      {
+        std::lock_guard lock(mu_);
+        starting.swap(incoming_);
+        stopping = stop_;
+      }
+      if (stopping) {
+        for (Transfer* t : starting) Cancel(t);
+        for (Transfer* t : retrying_) Cancel(t);
+        for (Transfer* t : active_) {
+          curl_multi_remove_handle(multi_, t->easy);
+          Release(t);
+          Cancel(t);
+        }
+        return;
+      }
+      for (Transfer* t : starting) Start(t);
+      starting.clear();
+      const auto now = Clock::now();
+      auto next_retry = Clock::time_point::max();
+      for (auto it = retrying_.begin(); it != retrying_.end();) {
+        if ((*it)->not_before <= now) {
+          Start(*it);
+          it = retrying_.erase(it);
+        } else {
+          next_retry = std::min(next_retry, (*it)->not_before);
+          ++it;
+        }
+      }
+      int running = 0;
+      curl_multi_perform(multi_, &running);
+      int left = 0;
+      while (CURLMsg* m = curl_multi_info_read(multi_, &left)) {
+        if (m->msg != CURLMSG_DONE) continue;
+        Transfer* t = nullptr;
+        curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, &t);
+        Done(t, m->data.result);
+      }
+      int wait_ms = 100;
+      if (next_retry != Clock::time_point::max()) {
+        auto d = std::chrono::duration_cast<std::chrono::milliseconds>(next_retry - now).count();
+        wait_ms = static_cast<int>(std::clamp<int64_t>(d, 0, wait_ms));
+      }
+      curl_multi_poll(multi_, nullptr, 0, wait_ms, nullptr);
+    }
+  }
+
+  void Start(Transfer* t) {
+    S3Response& r = *t->resp;
+    ++r.attempts;
+    requests_.fetch_add(1);
+    const auto now = Clock::now();
+    if (r.attempts == 1) t->deadline = now + config_.request_timeout;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t->deadline - now);
+    r.http_status = 0, r.curl_code = 0, r.received = 0, r.content_length = -1;
+    r.object_size = -1, r.last_modified_ns = 0;
+    r.body.clear(), r.curl_error.clear(), r.etag.clear();
+    t->upload_pos = 0, t->skip = 0, t->errbuf[0] = 0;
+
+    CURL* e;
+    if (!idle_.empty()) {
+      e = idle_.back();
+      idle_.pop_back();
+      curl_easy_reset(e);
+    } else {
+      e = curl_easy_init();
+    }
+    t->easy = e;
+    const S3Request& q = *t->req;
+    curl_easy_setopt(e, CURLOPT_URL, t->url.c_str());
+    curl_easy_setopt(e, CURLOPT_PRIVATE, t);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    if (getenv("KVS3V")) curl_easy_setopt(e, CURLOPT_VERBOSE, 1L);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, t->errbuf);
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, long(config_.connect_timeout.count()));
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, long(std::max<int64_t>(1, left.count())));
+    curl_easy_setopt(e, CURLOPT_BUFFERSIZE, 512L << 10);
+    curl_easy_setopt(e, CURLOPT_UPLOAD_BUFFERSIZE, 2L << 20);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Loop::OnBody);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, t);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &Loop::OnHeader);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, t);
+    const std::string sigv4 = fmt::format("aws:amz:{}:s3", config_.region);
+    curl_easy_setopt(e, CURLOPT_AWS_SIGV4, sigv4.c_str());
+    curl_easy_setopt(e, CURLOPT_USERNAME, config_.access_key_id.c_str());
+    curl_easy_setopt(e, CURLOPT_PASSWORD, config_.secret_access_key.c_str());
+
+    curl_slist* h = nullptr;
+    h = curl_slist_append(h, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    if (!config_.session_token.empty()) {
+      h = curl_slist_append(h, fmt::format("x-amz-security-token: {}", config_.session_token).c_str());
+    }
+    if (q.has_range) {
+      const uint64_t last = q.range_offset + std::max<uint64_t>(q.download.size(), 1) - 1;
+      h = curl_slist_append(h, fmt::format("Range: bytes={}-{}", q.range_offset, last).c_str());
+    }
+    for (const std::string& line : q.headers) h = curl_slist_append(h, line.c_str());
+    t->headers = h;
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
+
+    if (q.method == "HEAD") {
+      curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
+    } else if (q.method == "PUT") {
+      curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
+      curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, curl_off_t(q.upload.size()));
+      curl_easy_setopt(e, CURLOPT_READFUNCTION, &Loop::OnUpload);
+      curl_easy_setopt(e, CURLOPT_READDATA, t);
+      // Send the body at once rather than wait for a 100 Continue that some servers never send.
+      // (Removing the Expect header instead would break the signature: curl 7.88 signs it.)
+      curl_easy_setopt(e, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
+    } else if (q.method == "POST") {
+      curl_easy_setopt(e, CURLOPT_POST, 1L);
+      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, curl_off_t(q.upload.size()));
+      curl_easy_setopt(e, CURLOPT_POSTFIELDS,
+                       q.upload.empty() ? "" : reinterpret_cast<const char*>(q.upload.data()));
+    } else if (q.method != "GET") {
+      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, q.method.c_str());
+    }
+    curl_multi_add_handle(multi_, e);
+    active_.push_back(t);
+  }
+
+  // Frees the attempt's handle (kept for reuse) and header list.
+  void Release(Transfer* t) {
+    curl_slist_free_all(t->headers);
+    t->headers = nullptr;
+    idle_.push_back(t->easy);
+    t->easy = nullptr;
+    std::erase(active_, t);
+  }
+
+  void Done(Transfer* t, CURLcode code) {
+    S3Response& r = *t->resp;
+    long status = 0;
+    curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &status);
+    curl_multi_remove_handle(multi_, t->easy);
+    Release(t);
+    r.curl_code = code;
+    r.http_status = code == CURLE_OK ? status : 0;
+    if (code != CURLE_OK) {
+      r.curl_error = t->errbuf[0] != 0 ? t->errbuf : curl_easy_strerror(code);
+      r.timed_out = code == CURLE_OPERATION_TIMEDOUT;
+      if (r.timed_out) timeouts_.fetch_add(1);
+    }
+    if (r.http_status >= 300) ParseS3Error(r.body, &r.error_code, &r.error_message);
+    if (r.http_status == 503) throttled_.fetch_add(1);
+    if (!r.ok() && Retryable(r) && r.attempts <= config_.max_retries) {
+      // Exponential backoff with jitter, within the deadline.
+      std::uniform_real_distribution<double> jitter(0.5, 1.5);
+      const auto delay = std::chrono::duration_cast<Clock::duration>(
+          config_.retry_base_delay * (1 << std::min(r.attempts - 1, 10)) * jitter(rng_));
+      t->not_before = Clock::now() + delay;
+      if (t->not_before < t->deadline) {
+        retries_.fetch_add(1);
+        retrying_.push_back(t);
+        return;
+      }
+    }
+    if (!r.ok()) failures_.fetch_add(1);
+    bytes_sent_.fetch_add(t->upload_pos + (t->req->method == "POST" ? t->req->upload.size() : 0));
+    bytes_received_.fetch_add(r.received);
+    Finish(t);
+  }
+
+  static void Finish(Transfer* t) {
+    Batch& b = *t->batch;
+    std::lock_guard lock(b.mu);
+    b.finished.push_back(t->index);
+    --b.remaining;
+    b.cv.notify_all();
+  }
+
+  void Cancel(Transfer* t) {
+    t->resp->http_status = 0;
+    t->resp->curl_code = CURLE_ABORTED_BY_CALLBACK;
+    t->resp->curl_error = "the S3 client is shutting down";
+    Finish(t);
+  }
+
+  static size_t OnBody(char* data, size_t size, size_t n, void* user) {
+    auto* t = static_cast<Transfer*>(user);
+    S3Response& r = *t->resp;
+    const size_t len = size * n;
+    long status = 0;
+    curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &status);
+    const S3Request& q = *t->req;
+    if (status >= 300 || q.download.empty()) {
+      if (r.body.size() < (16u << 20)) r.body.append(data, len);
+      return len;
+    }
+    size_t off = 0;
+    if (status == 200 && q.has_range && t->skip < q.range_offset) {  // range ignored
+      off = static_cast<size_t>(std::min<uint64_t>(len, q.range_offset - t->skip));
+      t->skip += off;
+    }
+    const size_t room = q.download.size() - std::min<size_t>(r.received, q.download.size());
+    const size_t take = std::min(len - off, room);
+    std::memcpy(q.download.data() + r.received, data + off, take);
+    r.received += take;
+    return len;
+  }
+
+  static size_t OnUpload(char* buf, size_t size, size_t n, void* user) {
+    auto* t = static_cast<Transfer*>(user);
+    std::span<const uint8_t> src = t->req->upload;
+    const size_t take = std::min<size_t>(size * n, src.size() - t->upload_pos);
+    std::memcpy(buf, src.data() + t->upload_pos, take);
+    t->upload_pos += take;
+    return take;
+  }
+
+  static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
+    auto* t = static_cast<Transfer*>(user);
+    S3Response& r = *t->resp;
+    std::string_view line(data, size * n);
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.remove_suffix(1);
+    if (line.starts_with("HTTP/")) {  // a new answer (after a 100 Continue, say)
+      r.content_length = -1, r.object_size = -1, r.last_modified_ns = 0;
+      return size * n;
+    }
+    const size_t colon = line.find(':');
+    if (colon == std::string_view::npos) return size * n;
+    const std::string name = Lower(line.substr(0, colon));
+    std::string_view value = line.substr(colon + 1);
+    while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+    long status = 0;
+    curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &status);
+    if (name == "content-length") {
+      r.content_length = std::strtoll(std::string(value).c_str(), nullptr, 10);
+      if (status == 200) r.object_size = r.content_length;
+    } else if (name == "content-range") {
+      const size_t slash = value.rfind('/');
+      if (slash != std::string_view::npos && value.substr(slash + 1) != "*") {
+        r.object_size = std::strtoll(std::string(value.substr(slash + 1)).c_str(), nullptr, 10);
+      }
+    } else if (name == "last-modified") {
+      r.last_modified_ns = ParseHttpTime(value);
+    } else if (name == "etag") {
+      r.etag = std::string(value);
+    }
+    return size * n;
+  }
+
+  const S3ClientConfig& config_;
+  CURLM* multi_ = nullptr;
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<Transfer*> incoming_;
+  bool stop_ = false;
+  // Loop thread only:
+  std::vector<Transfer*> active_, retrying_;
+  std::vector<CURL*> idle_;
+  std::mt19937_64 rng_{std::random_device{}()};
+  std::atomic<uint64_t> requests_{0}, retries_{0}, throttled_{0}, timeouts_{0}, failures_{0};
+  std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0};
+};
+
+S3Client::S3Client(const S3ClientConfig& config) : config_(config) {}
+
+S3Client::~S3Client() = default;
+
+Result<std::unique_ptr<S3Client>> S3Client::Create(const S3ClientConfig& config) {
+  if (config.endpoint.empty() || config.bucket.empty() || config.region.empty()) {
+    return Status::InvalidArgument("S3 client: endpoint, bucket and region are required");
+  }
+  if (config.max_connections < 1 || config.max_connections > 1024) {
+    return Status::InvalidArgument(
+        fmt::format("S3 connections {} out of range [1, 1024]", config.max_connections));
+  }
+  GlobalInit();
+  std::unique_ptr<S3Client> c(new S3Client(config));
+  c->loop_ = std::make_unique<Loop>(c->config_);
+  return c;
+}
+
+std::string S3Client::Url(const S3Request& request) const {
+  // The bucket itself is "/bucket" path-style (no trailing slash, as SDKs sign it), "/" else.
+  const std::string key = request.key.empty() ? "" : "/" + UriEncode(request.key, true);
+  std::string url;
+  if (config_.path_style) {
+    url = fmt::format("{}/{}{}", config_.endpoint, config_.bucket, key);
+  } else {
+    const size_t scheme = config_.endpoint.find("://");
+    url = fmt::format("{}://{}.{}{}", config_.endpoint.substr(0, scheme), config_.bucket,
+                      config_.endpoint.substr(scheme + 3), key.empty() ? "/" : key);
+  }
+  // SigV4 signs the query as given: sorted by name (std::map), names and values encoded.
+  char sep = '?';
+  for (const auto& [name, value] : request.query) {
+    url += fmt::format("{}{}={}", sep, UriEncode(name, false), UriEncode(value, false));
+    sep = '&';
+  }
+  return url;
+}
+
+void S3Client::Execute(std::span<S3Request> requests, std::span<S3Response> responses,
+                       const std::function<void(size_t)>& progress) {
+  Loop::Batch batch;
+  batch.remaining = requests.size();
+  std::vector<Loop::Transfer> transfers(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    responses[i] = S3Response{};
+    Loop::Transfer& t = transfers[i];
+    t.req = &requests[i], t.resp = &responses[i], t.batch = &batch, t.index = i;
+    t.url = Url(requests[i]);
+  }
+  loop_->Submit(transfers);
+  std::unique_lock lock(batch.mu);
+  for (;;) {
+    batch.cv.wait(lock, [&] { return !batch.finished.empty() || batch.remaining == 0; });
+    while (!batch.finished.empty()) {
+      const size_t i = batch.finished.front();
+      batch.finished.pop_front();
+      if (progress) {
+        lock.unlock();
+        progress(i);
+        lock.lock();
+      }
+    }
+    if (batch.remaining == 0) break;
+  }
+}
+
+S3Response S3Client::Execute(S3Request& request) {
+  S3Response r;
+  Execute(std::span<S3Request>(&request, 1), std::span<S3Response>(&r, 1));
+  return r;
+}
+
+S3ClientCounters S3Client::counters() const { return loop_->counters(); }
+
+}  // namespace kvtier::io

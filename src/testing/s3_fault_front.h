@@ -1,0 +1,129 @@
+// S3FaultFront: an HTTP front on loopback that passes requests to a real S3 server unchanged
+// (same Host header, so the client's signature still verifies there) and answers some of them
+// itself the way S3 does when it throttles (503 SlowDown), refuses a skewed clock (403
+// RequestTimeTooSkewed) or hangs. The loopback server checks signatures but neither throttles
+// nor checks clocks; this is how the client's handling of those answers is tested.
+#pragma once
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace kvtier::testing {
+
+class S3FaultFront {
+ public:
+  enum class Mode { kPass, kSlowDown, kSkewedClock, kHang };
+
+  // `upstream`: http://HOST:PORT of the real server.
+  explicit S3FaultFront(const std::string& upstream) : upstream_(upstream) {
+    auto handler = [this](const httplib::Request& req, httplib::Response& res) {
+      Handle(req, res);
+    };
+    server_.Get(".*", handler);
+    server_.Put(".*", handler);
+    server_.Post(".*", handler);
+    server_.Delete(".*", handler);
+    server_.set_payload_max_length(1ull << 32);
+    port_ = server_.bind_to_any_port("127.0.0.1");
+    thread_ = std::thread([this] { server_.listen_after_bind(); });
+    while (!server_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ~S3FaultFront() {
+    mode_ = Mode::kPass;
+    server_.stop();
+    thread_.join();
+  }
+
+  std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  // The next `count` requests (all of them for -1) are answered per `mode`; then pass.
+  void Inject(Mode mode, int count = -1, std::chrono::milliseconds hang = std::chrono::seconds(3)) {
+    hang_ms_ = static_cast<int>(hang.count());
+    remaining_ = count;
+    mode_ = mode;
+  }
+  int requests() const { return requests_.load(); }
+  int injected() const { return injected_.load(); }
+
+ private:
+  void Handle(const httplib::Request& req, httplib::Response& res) {
+    requests_.fetch_add(1);
+    Mode mode = mode_.load();
+    if (mode != Mode::kPass) {
+      int left = remaining_.load();
+      if (left == 0) {
+        mode = Mode::kPass;
+      } else if (left > 0) {
+        remaining_.fetch_sub(1);
+      }
+    }
+    if (mode == Mode::kSlowDown) {
+      injected_.fetch_add(1);
+      res.status = 503;
+      res.set_content(
+          "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please "
+          "reduce your request rate.</Message></Error>",
+          "application/xml");
+      return;
+    }
+    if (mode == Mode::kSkewedClock) {
+      injected_.fetch_add(1);
+      res.status = 403;
+      res.set_content(
+          "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>RequestTimeTooSkewed</Code>"
+          "<Message>The difference between the request time and the current time is too "
+          "large.</Message></Error>",
+          "application/xml");
+      return;
+    }
+    if (mode == Mode::kHang) {
+      injected_.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_.load()));
+    }
+    httplib::Client up(upstream_);
+    up.set_read_timeout(std::chrono::seconds(30));
+    httplib::Request fwd;
+    fwd.method = req.method;
+    fwd.path = req.target;
+    for (const auto& [name, value] : req.headers) {
+      if (name == "Content-Length" || name == "Connection" || name == "Expect" ||
+          name == "Transfer-Encoding" || name == "REMOTE_ADDR" || name == "REMOTE_PORT" ||
+          name == "LOCAL_ADDR" || name == "LOCAL_PORT") {
+        continue;
+      }
+      fwd.headers.emplace(name, value);
+    }
+    fwd.body = req.body;
+    httplib::Response up_res;
+    httplib::Error err;
+    if (!up.send(fwd, up_res, err)) {
+      res.status = 502;
+      return;
+    }
+    res.status = up_res.status;
+    std::string type = "application/octet-stream";
+    for (const auto& [name, value] : up_res.headers) {
+      if (name == "Content-Length" || name == "Connection" || name == "Transfer-Encoding") continue;
+      if (name == "Content-Type" || name == "content-type") {
+        type = value;
+        continue;
+      }
+      res.set_header(name, value);
+    }
+    res.set_content(up_res.body, type);
+  }
+
+  const std::string upstream_;
+  httplib::Server server_;
+  int port_ = 0;
+  std::thread thread_;
+  std::atomic<Mode> mode_{Mode::kPass};
+  std::atomic<int> remaining_{0}, hang_ms_{3000};
+  std::atomic<int> requests_{0}, injected_{0};
+};
+
+}  // namespace kvtier::testing
