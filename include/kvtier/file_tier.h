@@ -59,7 +59,9 @@
 namespace kvtier {
 
 struct FileTierOptions {
-  std::string root;  // cache directory (created if absent): a local path or nfs://HOST/EXPORT/PATH
+  // The cache directory (created if absent): a local path, nfs://HOST/EXPORT/PATH (docs/
+  // file-format.md, "On NFS") or s3://BUCKET/PREFIX (docs/s3.md).
+  std::string root;
   KeyNamespace ns;   // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
   uint64_t chunk_bytes = 0;     // REQUIRED: payload bytes of every chunk in this namespace
   uint64_t capacity_bytes = 0;  // 0 = unlimited; counts whole files (header and padding included)
@@ -77,7 +79,8 @@ struct FileTierOptions {
   // nullptr = an env of our own: POSIX, or NFS (NewNfsEnv) for an nfs:// root. Tests pass a
   // fault-injecting one, which must outlive the tier and any operation it abandons at shutdown.
   Env* env = nullptr;
-  int nfs_connections = 4;  // an nfs:// root with env null: TCP connections to the server
+  // An nfs:// or s3:// root with env null: connections to the server (0: 4 for NFS, 16 for S3).
+  int connections = 0;
   // An asynchronous read or write running longer than this is stalled (see above). 0 = never:
   // Drain and the destructor wait for every operation, however long.
   std::chrono::milliseconds stall_timeout{5000};

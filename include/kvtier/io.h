@@ -160,7 +160,7 @@ struct FileInfo {
   bool is_regular = false;
 };
 
-// A regular file found by Env::ListTree: its path relative to the listed directory ("a/b/c").
+// A file found by Env::ListTree: its path relative to the listed directory ("a/b/c").
 struct TreeEntry {
   std::string path;
   FileInfo info;
@@ -203,8 +203,8 @@ class Env {
   virtual std::chrono::steady_clock::time_point Now() const {
     return std::chrono::steady_clock::now();
   }
-  // Every regular file below `dir`, at any depth, with its size and mtime, in no particular
-  // order; directories themselves are not listed. kNotFound if `dir` does not exist. This
+  // Every file below `dir` that is not a directory (a FIFO, say, with is_regular false), at any
+  // depth, with its size and mtime, in no particular order. kNotFound if `dir` does not exist. This
   // default walks List and Stat; an object store lists a whole prefix in a few requests.
   virtual Result<std::vector<TreeEntry>> ListTree(const std::string& dir);
   // False for a filesystem. True for an object store, whose files are objects: one written

@@ -369,7 +369,7 @@ Status ListTreeInto(Env& env, const std::string& dir, const std::string& rel,
       if (info.status().IsNotFound()) continue;
       return info.status();
     }
-    if (info->is_regular) out->push_back({child_rel, *info});
+    out->push_back({child_rel, *info});
   }
   return Status::Ok();
 }

@@ -67,6 +67,16 @@ std::string_view Hint(std::string_view code) {
   return {};
 }
 
+// Refusals of the credentials, whatever their HTTP status (a bad token is a 400).
+bool CredentialsRefused(const S3Response& r) {
+  static constexpr std::string_view kCodes[] = {
+      "AccessDenied",         "InvalidAccessKeyId", "SignatureDoesNotMatch", "RequestTimeTooSkewed",
+      "ExpiredToken",         "InvalidToken",       "TokenRefreshRequired",  "InvalidSecurity",
+      "AuthorizationHeaderMalformed"};
+  return r.http_status == 403 ||
+         std::find(std::begin(kCodes), std::end(kCodes), r.error_code) != std::end(kCodes);
+}
+
 }  // namespace
 
 std::string UriEncode(std::string_view s, bool keep_slash) {
@@ -113,7 +123,7 @@ int S3Response::Errno() const {
   if (timed_out) return ETIMEDOUT;
   if (http_status == 0) return curl_code == CURLE_COULDNT_CONNECT ? ECONNREFUSED : EIO;
   if (http_status == 404) return ENOENT;
-  if (http_status == 403) return EACCES;
+  if (CredentialsRefused(*this)) return EACCES;
   if (http_status == 503) return EAGAIN;
   return EIO;
 }
@@ -138,7 +148,7 @@ Status S3Response::ToStatus(const S3Request& request, const std::string& bucket)
   if (timed_out) return Status::Timeout(std::move(msg));
   if (http_status == 0) return Status::Unavailable(std::move(msg));
   if (http_status == 404) return Status::NotFound(std::move(msg));
-  if (http_status == 403) return Status::PermissionDenied(std::move(msg));
+  if (CredentialsRefused(*this)) return Status::PermissionDenied(std::move(msg));
   if (http_status == 503) return Status::Unavailable(std::move(msg));
   return Status::IOError(std::move(msg));
 }

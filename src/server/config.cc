@@ -102,28 +102,43 @@ Result<L2Spec> L2FromJson(const json& j) {
                       k));
     }
   }
-  if (spec.type != "fs" && spec.type != "nfs") {
-    return Status::InvalidArgument(
-        fmt::format("unsupported L2 type \"{}\" (supported: \"fs\", \"nfs\")", spec.type));
+  if (spec.type != "fs" && spec.type != "nfs" && spec.type != "s3") {
+    return Status::InvalidArgument(fmt::format(
+        "unsupported L2 type \"{}\" (supported: \"fs\", \"nfs\", \"s3\")", spec.type));
   }
   if (!has_path || spec.path.empty()) {
-    return Status::InvalidArgument(spec.type == "nfs"
-                                       ? "an nfs L2 tier needs a \"url\" (nfs://HOST/EXPORT/PATH)"
-                                       : "an fs L2 tier needs a \"path\"");
+    return Status::InvalidArgument(
+        spec.type == "nfs"  ? "an nfs L2 tier needs a \"url\" (nfs://HOST/EXPORT/PATH)"
+        : spec.type == "s3" ? "an s3 L2 tier needs a \"url\" (s3://BUCKET/PREFIX)"
+                            : "an fs L2 tier needs a \"path\"");
   }
   if (spec.type == "nfs" && !IsNfsUrl(spec.path)) {
     return Status::InvalidArgument(
         fmt::format("an nfs L2 tier's url must be nfs://HOST/EXPORT[/PATH], not '{}'", spec.path));
   }
+  if (spec.type == "s3" && !IsS3Url(spec.path)) {
+    return Status::InvalidArgument(
+        fmt::format("an s3 L2 tier's url must be s3://BUCKET[/PREFIX], not '{}'", spec.path));
+  }
+  // An fs tier given a URL speaks its protocol too.
   if (IsNfsUrl(spec.path)) {
-    spec.type = "nfs";  // an fs tier given a URL speaks NFS too
+    spec.type = "nfs";
     if (!NfsSupported()) {
       return Status::Unimplemented(fmt::format(
           "L2 {}: this build of kvtier has no NFS client (built without libnfs)", spec.path));
     }
   }
-  if (spec.connections < 1 || spec.connections > 256) {
-    return Status::InvalidArgument("L2 \"connections\" must be in [1, 256]");
+  if (IsS3Url(spec.path)) {
+    spec.type = "s3";
+    if (!S3Supported()) {
+      return Status::Unimplemented(fmt::format(
+          "L2 {}: this build of kvtier has no S3 client (built without libcurl or pugixml)",
+          spec.path));
+    }
+  }
+  if (spec.connections < 0 || spec.connections > 256) {
+    return Status::InvalidArgument(
+        "L2 \"connections\" must be in [0, 256] (0: 4 for nfs, 16 for s3)");
   }
   if (!(spec.max_size_gb >= 0) || spec.max_size_gb > 1e6) {
     return Status::InvalidArgument("L2 \"max_size_gb\" must be in [0, 1e6] (0 = unlimited)");
@@ -308,7 +323,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.capacity_bytes = static_cast<uint64_t>(l2[0].max_size_gb * (1ull << 30));
     f.read_threads = l2[0].read_threads;
     f.write_threads = l2[0].write_threads;
-    f.nfs_connections = l2[0].connections;
+    f.connections = l2[0].connections;
     o.engine.file = f;
   }
 

@@ -19,9 +19,10 @@ namespace kvtier::server {
 // One lower tier: --l2 '{"type":"fs","path":...,"max_size_gb":...,"read_threads":...,
 // "write_threads":...}'.
 struct L2Spec {
-  std::string type = "fs";  // "fs": a local (or kernel-mounted) directory; "nfs": an nfs:// URL
+  // "fs": a local (or kernel-mounted) directory; "nfs": an nfs:// URL; "s3": an s3:// URL
+  std::string type = "fs";
   std::string path;         // the directory, or for "nfs" the URL (JSON key "url" or "path")
-  int connections = 4;      // "nfs": TCP connections to the server
+  int connections = 0;  // "nfs", "s3": connections to the server (0: 4 for nfs, 16 for s3)
   double max_size_gb = 0;   // 0 = unlimited
   int read_threads = 4;
   int write_threads = 2;

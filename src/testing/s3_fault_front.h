@@ -106,15 +106,30 @@ class S3FaultFront {
     }
     res.status = up_res.status;
     std::string type = "application/octet-stream";
+    std::string body = std::move(up_res.body);
+    if (up_res.status == 206 && req.ranges.size() == 1) {
+      // httplib cuts a request's range out of every answer it sends: hand it the object's
+      // bytes at their place in a body of the object's size (from "bytes a-b/SIZE"), so that
+      // its cut gives back what the upstream sent, under the right Content-Range.
+      const std::string range = up_res.get_header_value("Content-Range");
+      const uint64_t first = std::stoull(range.substr(range.find(' ') + 1));
+      const uint64_t size = std::stoull(range.substr(range.rfind('/') + 1));
+      std::string whole(size, '\0');
+      whole.replace(first, body.size(), body);
+      body = std::move(whole);
+    }
     for (const auto& [name, value] : up_res.headers) {
-      if (name == "Content-Length" || name == "Connection" || name == "Transfer-Encoding") continue;
+      if (name == "Content-Length" || name == "Connection" || name == "Transfer-Encoding" ||
+          name == "Content-Range" || name == "content-range") {
+        continue;
+      }
       if (name == "Content-Type" || name == "content-type") {
         type = value;
         continue;
       }
       res.set_header(name, value);
     }
-    res.set_content(up_res.body, type);
+    res.set_content(body, type);
   }
 
   const std::string upstream_;

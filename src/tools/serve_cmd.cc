@@ -88,8 +88,8 @@ int RunServe(ServeArgs& args) {
                      ? fmt::format("{:.1f} GiB", eo.file->capacity_bytes / double(1ull << 30))
                      : std::string("unlimited"),
                  eo.file->read_threads, eo.file->write_threads,
-                 IsNfsUrl(eo.file->root)
-                     ? fmt::format(", {} NFS connections", eo.file->nfs_connections)
+                 IsRemoteUrl(eo.file->root) && eo.file->connections > 0
+                     ? fmt::format(", {} connections", eo.file->connections)
                      : std::string());
   } else {
     spdlog::info("L2: none");

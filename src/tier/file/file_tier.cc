@@ -59,10 +59,15 @@ Status WriteSmallFileOnce(Env* env, const std::string& dir, std::string_view nam
                           const std::string& text) {
   const std::string path = fmt::format("{}/{}", dir, name);
   if (env->Stat(path).ok()) return Status::Ok();
-  const std::string tmp_path = fmt::format("{}/{}{}{}", dir, name, kTempInfix, UniqueSuffix());
+  // An object store publishes at Sync, whole: no temporary name to rename.
+  const bool direct_publish = env->publishes_at_sync();
+  const std::string tmp_path =
+      direct_publish ? path : fmt::format("{}/{}{}{}", dir, name, kTempInfix, UniqueSuffix());
   {
     OpenOptions o;
-    o.write = o.create = o.exclusive = true;
+    o.write = o.create = true;
+    o.exclusive = !direct_publish;
+    o.truncate = direct_publish;
     KVTIER_ASSIGN_OR_RETURN(auto file, env->Open(tmp_path, o));
     std::vector<uint8_t> bytes(text.begin(), text.end());
     IoOp op = IoOp::Write(0, bytes);
@@ -70,10 +75,11 @@ Status WriteSmallFileOnce(Env* env, const std::string& dir, std::string_view nam
     if (s.ok()) s = file->Sync();
     if (!s.ok()) {
       file.reset();
-      (void)env->Unlink(tmp_path);
+      if (!direct_publish) (void)env->Unlink(tmp_path);
       return s;
     }
   }
+  if (direct_publish) return Status::Ok();
   Status s = env->Rename(tmp_path, path);
   if (!s.ok()) (void)env->Unlink(tmp_path);
   return s;
@@ -309,10 +315,16 @@ class FileTier::Impl {
 Status FileTier::Impl::Init() {
   if (options_.env != nullptr) {
     env_ = options_.env;
+  } else if (IsS3Url(options_.root)) {
+    S3EnvOptions so;
+    so.url = options_.root;
+    if (options_.connections > 0) so.connections = options_.connections;
+    KVTIER_ASSIGN_OR_RETURN(owned_env_, NewS3Env(so));
+    env_ = owned_env_.get();
   } else if (IsNfsUrl(options_.root)) {
     NfsEnvOptions no;
     no.url = options_.root;
-    no.connections = options_.nfs_connections;
+    if (options_.connections > 0) no.connections = options_.connections;
     no.requests_in_flight = std::max(1, options_.io_queue_depth);
     KVTIER_ASSIGN_OR_RETURN(owned_env_, NewNfsEnv(no));
     env_ = owned_env_.get();
@@ -397,55 +409,43 @@ Status FileTier::Impl::ScanNamespace() {
   const int64_t grace_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(options_.temp_grace).count();
   uint64_t wrong_size = 0;
-  KVTIER_ASSIGN_OR_RETURN(auto level1, env_->List(ns_dir_));
-  for (const DirEntry& a : level1) {
-    if (a.type != DirEntry::Type::kDirectory || !IsHexByteName(a.name)) continue;
-    const std::string adir = fmt::format("{}/{}", ns_dir_, a.name);
-    auto level2 = env_->List(adir);
-    if (!level2.ok()) {
-      if (level2.status().IsNotFound()) continue;  // purged under us
-      return level2.status();
+  // One listing of the whole namespace (an object store lists a prefix in pages of 1,000;
+  // walking its 65,536 leaf folders one by one would take as many requests).
+  KVTIER_ASSIGN_OR_RETURN(auto tree, env_->ListTree(ns_dir_));
+  for (const TreeEntry& e : tree) {
+    // <aa>/<bb>/<name>
+    const size_t s1 = e.path.find('/'), s2 = e.path.find('/', s1 + 1);
+    if (s1 != 2 || s2 != 5 || e.path.find('/', s2 + 1) != std::string::npos) continue;
+    const std::string a = e.path.substr(0, 2), b = e.path.substr(3, 2), name = e.path.substr(6);
+    if (!IsHexByteName(a) || !IsHexByteName(b)) continue;
+    const bool chunk = IsChunkName(name), temp = !chunk && IsTempName(name);
+    if (!chunk && !temp) continue;
+    const std::string bdir = fmt::format("{}/{}/{}", ns_dir_, a, b);
+    {
+      std::lock_guard<std::mutex> lock(dirs_mu_);
+      leaf_dirs_.insert(bdir);
     }
-    for (const DirEntry& b : *level2) {
-      if (b.type != DirEntry::Type::kDirectory || !IsHexByteName(b.name)) continue;
-      const std::string bdir = fmt::format("{}/{}", adir, b.name);
-      auto files = env_->List(bdir);
-      if (!files.ok()) {
-        if (files.status().IsNotFound()) continue;
-        return files.status();
-      }
-      {
-        std::lock_guard<std::mutex> lock(dirs_mu_);
-        leaf_dirs_.insert(bdir);
-      }
-      for (const DirEntry& f : *files) {
-        const bool chunk = IsChunkName(f.name), temp = !chunk && IsTempName(f.name);
-        if (!chunk && !temp) continue;
-        const std::string path = fmt::format("{}/{}", bdir, f.name);
-        auto info = env_->Stat(path);
-        if (!info.ok()) continue;  // vanished since the listing: another host's eviction
-        if (temp) {
-          if (now_ns - info->mtime_ns > grace_ns) {
-            Status s = env_->Unlink(path);
-            if (s.ok()) {
-              stale_temps_removed_.fetch_add(1);
-            } else if (!s.IsNotFound()) {
-              spdlog::warn("file tier: removing stale temporary file {}: {}", path, s.ToString());
-            }
-          }
-          continue;
+    const std::string path = fmt::format("{}/{}", bdir, name);
+    if (temp) {
+      if (now_ns - e.info.mtime_ns > grace_ns) {
+        Status s = env_->Unlink(path);
+        if (s.ok()) {
+          stale_temps_removed_.fetch_add(1);
+        } else if (!s.IsNotFound()) {
+          spdlog::warn("file tier: removing stale temporary file {}: {}", path, s.ToString());
         }
-        if (f.name.compare(0, 4, a.name + b.name) != 0) {
-          ++wrong_size;  // a chunk in the wrong folder: never ours to serve
-          continue;
-        }
-        if (info->size != file_bytes_ || !info->is_regular) {
-          ++wrong_size;
-          continue;
-        }
-        found.push_back({ChunkKey::FromHex(f.name).value(), info->mtime_ns});
       }
+      continue;
     }
+    if (name.compare(0, 4, a + b) != 0) {
+      ++wrong_size;  // a chunk in the wrong folder: never ours to serve
+      continue;
+    }
+    if (e.info.size != file_bytes_ || !e.info.is_regular) {
+      ++wrong_size;
+      continue;
+    }
+    found.push_back({ChunkKey::FromHex(name).value(), e.info.mtime_ns});
   }
   if (wrong_size > 0) {
     foreign_.fetch_add(wrong_size);
@@ -575,9 +575,6 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
   }
   File& file = **opened;
   NoteDirect(file);
-  // The header records the payload's length, so a file of any other size than the one it
-  // implies is not a chunk as written (docs/file-format.md, check 1): judged after the header.
-  auto file_size = file.Size();
 
   // Plan the transfer: header block, then the payload straight into dst where alignment allows.
   ThreadScratch& scratch = tls_scratch;
@@ -620,6 +617,10 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     bounce_copies_.fetch_add(1);
   }
   Status s = ReadExact(file, ops, &hashing);
+  // The header records the payload's length, so a file of any other size than the one it
+  // implies is not a chunk as written (docs/file-format.md, check 1): judged after the header.
+  // Asked after the reads, which tell an object store's client the size as they go.
+  auto file_size = file.Size();
   if (s.code() == StatusCode::kCorruption) {
     // Shorter than a chunk of ours: truncated, or a chunk of another size (foreign)?
     IoOp op = IoOp::Read(0, scratch.header.span());
@@ -699,10 +700,17 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   const std::string hex = key.ToHex();
   const std::string dir = LeafDir(ns_dir_, hex);
   const std::string final_path = fmt::format("{}/{}", dir, hex);
-  const std::string tmp_path = fmt::format("{}/{}", dir, TempName(hex));
+  // An object store publishes the chunk whole at Sync (a PUT): written under its final name,
+  // with no temporary name and rename (a second copy on the server). Elsewhere the rename is
+  // what makes the publication atomic.
+  const bool direct_publish = env_->publishes_at_sync();
+  const std::string tmp_path =
+      direct_publish ? final_path : fmt::format("{}/{}", dir, TempName(hex));
   KVTIER_RETURN_IF_ERROR(EnsureLeafDir(dir, false));
   OpenOptions oo;
-  oo.write = oo.create = oo.exclusive = true;
+  oo.write = oo.create = true;
+  oo.exclusive = !direct_publish;
+  oo.truncate = direct_publish;
   oo.direct = options_.use_o_direct;
   auto opened = env_->Open(tmp_path, oo);
   if (opened.status().IsNotFound()) {  // the leaf folder was removed (purge) since we made it
@@ -716,7 +724,7 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   if (Status p = file->Preallocate(file_bytes_);
       !p.ok() && p.code() != StatusCode::kUnimplemented) {
     file.reset();
-    (void)env_->Unlink(tmp_path);
+    if (!direct_publish) (void)env_->Unlink(tmp_path);
     return p;
   }
 
@@ -771,8 +779,9 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
     IoOp header = IoOp::Write(0, scratch.header.span());
     s = WriteExact(*file, std::span<IoOp>(&header, 1));
   }
-  if (s.ok() && options_.sync_data) s = file->Sync();
-  file.reset();
+  if (s.ok() && (options_.sync_data || direct_publish)) s = file->Sync();
+  file.reset();  // unsynced, a publishing env's file is discarded
+  if (direct_publish) return s;
   if (s.ok()) s = env_->Rename(tmp_path, final_path);
   if (!s.ok()) {
     Status u = env_->Unlink(tmp_path);

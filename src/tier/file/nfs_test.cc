@@ -48,7 +48,7 @@ FileTierOptions Options(const std::string& root) {
   o.ns = testing::TestNamespace();
   o.chunk_bytes = kChunk;
   o.negative_cache_ttl = std::chrono::milliseconds(0);  // every miss looks at the directory
-  o.nfs_connections = 2;
+  o.connections = 2;
   return o;
 }
 
