@@ -100,6 +100,10 @@ struct OpenOptions {
   bool exclusive = false;  // with create: fail if the file exists
   bool truncate = false;
   bool direct = false;  // try O_DIRECT; buffered where refused (File::direct() says which)
+  // A promise: the buffers written from stay unchanged until the File is closed. A File that
+  // keeps what is written until it publishes it (an object store's) then uses them in place
+  // instead of copying them.
+  bool buffers_outlive_file = false;
 };
 
 // Optional hooks into File::Submit, called on the submitting thread so that CPU work (checksums)
@@ -280,8 +284,9 @@ Result<std::unique_ptr<Env>> NewNfsEnv(const NfsEnvOptions& options);
 // (an on-premises server; AWS's regional endpoint when unset).
 //
 // Requests are signed with AWS Signature Version 4 and run through libcurl, `connections` at a
-// time over kept-alive connections. A read of a File is split into ranged GETs of
-// `part_bytes`, all in flight at once; a File written is kept in memory and published by Sync:
+// time over kept-alive connections. A read of a File is one ranged GET, or several of
+// `part_bytes` in flight at once for a larger one; a File written is kept in memory and
+// published by Sync:
 // one PUT up to `multipart_threshold`, a multipart upload of `part_bytes` parts (in parallel)
 // above. Open of a file for reading sends nothing: a missing object is the first read's
 // kNotFound (ENOENT). Unlink of a missing object succeeds (S3's DELETE cannot tell). Rename is
@@ -296,8 +301,13 @@ struct S3EnvOptions {
   // an endpoint given by the user (on-premises servers), virtual-hosted for AWS.
   std::string addressing = "auto";
   int connections = 16;
-  size_t part_bytes = 8u << 20;
-  size_t multipart_threshold = 64u << 20;
+  // Reads: a File's reads that follow each other in the file are one range, fetched in ranged
+  // GETs of up to `part_bytes`, all at once. On AWS, where one connection moves roughly
+  // 100 MB/s, 8-16 MiB parts make a large object come back faster; a server that reads the
+  // whole object for every ranged GET (moto does) wants them as large as the objects.
+  // Writes: a multipart upload's part size.
+  size_t part_bytes = 64u << 20;
+  size_t multipart_threshold = 64u << 20;  // larger objects are uploaded in parts
   std::chrono::milliseconds request_timeout{10000};
   std::chrono::milliseconds connect_timeout{2000};
   int max_retries = 4;

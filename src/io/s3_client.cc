@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "common/strings.h"
+#include "kvtier/io.h"
 #include "pugixml.hpp"
 
 namespace kvtier::io {
@@ -31,6 +32,11 @@ void GlobalInit() {
     return true;
   }();
   (void)done;
+}
+
+std::string GetEnv(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string();
 }
 
 bool Retryable(const S3Response& r) {
@@ -161,9 +167,13 @@ class S3Client::Loop {
   struct Batch {
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<size_t> finished;
+    // In order: (request, true) when it is over, (request, false) when its download moved on by
+    // kProgressStep.
+    std::deque<std::pair<size_t, bool>> events;
     size_t remaining = 0;
+    bool wants_progress = false;
   };
+  static constexpr uint64_t kProgressStep = 4u << 20;
   // One request from its first attempt to its answer.
   struct Transfer {
     const S3Request* req = nullptr;
@@ -176,16 +186,21 @@ class S3Client::Loop {
     // Per attempt:
     CURL* easy = nullptr;
     curl_slist* headers = nullptr;
-    uint64_t upload_pos = 0;
+    uint64_t upload_pos = 0;                // bytes of the body sent so far
+    size_t upload_segment = 0, upload_offset = 0;  // where the next byte comes from
     uint64_t skip = 0;  // bytes of a 200 answer to a ranged GET before the range
+    uint64_t download_bytes = 0;
+    size_t segment = 0, segment_offset = 0;  // where the next downloaded byte goes
+    std::atomic<uint64_t> streamed{0};       // bytes downloaded by this attempt, for Execute
+    uint64_t announced = 0;                  // `streamed` when Execute was last told
     char errbuf[CURL_ERROR_SIZE] = {};
   };
 
-  explicit Loop(const S3ClientConfig& config) : config_(config) {
+  Loop(const S3ClientConfig& config, long connections) : config_(config) {
     multi_ = curl_multi_init();
-    curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, long{config.max_connections});
-    curl_multi_setopt(multi_, CURLMOPT_MAX_TOTAL_CONNECTIONS, long{config.max_connections});
-    curl_multi_setopt(multi_, CURLMOPT_MAXCONNECTS, long{config.max_connections});
+    curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, connections);
+    curl_multi_setopt(multi_, CURLMOPT_MAX_TOTAL_CONNECTIONS, connections);
+    curl_multi_setopt(multi_, CURLMOPT_MAXCONNECTS, connections);
     thread_ = std::thread([this] { Run(); });
   }
   ~Loop() {
@@ -199,10 +214,10 @@ class S3Client::Loop {
     curl_multi_cleanup(multi_);
   }
 
-  void Submit(std::span<Transfer> transfers) {
+  void Submit(Transfer* t) {
     {
       std::lock_guard lock(mu_);
-      for (Transfer& t : transfers) incoming_.push_back(&t);
+      incoming_.push_back(t);
     }
     curl_multi_wakeup(multi_);
   }
@@ -277,6 +292,10 @@ class S3Client::Loop {
     r.object_size = -1, r.last_modified_ns = 0;
     r.body.clear(), r.curl_error.clear(), r.etag.clear();
     t->upload_pos = 0, t->skip = 0, t->errbuf[0] = 0;
+    t->upload_segment = 0, t->upload_offset = 0;
+    t->segment = 0, t->segment_offset = 0, t->announced = 0;
+    t->streamed.store(0, std::memory_order_relaxed);
+    t->download_bytes = t->req->download_bytes();
 
     CURL* e;
     if (!idle_.empty()) {
@@ -312,7 +331,7 @@ class S3Client::Loop {
       h = curl_slist_append(h, fmt::format("x-amz-security-token: {}", config_.session_token).c_str());
     }
     if (q.has_range) {
-      const uint64_t last = q.range_offset + std::max<uint64_t>(q.download.size(), 1) - 1;
+      const uint64_t last = q.range_offset + std::max<uint64_t>(t->download_bytes, 1) - 1;
       h = curl_slist_append(h, fmt::format("Range: bytes={}-{}", q.range_offset, last).c_str());
     }
     for (const std::string& line : q.headers) h = curl_slist_append(h, line.c_str());
@@ -323,7 +342,7 @@ class S3Client::Loop {
       curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
     } else if (q.method == "PUT") {
       curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
-      curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, curl_off_t(q.upload.size()));
+      curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, curl_off_t(q.upload_bytes()));
       curl_easy_setopt(e, CURLOPT_READFUNCTION, &Loop::OnUpload);
       curl_easy_setopt(e, CURLOPT_READDATA, t);
       // Send the body at once rather than wait for a 100 Continue that some servers never send.
@@ -331,9 +350,10 @@ class S3Client::Loop {
       curl_easy_setopt(e, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
     } else if (q.method == "POST") {
       curl_easy_setopt(e, CURLOPT_POST, 1L);
-      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, curl_off_t(q.upload.size()));
+      const std::span<const uint8_t> body = q.upload.empty() ? std::span<const uint8_t>() : q.upload[0];
+      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, curl_off_t(body.size()));
       curl_easy_setopt(e, CURLOPT_POSTFIELDS,
-                       q.upload.empty() ? "" : reinterpret_cast<const char*>(q.upload.data()));
+                       body.empty() ? "" : reinterpret_cast<const char*>(body.data()));
     } else if (q.method != "GET") {
       curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, q.method.c_str());
     }
@@ -378,7 +398,7 @@ class S3Client::Loop {
       }
     }
     if (!r.ok()) failures_.fetch_add(1);
-    bytes_sent_.fetch_add(t->upload_pos + (t->req->method == "POST" ? t->req->upload.size() : 0));
+    bytes_sent_.fetch_add(t->req->method == "POST" ? t->req->upload_bytes() : t->upload_pos);
     bytes_received_.fetch_add(r.received);
     Finish(t);
   }
@@ -386,7 +406,7 @@ class S3Client::Loop {
   static void Finish(Transfer* t) {
     Batch& b = *t->batch;
     std::lock_guard lock(b.mu);
-    b.finished.push_back(t->index);
+    b.events.push_back({t->index, true});
     --b.remaining;
     b.cv.notify_all();
   }
@@ -414,20 +434,40 @@ class S3Client::Loop {
       off = static_cast<size_t>(std::min<uint64_t>(len, q.range_offset - t->skip));
       t->skip += off;
     }
-    const size_t room = q.download.size() - std::min<size_t>(r.received, q.download.size());
-    const size_t take = std::min(len - off, room);
-    std::memcpy(q.download.data() + r.received, data + off, take);
-    r.received += take;
+    while (off < len && t->segment < q.download.size()) {
+      std::span<uint8_t> seg = q.download[t->segment];
+      const size_t take = std::min(len - off, seg.size() - t->segment_offset);
+      std::memcpy(seg.data() + t->segment_offset, data + off, take);
+      off += take;
+      r.received += take;
+      t->segment_offset += take;
+      if (t->segment_offset == seg.size()) ++t->segment, t->segment_offset = 0;
+    }
+    t->streamed.store(r.received, std::memory_order_release);
+    if (t->batch->wants_progress && r.received - t->announced >= kProgressStep) {
+      t->announced = r.received;
+      Batch& b = *t->batch;
+      std::lock_guard lock(b.mu);
+      b.events.push_back({t->index, false});
+      b.cv.notify_all();
+    }
     return len;
   }
 
   static size_t OnUpload(char* buf, size_t size, size_t n, void* user) {
     auto* t = static_cast<Transfer*>(user);
-    std::span<const uint8_t> src = t->req->upload;
-    const size_t take = std::min<size_t>(size * n, src.size() - t->upload_pos);
-    std::memcpy(buf, src.data() + t->upload_pos, take);
-    t->upload_pos += take;
-    return take;
+    const auto& src = t->req->upload;
+    size_t filled = 0;
+    while (filled < size * n && t->upload_segment < src.size()) {
+      std::span<const uint8_t> seg = src[t->upload_segment];
+      const size_t take = std::min(size * n - filled, seg.size() - t->upload_offset);
+      std::memcpy(buf + filled, seg.data() + t->upload_offset, take);
+      filled += take;
+      t->upload_offset += take;
+      if (t->upload_offset == seg.size()) ++t->upload_segment, t->upload_offset = 0;
+    }
+    t->upload_pos += filled;
+    return filled;
   }
 
   static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
@@ -476,6 +516,70 @@ class S3Client::Loop {
   std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0};
 };
 
+Result<S3ClientConfig> ResolveS3Config(const S3EnvOptions& options) {
+  GlobalInit();
+  const auto bad = [&](std::string_view why) {
+    return Status::InvalidArgument(fmt::format(
+        "'{}' is not a valid S3 URL ({}); expected s3://BUCKET[/PREFIX]", options.url, why));
+  };
+  if (!IsS3Url(options.url)) return bad("it does not start with s3://");
+  std::string_view rest = std::string_view(options.url).substr(5);
+  if (rest.find_first_of("?#") != std::string_view::npos) return bad("options in the URL");
+  const std::string bucket(rest.substr(0, rest.find('/')));
+  if (bucket.size() < 3 || bucket.size() > 63 ||
+      bucket.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789.-") != std::string::npos) {
+    return bad("a bucket name is 3-63 lowercase letters, digits, '.' and '-'");
+  }
+  if (options.connections < 1 || options.connections > 1024) {
+    return Status::InvalidArgument(
+        fmt::format("S3 connections {} out of range [1, 1024]", options.connections));
+  }
+  if (options.part_bytes < (5u << 20) || options.part_bytes > (1u << 30)) {
+    return Status::InvalidArgument("S3 part size must be between 5 MiB (S3's minimum) and 1 GiB");
+  }
+
+  S3ClientConfig c;
+  c.bucket = bucket;
+  c.region = !options.region.empty() ? options.region : GetEnv("AWS_REGION");
+  if (c.region.empty()) c.region = GetEnv("AWS_DEFAULT_REGION");
+  if (c.region.empty()) c.region = "us-east-1";
+  std::string endpoint = !options.endpoint.empty() ? options.endpoint : GetEnv("AWS_ENDPOINT_URL_S3");
+  if (endpoint.empty()) endpoint = GetEnv("AWS_ENDPOINT_URL");
+  const bool user_endpoint = !endpoint.empty();
+  if (!user_endpoint) endpoint = fmt::format("https://s3.{}.amazonaws.com", c.region);
+  while (endpoint.ends_with('/')) endpoint.pop_back();
+  if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://")) {
+    return Status::InvalidArgument(
+        fmt::format("S3 endpoint '{}' must start with http:// or https://", endpoint));
+  }
+  c.endpoint = endpoint;
+  if (options.addressing == "path") {
+    c.path_style = true;
+  } else if (options.addressing == "virtual") {
+    c.path_style = false;
+  } else if (options.addressing == "auto" || options.addressing.empty()) {
+    c.path_style = user_endpoint;
+  } else {
+    return Status::InvalidArgument(fmt::format(
+        "S3 addressing '{}': expected \"path\", \"virtual\" or \"auto\"", options.addressing));
+  }
+  c.access_key_id =
+      !options.access_key_id.empty() ? options.access_key_id : GetEnv("AWS_ACCESS_KEY_ID");
+  c.secret_access_key = !options.secret_access_key.empty() ? options.secret_access_key
+                                                           : GetEnv("AWS_SECRET_ACCESS_KEY");
+  c.session_token =
+      !options.session_token.empty() ? options.session_token : GetEnv("AWS_SESSION_TOKEN");
+  if (c.access_key_id.empty() || c.secret_access_key.empty()) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", options.url));
+  }
+  c.max_connections = options.connections;
+  c.request_timeout = options.request_timeout;
+  c.connect_timeout = options.connect_timeout;
+  c.max_retries = options.max_retries;
+  return c;
+}
+
 S3Client::S3Client(const S3ClientConfig& config) : config_(config) {}
 
 S3Client::~S3Client() = default;
@@ -490,21 +594,26 @@ Result<std::unique_ptr<S3Client>> S3Client::Create(const S3ClientConfig& config)
   }
   GlobalInit();
   std::unique_ptr<S3Client> c(new S3Client(config));
-  c->loop_ = std::make_unique<Loop>(c->config_);
+  // The connections are shared out among the loops, as evenly as they go.
+  const int loops = std::clamp(config.event_threads, 1, config.max_connections);
+  for (int i = 0; i < loops; ++i) {
+    const long share = config.max_connections / loops + (i < config.max_connections % loops);
+    c->loops_.push_back(std::make_unique<Loop>(c->config_, share));
+  }
   return c;
 }
 
-std::string S3Client::Url(const S3Request& request) const {
+std::string ObjectUrl(const S3ClientConfig& config, std::string_view object_key) {
   // The bucket itself is "/bucket" path-style (no trailing slash, as SDKs sign it), "/" else.
-  const std::string key = request.key.empty() ? "" : "/" + UriEncode(request.key, true);
-  std::string url;
-  if (config_.path_style) {
-    url = fmt::format("{}/{}{}", config_.endpoint, config_.bucket, key);
-  } else {
-    const size_t scheme = config_.endpoint.find("://");
-    url = fmt::format("{}://{}.{}{}", config_.endpoint.substr(0, scheme), config_.bucket,
-                      config_.endpoint.substr(scheme + 3), key.empty() ? "/" : key);
-  }
+  const std::string key = object_key.empty() ? "" : "/" + UriEncode(object_key, true);
+  if (config.path_style) return fmt::format("{}/{}{}", config.endpoint, config.bucket, key);
+  const size_t scheme = config.endpoint.find("://");
+  return fmt::format("{}://{}.{}{}", config.endpoint.substr(0, scheme), config.bucket,
+                     config.endpoint.substr(scheme + 3), key.empty() ? "/" : key);
+}
+
+std::string S3Client::Url(const S3Request& request) const {
+  std::string url = ObjectUrl(config_, request.key);
   // SigV4 signs the query as given: sorted by name (std::map), names and values encoded.
   char sep = '?';
   for (const auto& [name, value] : request.query) {
@@ -515,9 +624,10 @@ std::string S3Client::Url(const S3Request& request) const {
 }
 
 void S3Client::Execute(std::span<S3Request> requests, std::span<S3Response> responses,
-                       const std::function<void(size_t)>& progress) {
+                       const Progress& progress) {
   Loop::Batch batch;
   batch.remaining = requests.size();
+  batch.wants_progress = static_cast<bool>(progress);
   std::vector<Loop::Transfer> transfers(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     responses[i] = S3Response{};
@@ -525,20 +635,28 @@ void S3Client::Execute(std::span<S3Request> requests, std::span<S3Response> resp
     t.req = &requests[i], t.resp = &responses[i], t.batch = &batch, t.index = i;
     t.url = Url(requests[i]);
   }
-  loop_->Submit(transfers);
+  // Round robin over the loops, request by request: a batch's transfers (the parts of one
+  // read, say) are received and copied on several threads at once.
+  for (Loop::Transfer& t : transfers) {
+    loops_[next_loop_.fetch_add(1, std::memory_order_relaxed) % loops_.size()]->Submit(&t);
+  }
   std::unique_lock lock(batch.mu);
   for (;;) {
-    batch.cv.wait(lock, [&] { return !batch.finished.empty() || batch.remaining == 0; });
-    while (!batch.finished.empty()) {
-      const size_t i = batch.finished.front();
-      batch.finished.pop_front();
-      if (progress) {
-        lock.unlock();
-        progress(i);
-        lock.lock();
+    batch.cv.wait(lock, [&] { return !batch.events.empty() || batch.remaining == 0; });
+    std::deque<std::pair<size_t, bool>> events;
+    events.swap(batch.events);
+    const bool last = batch.remaining == 0;
+    if (progress) {
+      lock.unlock();
+      // A request's "moved on" events all come before its end.
+      for (auto [i, finished] : events) {
+        progress(i, finished ? responses[i].received
+                             : transfers[i].streamed.load(std::memory_order_acquire),
+                 finished);
       }
+      lock.lock();
     }
-    if (batch.remaining == 0) break;
+    if (last && batch.events.empty()) break;
   }
 }
 
@@ -548,6 +666,15 @@ S3Response S3Client::Execute(S3Request& request) {
   return r;
 }
 
-S3ClientCounters S3Client::counters() const { return loop_->counters(); }
+S3ClientCounters S3Client::counters() const {
+  S3ClientCounters sum;
+  for (const auto& loop : loops_) {
+    S3ClientCounters c = loop->counters();
+    sum.requests += c.requests, sum.retries += c.retries, sum.throttled += c.throttled;
+    sum.timeouts += c.timeouts, sum.failures += c.failures;
+    sum.bytes_sent += c.bytes_sent, sum.bytes_received += c.bytes_received;
+  }
+  return sum;
+}
 
 }  // namespace kvtier::io

@@ -1,8 +1,8 @@
 // S3Client: the HTTP side of the S3 env (internal to kvtier_io).
 //
-// One libcurl multi handle, driven by one event-loop thread, runs every request of the client:
-// many in flight at once, each connection kept open and reused (the multi handle's connection
-// cache, up to `max_connections` to the endpoint). Requests are signed by libcurl's built-in
+// libcurl multi handles, each driven by an event-loop thread of its own, run the client's
+// requests: many in flight at once, each connection kept open and reused (each multi handle's
+// connection cache; `max_connections` to the endpoint in all). Requests are signed by libcurl's built-in
 // AWS Signature Version 4 (CURLOPT_AWS_SIGV4), the payload declared UNSIGNED-PAYLOAD: the
 // chunk's own checksum, not the signature, protects the bytes (docs/s3.md).
 //
@@ -14,6 +14,7 @@
 // Thread-safety: Execute may be called from any number of threads at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -23,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/io.h"
 #include "kvtier/status.h"
 
 namespace kvtier::io {
@@ -34,6 +36,9 @@ struct S3ClientConfig {
   bool path_style = true;  // endpoint/bucket/key; else bucket.host/key (virtual-hosted)
   std::string access_key_id, secret_access_key, session_token;
   int max_connections = 16;
+  // Event-loop threads, each with its own share of the connections: one thread receiving and
+  // copying every transfer's bytes becomes the limit at a few GB/s.
+  int event_threads = 4;
   std::chrono::milliseconds connect_timeout{2000};
   std::chrono::milliseconds request_timeout{10000};  // per request, retries included
   int max_retries = 4;
@@ -46,12 +51,24 @@ struct S3Request {
   std::string key;             // object key (no leading slash); empty: the bucket itself
   std::map<std::string, std::string> query;  // encoded and sorted by the client
   std::vector<std::string> headers;          // extra "Name: value" lines
-  std::span<const uint8_t> upload;           // the body of a PUT or POST
-  // GET: the body goes here (at most its size; the rest is discarded) if non-empty, else into
-  // S3Response::body.
-  std::span<uint8_t> download;
-  bool has_range = false;  // GET of bytes [range_offset, range_offset + download.size())
+  // The body of a PUT (gathered from these buffers in order) or of a POST (one buffer at most).
+  std::vector<std::span<const uint8_t>> upload;
+  // GET: the body is scattered over these buffers in order (at most their total size; the
+  // rest is discarded) if there are any, else it goes into S3Response::body.
+  std::vector<std::span<uint8_t>> download;
+  bool has_range = false;  // GET of bytes [range_offset, range_offset + download_bytes())
   uint64_t range_offset = 0;
+
+  uint64_t upload_bytes() const {
+    uint64_t n = 0;
+    for (const auto& u : upload) n += u.size();
+    return n;
+  }
+  uint64_t download_bytes() const {
+    uint64_t n = 0;
+    for (const auto& d : download) n += d.size();
+    return n;
+  }
 };
 
 struct S3Response {
@@ -59,7 +76,7 @@ struct S3Response {
   int curl_code = 0;     // CURLE_OK when an answer came
   std::string curl_error;
   std::string body;       // for requests without a download span, and for every error answer
-  uint64_t received = 0;  // bytes written into S3Request::download
+  uint64_t received = 0;  // bytes written into S3Request::download's buffers
   int64_t content_length = -1;
   int64_t object_size = -1;  // from Content-Range ("bytes a-b/SIZE"), or a 200's Content-Length
   int64_t last_modified_ns = 0;
@@ -91,11 +108,14 @@ class S3Client {
   S3Client(const S3Client&) = delete;
   S3Client& operator=(const S3Client&) = delete;
 
+  // Called on Execute's thread with a request's index and the bytes its download holds: now and
+  // then while it streams in (finished false: the leading `bytes` are in place, though a retry
+  // may still rewrite them), and once when it is over (finished true; its response is final).
+  using Progress = std::function<void(size_t index, uint64_t bytes, bool finished)>;
   // Runs every request concurrently and blocks until all have an answer (after retries) or
-  // failed. `progress`, if set, is called on the calling thread whenever some request finished,
-  // with its index, while others may still run.
+  // failed, calling `progress` (if set) as they go.
   void Execute(std::span<S3Request> requests, std::span<S3Response> responses,
-               const std::function<void(size_t)>& progress = {});
+               const Progress& progress = {});
   S3Response Execute(S3Request& request);
 
   const S3ClientConfig& config() const { return config_; }
@@ -108,8 +128,15 @@ class S3Client {
  private:
   explicit S3Client(const S3ClientConfig& config);
   S3ClientConfig config_;
-  std::unique_ptr<Loop> loop_;
+  std::vector<std::unique_ptr<Loop>> loops_;
+  std::atomic<uint64_t> next_loop_{0};
 };
+
+// The client configuration of an S3 env (bucket from the URL; endpoint, region, addressing and
+// credentials from the options, else from the standard AWS_* environment variables).
+Result<S3ClientConfig> ResolveS3Config(const S3EnvOptions& options);
+// The URL of an object ("" for the bucket), path-style or virtual-hosted, without a query.
+std::string ObjectUrl(const S3ClientConfig& config, std::string_view key);
 
 // RFC 3986 percent-encoding of everything but unreserved characters (and '/' if keep_slash), as
 // SigV4's canonical request wants it.

@@ -15,6 +15,7 @@
 
 #include "common/log_limiter.h"
 #include "io/s3_client.h"
+#include "io/s3_raw.h"
 #include "kvtier/io.h"
 
 #ifdef KVTIER_WITH_S3
@@ -34,6 +35,20 @@ Result<std::unique_ptr<Env>> NewS3Env(const S3EnvOptions& options) {
       options.url));
 }
 
+namespace io {
+class S3RawClient::Impl {};
+Result<std::unique_ptr<S3RawClient>> S3RawClient::Connect(const std::string& url) {
+  return Status::Unimplemented(fmt::format("{}: this build of kvtier has no S3 client", url));
+}
+S3RawClient::~S3RawClient() = default;
+Status S3RawClient::WriteFile(const std::string&, std::span<const uint8_t>) {
+  return Status::Unimplemented("no S3 client");
+}
+Status S3RawClient::ReadFile(const std::string&, std::span<uint8_t>) {
+  return Status::Unimplemented("no S3 client");
+}
+}  // namespace io
+
 #else
 
 bool S3Supported() { return true; }
@@ -44,17 +59,34 @@ using io::S3Client;
 using io::S3Request;
 using io::S3Response;
 
-std::string GetEnv(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::string(v) : std::string();
-}
-
 class S3Env;
+
+// Bytes [at, at + len) of the concatenation of `spans`.
+std::vector<std::span<const uint8_t>> Slice(const std::vector<std::span<const uint8_t>>& spans,
+                                            uint64_t at, uint64_t len) {
+  std::vector<std::span<const uint8_t>> out;
+  for (std::span<const uint8_t> s : spans) {
+    if (len == 0) break;
+    if (at >= s.size()) {
+      at -= s.size();
+      continue;
+    }
+    const uint64_t take = std::min<uint64_t>(len, s.size() - at);
+    out.push_back(s.subspan(at, take));
+    len -= take;
+    at = 0;
+  }
+  return out;
+}
 
 class S3File final : public File {
  public:
-  S3File(S3Env* env, std::string path, std::string key, bool writable)
-      : env_(env), path_(std::move(path)), key_(std::move(key)), writable_(writable) {}
+  S3File(S3Env* env, std::string path, std::string key, bool writable, bool borrow)
+      : env_(env),
+        path_(std::move(path)),
+        key_(std::move(key)),
+        writable_(writable),
+        borrow_(borrow) {}
 
   const std::string& path() const override { return path_; }
   bool direct() const override { return true; }  // no cache between us and the server
@@ -63,7 +95,7 @@ class S3File final : public File {
   Result<uint64_t> Size() override;
   Status Preallocate(uint64_t bytes) override {
     if (!writable_) return Status::InvalidArgument(fmt::format("{}: opened read-only", path_));
-    Reserve(bytes);
+    if (!borrow_) Reserve(bytes);
     if (size_ < bytes) size_ = bytes, dirty_ = true;
     return Status::Ok();
   }
@@ -76,15 +108,48 @@ class S3File final : public File {
   void Reserve(uint64_t bytes) {
     if (data_.size() >= bytes) return;
     AlignedBuffer bigger(std::max<uint64_t>(bytes, data_.size() * 2));
-    if (size_ > 0) std::memcpy(bigger.data(), data_.data(), size_);
+    if (size_ > 0) std::memcpy(bigger.data(), data_.data(), std::min(size_, data_.size()));
     data_ = std::move(bigger);
+  }
+  // Copies the borrowed buffers into data_ and stops borrowing.
+  void Materialize() {
+    if (!borrow_) return;
+    borrow_ = false;
+    Reserve(size_);
+    for (const Extent& e : extents_) std::memcpy(data_.data() + e.offset, e.data.data(), e.data.size());
+    extents_.clear();
+  }
+  // The file's bytes in order: the borrowed buffers where they tile the file exactly, else
+  // (after Materialize) the file's own buffer.
+  std::vector<std::span<const uint8_t>> Body() {
+    if (borrow_) {
+      std::sort(extents_.begin(), extents_.end(),
+                [](const Extent& a, const Extent& b) { return a.offset < b.offset; });
+      std::vector<std::span<const uint8_t>> body;
+      uint64_t at = 0;
+      for (const Extent& e : extents_) {
+        if (e.offset != at) break;
+        body.push_back(e.data);
+        at += e.data.size();
+      }
+      if (at == size_ && body.size() == extents_.size()) return body;
+      Materialize();
+    }
+    return {std::span<const uint8_t>(data_.data(), size_)};
   }
   Status SubmitReads(std::span<IoOp> ops, IoObserver* observer);
 
   S3Env* const env_;
   const std::string path_, key_;
   const bool writable_;
-  // Writable: the file's content, published by Sync.
+  // Writable: the file's content, published by Sync. Borrowed (OpenOptions::
+  // buffers_outlive_file): the caller's buffers as written, else copied into data_.
+  bool borrow_;
+  struct Extent {
+    uint64_t offset;
+    std::span<const uint8_t> data;
+  };
+  std::vector<Extent> extents_;
   AlignedBuffer data_;  // zero-filled beyond size_
   uint64_t size_ = 0;
   bool dirty_ = false;
@@ -104,7 +169,8 @@ class S3Env final : public Env {
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override {
     KVTIER_ASSIGN_OR_RETURN(std::string key, Key(path));
     if (key.empty()) return Status::InvalidArgument(fmt::format("{} is the bucket", path));
-    auto file = std::make_unique<S3File>(this, path, key, o.write);
+    auto file = std::make_unique<S3File>(this, path, key, o.write,
+                                         o.write && o.buffers_outlive_file);
     if (!o.write) return std::unique_ptr<File>(std::move(file));
     if (o.exclusive || !o.truncate) {
       // An object store has no exclusive create; this check is racy across writers, which is
@@ -289,7 +355,7 @@ Status S3File::Load(uint64_t size) {
   Reserve(size);
   S3Request q;
   q.key = key_;
-  q.download = data_.first(size);
+  q.download = {data_.first(size)};
   S3Response r = env_->client().Execute(q);
   if (!r.ok()) return r.ToStatus(q, env_->bucket());
   if (r.received != size) {
@@ -304,12 +370,17 @@ Status S3File::Submit(std::span<IoOp> ops, IoObserver* observer) {
   if (!writable_) return SubmitReads(ops, observer);
   for (IoOp& op : ops) {
     if (op.kind == IoOp::Kind::kWrite) {
-      Reserve(op.offset + op.len);
-      std::memcpy(data_.data() + op.offset, op.buf, op.len);
+      if (borrow_) {
+        extents_.push_back({op.offset, {op.buf, op.len}});
+      } else {
+        Reserve(op.offset + op.len);
+        std::memcpy(data_.data() + op.offset, op.buf, op.len);
+      }
       size_ = std::max<uint64_t>(size_, op.offset + op.len);
       dirty_ = true;
       op.result = static_cast<int64_t>(op.len);
     } else {
+      Materialize();
       const uint64_t n = op.offset < size_ ? std::min<uint64_t>(op.len, size_ - op.offset) : 0;
       if (n > 0) std::memcpy(op.buf, data_.data() + op.offset, n);
       op.result = static_cast<int64_t>(n);
@@ -320,74 +391,104 @@ Status S3File::Submit(std::span<IoOp> ops, IoObserver* observer) {
 }
 
 Status S3File::SubmitReads(std::span<IoOp> ops, IoObserver* observer) {
-  const size_t part = env_->options().part_bytes;
-  struct Piece {
+  const uint64_t part = env_->options().part_bytes;
+  // Ops that follow each other in the file (a chunk's header and payload) share their requests:
+  // one range, cut into parts of `part_bytes`, each part's answer scattered over the ops'
+  // buffers. A segment is the piece of one op that one request carries.
+  struct Segment {
     size_t op;
-    uint64_t start;  // within the op
+    uint64_t start, len;  // within the op
+    size_t request;
+    uint64_t got = 0;
   };
   std::vector<S3Request> requests;
-  std::vector<Piece> pieces;
-  std::vector<size_t> first_piece(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) {
-    IoOp& op = ops[i];
-    if (op.kind != IoOp::Kind::kRead) {
+  std::vector<Segment> segments;       // request by request, in file order
+  std::vector<size_t> first_segment;   // of each request, and one past the last
+  std::vector<std::vector<size_t>> op_segments(ops.size());
+  for (size_t i = 0; i < ops.size();) {
+    if (ops[i].kind != IoOp::Kind::kRead) {
       return Status::InvalidArgument(fmt::format("{}: opened read-only", path_));
     }
-    first_piece[i] = pieces.size();
-    for (uint64_t at = 0; at < op.len || (at == 0 && op.len == 0); at += part) {
-      if (op.len == 0) break;
+    size_t j = i + 1;
+    uint64_t total = ops[i].len;
+    while (j < ops.size() && ops[j].kind == IoOp::Kind::kRead &&
+           ops[j].offset == ops[j - 1].offset + ops[j - 1].len) {
+      total += ops[j++].len;
+    }
+    size_t op = i;
+    uint64_t within = 0;
+    for (uint64_t at = 0; at < total; at += part) {
       S3Request q;
       q.key = key_;
       q.has_range = true;
-      q.range_offset = op.offset + at;
-      q.download = {op.buf + at, static_cast<size_t>(std::min<uint64_t>(part, op.len - at))};
+      q.range_offset = ops[i].offset + at;
+      first_segment.push_back(segments.size());
+      for (uint64_t n = std::min(part, total - at); n > 0;) {
+        while (ops[op].len == within) ++op, within = 0;  // past the op (or an empty one)
+        const uint64_t take = std::min(n, ops[op].len - within);
+        q.download.push_back({ops[op].buf + within, static_cast<size_t>(take)});
+        op_segments[op].push_back(segments.size());
+        segments.push_back({op, within, take, requests.size()});
+        within += take;
+        n -= take;
+      }
       requests.push_back(std::move(q));
-      pieces.push_back({i, at});
     }
+    i = j;
   }
+  first_segment.push_back(segments.size());
   std::vector<S3Response> responses(requests.size());
-  // Reports each op's completed prefix as its pieces finish, in order, so that the caller's
-  // checksum follows the transfer.
-  std::vector<char> done(requests.size(), 0);
-  std::vector<size_t> next(first_piece);
+  // Hands each request's bytes to its segments as they arrive, then reports every op's completed
+  // prefix, so that the caller's checksum follows the transfer.
+  std::vector<size_t> next(ops.size(), 0);
   std::vector<uint64_t> reported(ops.size(), 0);
   bool submitted = false;
-  auto progress = [&](size_t k) {
-    done[k] = 1;
+  auto progress = [&](size_t r, uint64_t bytes, bool finished) {
+    if (finished && !responses[r].ok()) bytes = 0;
+    for (size_t k = first_segment[r]; k < first_segment[r + 1]; ++k) {
+      segments[k].got = std::min(bytes, segments[k].len);
+      bytes -= segments[k].got;
+    }
     if (observer == nullptr) return;
     if (!submitted) observer->Submitted(), submitted = true;
-    const size_t i = pieces[k].op;
-    const size_t end = i + 1 < ops.size() ? first_piece[i + 1] : pieces.size();
-    uint64_t upto = reported[i];
-    while (next[i] < end && done[next[i]]) {
-      const S3Response& r = responses[next[i]];
-      if (!r.ok() || r.received != requests[next[i]].download.size()) break;
-      upto = pieces[next[i]].start + r.received;
-      ++next[i];
-    }
-    if (upto > reported[i]) {
-      reported[i] = upto;
-      observer->Progress(i, upto);
+    for (size_t k = first_segment[r]; k < first_segment[r + 1]; ++k) {
+      const size_t op = segments[k].op;
+      uint64_t upto = reported[op];
+      const auto& mine = op_segments[op];
+      while (next[op] < mine.size()) {
+        const Segment& s = segments[mine[next[op]]];
+        if (s.got != s.len) break;
+        upto = s.start + s.len;
+        ++next[op];
+      }
+      if (upto > reported[op]) {
+        reported[op] = upto;
+        observer->Progress(op, upto);
+      }
     }
   };
   env_->client().Execute(requests, responses, progress);
+  for (size_t r = 0; r < requests.size(); ++r) {
+    if (responses[r].object_size >= 0) known_size_ = responses[r].object_size;
+    if (!responses[r].ok() && responses[r].http_status != 416) {
+      env_->LogFailure(requests[r], responses[r]);
+    }
+  }
   for (size_t i = 0; i < ops.size(); ++i) {
-    IoOp& op = ops[i];
-    const size_t end = i + 1 < ops.size() ? first_piece[i + 1] : pieces.size();
     int64_t result = 0;
-    for (size_t k = first_piece[i]; k < end; ++k) {
-      const S3Response& r = responses[k];
-      if (r.object_size >= 0) known_size_ = r.object_size;
-      if (r.http_status == 416) break;  // the range starts at or past the end: end of file
-      if (!r.ok()) {
-        env_->LogFailure(requests[k], r);
-        if (result == 0) result = -r.Errno();
+    for (size_t k : op_segments[i]) {
+      const Segment& s = segments[k];
+      const S3Response& resp = responses[s.request];
+      if (!resp.ok()) {
+        // 416: the range starts at or past the end (end of file); anything else is an error,
+        // unless some bytes came first (a short transfer, which the caller retries).
+        if (resp.http_status != 416 && result == 0) result = -resp.Errno();
         break;
       }
-      result += static_cast<int64_t>(r.received);
-      if (r.received < requests[k].download.size()) break;  // end of file
+      result += static_cast<int64_t>(s.got);
+      if (s.got < s.len) break;  // end of file
     }
-    op.result = result;
+    ops[i].result = result;
   }
   return Status::Ok();
 }
@@ -396,7 +497,7 @@ Status S3File::Sync() {
   if (!writable_ || !dirty_) return Status::Ok();
   S3Client& client = env_->client();
   const std::string& bucket = env_->bucket();
-  const std::span<const uint8_t> body(data_.data(), size_);
+  const std::vector<std::span<const uint8_t>> body = Body();
   const size_t part = env_->options().part_bytes;
   if (size_ <= env_->options().multipart_threshold) {
     S3Request q;
@@ -426,7 +527,7 @@ Status S3File::Sync() {
       q.method = "PUT";
       q.key = key_;
       q.query = {{"partNumber", std::to_string(parts.size() + 1)}, {"uploadId", upload_id}};
-      q.upload = body.subspan(at, std::min<uint64_t>(part, size_ - at));
+      q.upload = Slice(body, at, std::min<uint64_t>(part, size_ - at));
       parts.push_back(std::move(q));
     }
     std::vector<S3Response> answers(parts.size());
@@ -445,7 +546,7 @@ Status S3File::Sync() {
       done.key = key_;
       done.query = {{"uploadId", upload_id}};
       done.headers.push_back("Content-Type: application/xml");  // not curl's form default
-      done.upload = {reinterpret_cast<const uint8_t*>(xml.data()), xml.size()};
+      done.upload = {{reinterpret_cast<const uint8_t*>(xml.data()), xml.size()}};
       S3Response dr = client.Execute(done);
       if (dr.ok()) io::ParseS3Error(dr.body, &dr.error_code, &dr.error_message);
       if (!dr.ok() || !dr.error_code.empty()) {
@@ -477,65 +578,9 @@ Result<uint64_t> S3File::Size() {
 }  // namespace
 
 Result<std::unique_ptr<Env>> NewS3Env(const S3EnvOptions& options) {
-  const auto bad = [&](std::string_view why) {
-    return Status::InvalidArgument(fmt::format(
-        "'{}' is not a valid S3 URL ({}); expected s3://BUCKET[/PREFIX]", options.url, why));
-  };
-  if (!IsS3Url(options.url)) return bad("it does not start with s3://");
-  std::string_view rest = std::string_view(options.url).substr(5);
-  if (rest.find_first_of("?#") != std::string_view::npos) return bad("options in the URL");
-  const std::string bucket(rest.substr(0, rest.find('/')));
-  if (bucket.size() < 3 || bucket.size() > 63 ||
-      bucket.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789.-") != std::string::npos) {
-    return bad("a bucket name is 3-63 lowercase letters, digits, '.' and '-'");
-  }
-  if (options.connections < 1 || options.connections > 1024) {
-    return Status::InvalidArgument(
-        fmt::format("S3 connections {} out of range [1, 1024]", options.connections));
-  }
-  if (options.part_bytes < (5u << 20) || options.part_bytes > (1u << 30)) {
-    return Status::InvalidArgument("S3 part size must be between 5 MiB (S3's minimum) and 1 GiB");
-  }
-
-  io::S3ClientConfig c;
-  c.bucket = bucket;
-  c.region = !options.region.empty() ? options.region : GetEnv("AWS_REGION");
-  if (c.region.empty()) c.region = GetEnv("AWS_DEFAULT_REGION");
-  if (c.region.empty()) c.region = "us-east-1";
-  std::string endpoint = !options.endpoint.empty() ? options.endpoint : GetEnv("AWS_ENDPOINT_URL_S3");
-  if (endpoint.empty()) endpoint = GetEnv("AWS_ENDPOINT_URL");
-  const bool user_endpoint = !endpoint.empty();
-  if (!user_endpoint) endpoint = fmt::format("https://s3.{}.amazonaws.com", c.region);
-  while (endpoint.ends_with('/')) endpoint.pop_back();
-  if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://")) {
-    return Status::InvalidArgument(
-        fmt::format("S3 endpoint '{}' must start with http:// or https://", endpoint));
-  }
-  c.endpoint = endpoint;
-  if (options.addressing == "path") {
-    c.path_style = true;
-  } else if (options.addressing == "virtual") {
-    c.path_style = false;
-  } else if (options.addressing == "auto" || options.addressing.empty()) {
-    c.path_style = user_endpoint;
-  } else {
-    return Status::InvalidArgument(fmt::format(
-        "S3 addressing '{}': expected \"path\", \"virtual\" or \"auto\"", options.addressing));
-  }
-  c.access_key_id =
-      !options.access_key_id.empty() ? options.access_key_id : GetEnv("AWS_ACCESS_KEY_ID");
-  c.secret_access_key = !options.secret_access_key.empty() ? options.secret_access_key
-                                                           : GetEnv("AWS_SECRET_ACCESS_KEY");
-  c.session_token =
-      !options.session_token.empty() ? options.session_token : GetEnv("AWS_SESSION_TOKEN");
-  if (c.access_key_id.empty() || c.secret_access_key.empty()) {
-    return Status::InvalidArgument(fmt::format(
-        "{}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", options.url));
-  }
-  c.max_connections = options.connections;
-  c.request_timeout = options.request_timeout;
-  c.connect_timeout = options.connect_timeout;
-  c.max_retries = options.max_retries;
+  KVTIER_ASSIGN_OR_RETURN(io::S3ClientConfig c, io::ResolveS3Config(options));
+  const std::string& bucket = c.bucket;
+  const std::string& endpoint = c.endpoint;
   KVTIER_ASSIGN_OR_RETURN(auto client, S3Client::Create(c));
 
   // One listing request proves the endpoint, the credentials, the clock and the bucket.

@@ -295,6 +295,41 @@ TEST(S3EnvTest, LargeFilesGoUpInParallelPartsAndUnsyncedFilesNeverAppear) {
   EXPECT_FALSE(env->Open(dir->url() + "/mp", ex).ok());
 }
 
+TEST(S3EnvTest, BorrowedBuffersAreUploadedInPlaceOrCopiedWhenTheyLeaveGaps) {
+  KVTIER_S3_TEST_DIR(dir, "borrow");
+  S3EnvOptions o = Options(dir->url());
+  o.multipart_threshold = 5u << 20;  // the tiled file goes up in parts cut across the buffers
+  auto env = MustEnv(o);
+  ASSERT_NE(env, nullptr);
+  auto head = Pattern(4096, 7), body = Pattern((6u << 20) + 3, 8);
+  OpenOptions w;
+  w.write = w.create = w.truncate = w.buffers_outlive_file = true;
+  {  // written out of order, tiling the file: uploaded from the two buffers
+    auto f = env->Open(dir->url() + "/tiled", w);
+    ASSERT_TRUE(f.ok());
+    std::vector<IoOp> ops = {IoOp::Write(4096, body), IoOp::Write(0, head)};
+    ASSERT_TRUE(WriteExact(**f, ops).ok());
+    ASSERT_TRUE((*f)->Sync().ok());
+  }
+  std::vector<uint8_t> whole(head);
+  whole.insert(whole.end(), body.begin(), body.end());
+  auto back = ReadFile(*env, dir->url() + "/tiled", whole.size());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(*back == whole);
+  {  // a gap (preallocated, never written): copied, the gap zero
+    auto f = env->Open(dir->url() + "/gap", w);
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE((*f)->Preallocate(8192 + 100).ok());
+    IoOp op = IoOp::Write(8192, std::span<const uint8_t>(body).first(100));
+    ASSERT_TRUE(WriteExact(**f, std::span<IoOp>(&op, 1)).ok());
+    ASSERT_TRUE((*f)->Sync().ok());
+  }
+  back = ReadFile(*env, dir->url() + "/gap", 8192 + 100);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(std::all_of(back->begin(), back->begin() + 8192, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(std::equal(back->begin() + 8192, back->end(), body.begin()));
+}
+
 class S3FaultTest : public ::testing::Test {
  protected:
   void SetUp() override {

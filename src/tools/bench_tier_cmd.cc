@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "io/nfs_raw.h"
+#include "io/s3_raw.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
 #include "kvtier/io.h"
@@ -41,7 +42,7 @@ struct BenchTierArgs {
   int io_depth = 8;
   uint64_t request_kib = 4096;
   uint64_t write_request_kib = 65536;
-  int nfs_connections = 0;  // 0: max(readers, writers)
+  int connections = 0;  // nfs:// and s3://; 0: max(readers, writers) for NFS, 4x that for S3
   bool keep = false;
   bool json = false;
 };
@@ -194,12 +195,14 @@ int RunBenchTier(const BenchTierArgs& a) {
   if (!engine.ok()) return fail(engine.status().message());
   // On NFS (nfs://, no kernel mount) the reference is plain libnfs with every request of a file
   // in flight (io::NfsRawClient), one connection per thread, and the tier gets as many
-  // connections as there are threads.
-  const bool nfs = IsNfsUrl(a.dir);
-  const int connections =
-      a.nfs_connections > 0 ? a.nfs_connections : std::max(a.readers, a.writers);
-  if (connections > 256) return fail("--nfs-connections must be in [1, 256]");
-  std::unique_ptr<Env> nfs_env;
+  // connections as there are threads. On S3 (s3://) it is plain libcurl, one whole-object PUT or
+  // GET at a time per thread (io::S3RawClient), and the tier, whose reads are ranged GETs of
+  // several parts at once, gets four connections per thread.
+  const bool nfs = IsNfsUrl(a.dir), s3 = IsS3Url(a.dir), remote = nfs || s3;
+  const int threads = std::max(a.readers, a.writers);
+  const int connections = a.connections > 0 ? a.connections : (s3 ? 4 : 1) * threads;
+  if (connections > 256) return fail("--connections must be in [1, 256]");
+  std::unique_ptr<Env> remote_env;
   Env* env = Env::Default();
   if (nfs) {
     NfsEnvOptions no;
@@ -209,16 +212,23 @@ int RunBenchTier(const BenchTierArgs& a) {
     no.max_request_bytes = std::max<uint64_t>(a.request_kib << 10, 4096);
     auto made = NewNfsEnv(no);
     if (!made.ok()) return fail(made.status().ToString());
-    nfs_env = std::move(*made);
-    env = nfs_env.get();
+    remote_env = std::move(*made);
+  } else if (s3) {
+    S3EnvOptions so;
+    so.url = a.dir;
+    so.connections = connections;
+    auto made = NewS3Env(so);
+    if (!made.ok()) return fail(made.status().ToString());
+    remote_env = std::move(*made);
   }
+  if (remote_env) env = remote_env.get();
   if (Status s = env->CreateDirs(a.dir); !s.ok()) {
     return fail(fmt::format("cannot use {} as a directory: {}", a.dir, s.ToString()));
   }
   const uint64_t chunk = a.chunk_mib << 20;
   const uint64_t per_repeat = 2 * a.chunks * (chunk + 4096);
   struct statvfs vfs;
-  if (!nfs && ::statvfs(a.dir.c_str(), &vfs) == 0) {
+  if (!remote && ::statvfs(a.dir.c_str(), &vfs) == 0) {
     uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (avail < per_repeat + (256u << 20)) {
       return fail(
@@ -238,20 +248,31 @@ int RunBenchTier(const BenchTierArgs& a) {
     ~Cleanup() { (void)RemoveTree(*env, dir); }
   } cleanup{env, raw_dir};
 
-  // The reference's plain writes and reads: O_DIRECT system calls, or libnfs's own calls.
-  std::vector<std::unique_ptr<io::NfsRawClient>> raw_clients;
-  for (int t = 0; nfs && t < std::max(a.readers, a.writers); ++t) {
-    auto c = io::NfsRawClient::Connect(a.dir);
-    if (!c.ok()) return fail(c.status().ToString());
-    raw_clients.push_back(std::move(*c));
+  // The reference's plain writes and reads: O_DIRECT system calls, libnfs's or libcurl's calls.
+  std::vector<std::unique_ptr<io::NfsRawClient>> nfs_clients;
+  std::vector<std::unique_ptr<io::S3RawClient>> s3_clients;
+  for (int t = 0; remote && t < threads; ++t) {
+    if (nfs) {
+      auto c = io::NfsRawClient::Connect(a.dir);
+      if (!c.ok()) return fail(c.status().ToString());
+      nfs_clients.push_back(std::move(*c));
+    } else {
+      auto c = io::S3RawClient::Connect(a.dir);
+      if (!c.ok()) return fail(c.status().ToString());
+      s3_clients.push_back(std::move(*c));
+    }
   }
   auto raw_write_file = [&](int t, const std::string& path, std::span<const uint8_t> buf) {
-    return nfs ? raw_clients[t]->WriteFile(path, buf) : RawWrite(path, buf);
+    return nfs ? nfs_clients[t]->WriteFile(path, buf)
+           : s3 ? s3_clients[t]->WriteFile(path, buf)
+                : RawWrite(path, buf);
   };
   auto raw_read_file = [&](int t, const std::string& path, std::span<uint8_t> buf) {
-    return nfs ? raw_clients[t]->ReadFile(path, buf) : RawRead(path, buf);
+    return nfs ? nfs_clients[t]->ReadFile(path, buf)
+           : s3 ? s3_clients[t]->ReadFile(path, buf)
+                : RawRead(path, buf);
   };
-  const char* raw_name = nfs ? "raw libnfs" : "raw O_DIRECT";
+  const char* raw_name = nfs ? "raw libnfs" : s3 ? "raw libcurl" : "raw O_DIRECT";
 
   const int bufs = std::max(a.readers, a.writers);
   BufferPool pool(bufs, chunk);
@@ -292,7 +313,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     o.io_queue_depth = a.io_depth;
     o.io_request_bytes = a.request_kib << 10;
     o.io_write_request_bytes = a.write_request_kib << 10;
-    if (nfs) o.env = env;
+    if (remote) o.env = env;
     auto opened = FileTier::Open(o);
     if (!opened.ok()) return fail(opened.status().ToString());
     FileTier& tier = **opened;
@@ -366,7 +387,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     }
     if (!raw_error.ok()) return fail(raw_error.ToString());
     if (!tier_error.ok()) return fail(tier_error.ToString());
-    if (!nfs) {  // over NFS this client caches nothing; the server's cache is the server's
+    if (!remote) {  // over NFS or S3 this client caches nothing; the server's cache is its own
       DropFromPageCache(raw_paths);
       DropFromPageCache(tier_paths);
     }
@@ -387,7 +408,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     // and serves every read from the page cache. What counts is that the files read are not in
     // the page cache afterwards (they were dropped from it before the read phase).
     o_direct = o_direct && st.o_direct;
-    if (!nfs) {
+    if (!remote) {
       raw_resident += probe::MeasurePageCacheResidency(raw_paths).resident_bytes;
       tier_resident += probe::MeasurePageCacheResidency(tier_paths).resident_bytes;
     }
@@ -442,6 +463,7 @@ int RunBenchTier(const BenchTierArgs& a) {
                                                      : std::vector<std::string>{warning}},
                         {"raw_write_includes_fdatasync", true},
                         {"reference", raw_name},
+                        {"connections", remote ? connections : 0},
                         {"nfs_connections", nfs ? connections : 0},
                         {"kept_namespaces", kept_namespaces}};
     fmt::print("{}\n", j.dump(2));
@@ -450,11 +472,11 @@ int RunBenchTier(const BenchTierArgs& a) {
                raw_name, raw_w.GBps(), wr);
     fmt::print("tier read    {:6.2f} GB/s   {} read  {:6.2f} GB/s   ratio {:.2f}\n", tier_r.GBps(),
                raw_name, raw_r.GBps(), rr);
-    if (nfs) {
+    if (remote) {
       fmt::print(
-          "NFS: {} connections for the tier, one per thread for the reference; this client "
+          "{}: {} connections for the tier, one per thread for the reference; this client "
           "caches nothing, the server may serve reads from its memory\n",
-          connections);
+          nfs ? "NFS" : "S3", connections);
     } else {
       fmt::print("o_direct {}, io engine {}, page cache holding {} bytes of the files afterwards\n",
                  o_direct, io_engine_name, resident);
@@ -479,12 +501,14 @@ void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
       "Write then read chunks through the file tier, and compare with plain O_DIRECT writes and "
       "reads of same-size files at the same concurrency, measured in the same run");
   cmd->add_option("--dir", args->dir,
-                  "Directory to benchmark (a kvtier cache or a new one): a path, or "
-                  "nfs://HOST/EXPORT/PATH to speak NFS without a mount")
+                  "Directory to benchmark (a kvtier cache or a new one): a path, "
+                  "nfs://HOST/EXPORT/PATH to speak NFS without a mount, or s3://BUCKET/PREFIX "
+                  "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
       ->required();
-  cmd->add_option("--nfs-connections", args->nfs_connections,
-                  "nfs:// only: the tier's TCP connections (default: max of --readers and "
-                  "--writers, the reference's connection count)");
+  cmd->add_option("--connections,--nfs-connections", args->connections,
+                  "nfs:// and s3:// only: the tier's connections to the server (default: max of "
+                  "--readers and --writers, the reference's connection count, for NFS; four "
+                  "times that for S3, whose reads are ranged GETs of several parts at once)");
   cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk payload size in MiB")
       ->capture_default_str();
   cmd->add_option("--chunks", args->chunks, "Chunks written and read per repeat")

@@ -712,6 +712,8 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   oo.exclusive = !direct_publish;
   oo.truncate = direct_publish;
   oo.direct = options_.use_o_direct;
+  // `src` and this thread's scratch buffers are left alone until the file is closed below.
+  oo.buffers_outlive_file = true;
   auto opened = env_->Open(tmp_path, oo);
   if (opened.status().IsNotFound()) {  // the leaf folder was removed (purge) since we made it
     KVTIER_RETURN_IF_ERROR(EnsureLeafDir(dir, true));
