@@ -3,7 +3,8 @@
 # and in an AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA data path
 # where nvcc is installed (its CPU tests run everywhere; GPU runs need scripts/gpu-check.sh),
 # crash-tests the server (kvtier stress), runs the concurrent parts under ThreadSanitizer,
-# runs the file tier's suites against a real NFS server on loopback (nfs://, user space),
+# runs the file tier's suites against a real NFS server on loopback (nfs://, user space) and
+# against a real S3 server on loopback (s3://: moto, which checks every request's signature),
 # fuzzes the server's protocol decoders, and runs the Python package's tests and the vLLM
 # connector's tests against real vLLM (its CPU build, installed into $VLLM_VENV).
 set -euo pipefail
@@ -23,17 +24,28 @@ run_tests() {  # run_tests <dir>
   ctest --test-dir "build/$1" --output-on-failure -j"$jobs" --timeout 900
 }
 
-# A real NFS server on loopback (nfs-ganesha, NFSv3) for the nfs:// tests of every build below;
-# KVTIER_REQUIRE_NFS=1 turns "no server" from a skip into a failure. Stopped on exit.
-stage "NFS server on loopback"
+# A real NFS server (nfs-ganesha, NFSv3) and a real S3 server (moto, SigV4 and IAM enforced) on
+# loopback for the nfs:// and s3:// tests of every build below; KVTIER_REQUIRE_NFS=1 and
+# KVTIER_REQUIRE_S3=1 turn "no server" from a skip into a failure. Both stopped on exit.
+stage "NFS and S3 servers on loopback"
 nfs_state=$(mktemp -d /tmp/kvtier-test-nfs.XXXXXX)
-trap './scripts/nfs-server.sh stop "$nfs_state" >/dev/null 2>&1 || true; rm -rf "$nfs_state"' EXIT
+s3_state=$(mktemp -d /tmp/kvtier-test-s3.XXXXXX)
+stop_servers() {
+  ./scripts/nfs-server.sh stop "$nfs_state" >/dev/null 2>&1 || true
+  ./scripts/s3-server.sh stop "$s3_state" >/dev/null 2>&1 || true
+  rm -rf "$nfs_state" "$s3_state"
+}
+trap stop_servers EXIT
 ./scripts/nfs-server.sh start "$nfs_state"
 eval "$(./scripts/nfs-server.sh env "$nfs_state")"
 export KVTIER_REQUIRE_NFS=1
+./scripts/s3-server.sh start "$s3_state"
+eval "$(./scripts/s3-server.sh env "$s3_state")"
+export KVTIER_REQUIRE_S3=1
+remote=(-DKVTIER_WITH_NFS=ON -DKVTIER_WITH_S3=ON)
 
 stage "Release build and tests"
-build release -DCMAKE_BUILD_TYPE=Release -DKVTIER_WITH_NFS=ON
+build release -DCMAKE_BUILD_TYPE=Release "${remote[@]}"
 run_tests release
 
 stage "The file tier's suites again on nfs:// (the loopback server), and bench tier over NFS"
@@ -45,10 +57,15 @@ done
 ./build/release/kvtier bench tier --dir "$KVTIER_TEST_NFS_URL/bench-tier" --chunk-mib 4 \
   --chunks 8 --repeats 2 --readers 2 --writers 2
 
+stage "bench tier and the cache-directory commands over S3 (the loopback server)"
+./build/release/kvtier bench tier --dir "$KVTIER_TEST_S3_URL/bench-tier" --chunk-mib 4 \
+  --chunks 8 --repeats 2 --readers 2 --writers 2
+./scripts/s3-cli-test.sh ./build/release/kvtier "$KVTIER_TEST_S3_URL/cli-test"
+
 stage "ASan+UBSan build and tests"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON -DKVTIER_WITH_NFS=ON
+build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_SANITIZE=ON "${remote[@]}"
 run_tests asan
 
 stage "Stress and crash test: kvtier serve with a file tier, SIGKILLs, faults, 75 s"
@@ -60,7 +77,7 @@ stage "ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, ser
 # Only the components that run threads (and their tests), to keep the stage short; the server's
 # tests start the `kvtier` binary, which this build lacks, so the server runs under TSan in
 # kvtier_stress (every server it starts is in-process).
-build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON -DKVTIER_WITH_NFS=ON \
+build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON "${remote[@]}" \
   -DKVTIER_COMPONENTS="common;testing;io;tier/memory;tier/file;engine;server;testing/stress"
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan-suppressions.txt"
 run_tests tsan

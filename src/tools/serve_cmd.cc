@@ -168,9 +168,11 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
          "--l2", args->l2,
          "A lower tier as JSON, e.g. '{\"type\":\"fs\",\"path\":\"/mnt/kv\","
          "\"max_size_gb\":100,\"read_threads\":4,\"write_threads\":2}', or on NFS without "
-         "a mount '{\"type\":\"nfs\",\"url\":\"nfs://filer/export/kv\",\"connections\":16}'; "
-         "max_size_gb is in GiB (2^30 bytes) (default: a 10 GiB fs tier in the cache "
-         "directory)")
+         "a mount '{\"type\":\"nfs\",\"url\":\"nfs://filer/export/kv\",\"connections\":16}', "
+         "or on S3 '{\"type\":\"s3\",\"url\":\"s3://bucket/kv\",\"max_size_gb\":1000}' "
+         "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+         "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION); max_size_gb is in GiB (2^30 "
+         "bytes) (default: a 10 GiB fs tier in the cache directory)")
       ->type_name("JSON");
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });
