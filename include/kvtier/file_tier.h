@@ -62,7 +62,7 @@ struct FileTierOptions {
   // The cache directory (created if absent): a local path, nfs://HOST/EXPORT/PATH (docs/
   // file-format.md, "On NFS") or s3://BUCKET/PREFIX (docs/s3.md).
   std::string root;
-  KeyNamespace ns;   // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
+  KeyNamespace ns;              // files go under root/<ns.Id()>/<aa>/<bb>/<hex key>
   uint64_t chunk_bytes = 0;     // REQUIRED: payload bytes of every chunk in this namespace
   uint64_t capacity_bytes = 0;  // 0 = unlimited; counts whole files (header and padding included)
   int read_threads = 4, write_threads = 2;               // ReadAsync / WriteAsync pools

@@ -168,3 +168,42 @@ def test_an_nfs_url_tier_shares_chunks_with_the_export_path(tmp_path):
 def test_a_bad_nfs_url_is_refused_with_the_reason():
     with pytest.raises(kvtier.KvtierError, match="nfs://"):
         kvtier.open_file_tier(ns(), CHUNK, {"type": "nfs", "url": "/not/a/url"})
+
+
+def s3_bucket():
+    """The loopback S3 server of scripts/s3-server.sh (its AWS_* variables are in the
+    environment): the bucket's URL."""
+    url = os.environ.get("KVTIER_TEST_S3_URL")
+    if not url or not os.environ.get("AWS_ENDPOINT_URL"):
+        if os.environ.get("KVTIER_REQUIRE_S3") == "1":
+            pytest.fail("KVTIER_REQUIRE_S3=1 but no S3 test server (scripts/s3-server.sh env)")
+        pytest.skip("no S3 test server (scripts/s3-server.sh start; eval its env)")
+    return url
+
+
+def test_an_s3_tier_stores_objects_that_a_new_tier_finds(tmp_path):
+    """The same JSON as `kvtier serve --l2`, with an s3:// URL: the chunks are objects that a
+    second tier (a restart, another host) indexes and reads."""
+    url = f"{s3_bucket()}/py-{os.path.basename(str(tmp_path))}"
+    src, dst = region(3), region(3)
+    fill(src, 3, 9)
+    spec = {"type": "s3", "url": url, "connections": 4}
+    with kvtier.open_file_tier(ns(), CHUNK, spec) as tier:
+        tier.submit_write(1, keys(3), src, [i * CHUNK for i in range(3)])
+        assert finish(tier)[0][1:4] == (True, 3, "")
+        assert tier.chunk_path(keys(1)[0]).startswith(f"{url}/")
+        assert tier.stats()["io_engine"] == "s3"
+    with kvtier.open_file_tier(ns(), CHUNK, spec) as tier:
+        assert tier.stats()["chunks"] == 3
+        tier.submit_read(2, keys(3), dst, [i * CHUNK for i in range(3)])
+        assert finish(tier)[0][1:4] == (True, 3, "")
+        assert bytes(dst) == bytes(src)
+
+
+def test_a_bad_s3_url_or_secret_is_refused_with_the_reason(monkeypatch):
+    with pytest.raises(kvtier.KvtierError, match="s3://"):
+        kvtier.open_file_tier(ns(), CHUNK, {"type": "s3", "url": "/not/a/url"})
+    url = s3_bucket()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(kvtier.KvtierError, match="SignatureDoesNotMatch"):
+        kvtier.open_file_tier(ns(), CHUNK, {"type": "s3", "url": f"{url}/py-bad"})

@@ -46,8 +46,10 @@ bool Retryable(const S3Response& r) {
       case CURLE_SEND_ERROR:
       case CURLE_RECV_ERROR:
       case CURLE_GOT_NOTHING:
-      case CURLE_PARTIAL_FILE: return true;
-      default: return false;  // a timeout is final: the deadline has passed
+      case CURLE_PARTIAL_FILE:
+        return true;
+      default:
+        return false;  // a timeout is final: the deadline has passed
     }
   }
   return r.http_status == 500 || r.http_status == 502 || r.http_status == 503 ||
@@ -76,9 +78,9 @@ std::string_view Hint(std::string_view code) {
 // Refusals of the credentials, whatever their HTTP status (a bad token is a 400).
 bool CredentialsRefused(const S3Response& r) {
   static constexpr std::string_view kCodes[] = {
-      "AccessDenied",         "InvalidAccessKeyId", "SignatureDoesNotMatch", "RequestTimeTooSkewed",
-      "ExpiredToken",         "InvalidToken",       "TokenRefreshRequired",  "InvalidSecurity",
-      "AuthorizationHeaderMalformed"};
+      "AccessDenied",         "InvalidAccessKeyId", "SignatureDoesNotMatch",
+      "RequestTimeTooSkewed", "ExpiredToken",       "InvalidToken",
+      "TokenRefreshRequired", "InvalidSecurity",    "AuthorizationHeaderMalformed"};
   return r.http_status == 403 ||
          std::find(std::begin(kCodes), std::end(kCodes), r.error_code) != std::end(kCodes);
 }
@@ -137,9 +139,9 @@ int S3Response::Errno() const {
 std::string S3Response::Describe(const S3Request& request, const std::string& bucket) const {
   std::string what = fmt::format("{} s3://{}/{}", request.method, bucket, request.key);
   if (http_status == 0) {
-    return fmt::format("{}: {}{}", what, timed_out ? "no answer before the deadline: " : "",
-                       curl_error.empty() ? curl_easy_strerror(static_cast<CURLcode>(curl_code))
-                                          : curl_error);
+    return fmt::format(
+        "{}: {}{}", what, timed_out ? "no answer before the deadline: " : "",
+        curl_error.empty() ? curl_easy_strerror(static_cast<CURLcode>(curl_code)) : curl_error);
   }
   std::string s = fmt::format("{}: HTTP {}", what, http_status);
   if (!error_code.empty()) s += fmt::format(" {}", error_code);
@@ -186,7 +188,7 @@ class S3Client::Loop {
     // Per attempt:
     CURL* easy = nullptr;
     curl_slist* headers = nullptr;
-    uint64_t upload_pos = 0;                // bytes of the body sent so far
+    uint64_t upload_pos = 0;                       // bytes of the body sent so far
     size_t upload_segment = 0, upload_offset = 0;  // where the next byte comes from
     uint64_t skip = 0;  // bytes of a 200 answer to a ranged GET before the range
     uint64_t download_bytes = 0;
@@ -328,7 +330,8 @@ class S3Client::Loop {
     curl_slist* h = nullptr;
     h = curl_slist_append(h, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
     if (!config_.session_token.empty()) {
-      h = curl_slist_append(h, fmt::format("x-amz-security-token: {}", config_.session_token).c_str());
+      h = curl_slist_append(h,
+                            fmt::format("x-amz-security-token: {}", config_.session_token).c_str());
     }
     if (q.has_range) {
       const uint64_t last = q.range_offset + std::max<uint64_t>(t->download_bytes, 1) - 1;
@@ -350,7 +353,8 @@ class S3Client::Loop {
       curl_easy_setopt(e, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
     } else if (q.method == "POST") {
       curl_easy_setopt(e, CURLOPT_POST, 1L);
-      const std::span<const uint8_t> body = q.upload.empty() ? std::span<const uint8_t>() : q.upload[0];
+      const std::span<const uint8_t> body =
+          q.upload.empty() ? std::span<const uint8_t>() : q.upload[0];
       curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, curl_off_t(body.size()));
       curl_easy_setopt(e, CURLOPT_POSTFIELDS,
                        body.empty() ? "" : reinterpret_cast<const char*>(body.data()));
@@ -437,7 +441,7 @@ class S3Client::Loop {
     while (off < len && t->segment < q.download.size()) {
       std::span<uint8_t> seg = q.download[t->segment];
       const size_t take = std::min(len - off, seg.size() - t->segment_offset);
-      std::memcpy(seg.data() + t->segment_offset, data + off, take);
+      if (take > 0) std::memcpy(seg.data() + t->segment_offset, data + off, take);
       off += take;
       r.received += take;
       t->segment_offset += take;
@@ -461,7 +465,7 @@ class S3Client::Loop {
     while (filled < size * n && t->upload_segment < src.size()) {
       std::span<const uint8_t> seg = src[t->upload_segment];
       const size_t take = std::min(size * n - filled, seg.size() - t->upload_offset);
-      std::memcpy(buf + filled, seg.data() + t->upload_offset, take);
+      if (take > 0) std::memcpy(buf + filled, seg.data() + t->upload_offset, take);
       filled += take;
       t->upload_offset += take;
       if (t->upload_offset == seg.size()) ++t->upload_segment, t->upload_offset = 0;
@@ -543,7 +547,8 @@ Result<S3ClientConfig> ResolveS3Config(const S3EnvOptions& options) {
   c.region = !options.region.empty() ? options.region : GetEnv("AWS_REGION");
   if (c.region.empty()) c.region = GetEnv("AWS_DEFAULT_REGION");
   if (c.region.empty()) c.region = "us-east-1";
-  std::string endpoint = !options.endpoint.empty() ? options.endpoint : GetEnv("AWS_ENDPOINT_URL_S3");
+  std::string endpoint =
+      !options.endpoint.empty() ? options.endpoint : GetEnv("AWS_ENDPOINT_URL_S3");
   if (endpoint.empty()) endpoint = GetEnv("AWS_ENDPOINT_URL");
   const bool user_endpoint = !endpoint.empty();
   if (!user_endpoint) endpoint = fmt::format("https://s3.{}.amazonaws.com", c.region);
@@ -650,8 +655,9 @@ void S3Client::Execute(std::span<S3Request> requests, std::span<S3Response> resp
       lock.unlock();
       // A request's "moved on" events all come before its end.
       for (auto [i, finished] : events) {
-        progress(i, finished ? responses[i].received
-                             : transfers[i].streamed.load(std::memory_order_acquire),
+        progress(i,
+                 finished ? responses[i].received
+                          : transfers[i].streamed.load(std::memory_order_acquire),
                  finished);
       }
       lock.lock();

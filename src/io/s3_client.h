@@ -2,8 +2,8 @@
 //
 // libcurl multi handles, each driven by an event-loop thread of its own, run the client's
 // requests: many in flight at once, each connection kept open and reused (each multi handle's
-// connection cache; `max_connections` to the endpoint in all). Requests are signed by libcurl's built-in
-// AWS Signature Version 4 (CURLOPT_AWS_SIGV4), the payload declared UNSIGNED-PAYLOAD: the
+// connection cache; `max_connections` to the endpoint in all). Requests are signed by libcurl's
+// built-in AWS Signature Version 4 (CURLOPT_AWS_SIGV4), the payload declared UNSIGNED-PAYLOAD: the
 // chunk's own checksum, not the signature, protects the bytes (docs/s3.md).
 //
 // A request that S3 throttles (503 SlowDown), that fails with a 500/502/504, or whose connection

@@ -31,8 +31,7 @@ bool IsS3Url(std::string_view path) { return path.starts_with("s3://"); }
 bool S3Supported() { return false; }
 Result<std::unique_ptr<Env>> NewS3Env(const S3EnvOptions& options) {
   return Status::Unimplemented(fmt::format(
-      "{}: this build of kvtier has no S3 client (built without libcurl or pugixml)",
-      options.url));
+      "{}: this build of kvtier has no S3 client (built without libcurl or pugixml)", options.url));
 }
 
 namespace io {
@@ -108,7 +107,7 @@ class S3File final : public File {
   void Reserve(uint64_t bytes) {
     if (data_.size() >= bytes) return;
     AlignedBuffer bigger(std::max<uint64_t>(bytes, data_.size() * 2));
-    if (size_ > 0) std::memcpy(bigger.data(), data_.data(), std::min(size_, data_.size()));
+    if (data_.size() > 0) std::memcpy(bigger.data(), data_.data(), std::min(size_, data_.size()));
     data_ = std::move(bigger);
   }
   // Copies the borrowed buffers into data_ and stops borrowing.
@@ -116,7 +115,9 @@ class S3File final : public File {
     if (!borrow_) return;
     borrow_ = false;
     Reserve(size_);
-    for (const Extent& e : extents_) std::memcpy(data_.data() + e.offset, e.data.data(), e.data.size());
+    for (const Extent& e : extents_) {
+      if (!e.data.empty()) std::memcpy(data_.data() + e.offset, e.data.data(), e.data.size());
+    }
     extents_.clear();
   }
   // The file's bytes in order: the borrowed buffers where they tile the file exactly, else
@@ -169,8 +170,8 @@ class S3Env final : public Env {
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override {
     KVTIER_ASSIGN_OR_RETURN(std::string key, Key(path));
     if (key.empty()) return Status::InvalidArgument(fmt::format("{} is the bucket", path));
-    auto file = std::make_unique<S3File>(this, path, key, o.write,
-                                         o.write && o.buffers_outlive_file);
+    auto file =
+        std::make_unique<S3File>(this, path, key, o.write, o.write && o.buffers_outlive_file);
     if (!o.write) return std::unique_ptr<File>(std::move(file));
     if (o.exclusive || !o.truncate) {
       // An object store has no exclusive create; this check is racy across writers, which is
@@ -228,13 +229,14 @@ class S3Env final : public Env {
       for (pugi::xml_node c : result.children("CommonPrefixes")) {
         std::string p = c.child_value("Prefix");
         if (p.size() > prefix.size() + 1) {
-          out.push_back({p.substr(prefix.size(), p.size() - prefix.size() - 1),
-                         DirEntry::Type::kDirectory});
+          out.push_back(
+              {p.substr(prefix.size(), p.size() - prefix.size() - 1), DirEntry::Type::kDirectory});
         }
       }
       for (pugi::xml_node c : result.children("Contents")) {
         std::string k = c.child_value("Key");
-        if (k.size() > prefix.size()) out.push_back({k.substr(prefix.size()), DirEntry::Type::kFile});
+        if (k.size() > prefix.size())
+          out.push_back({k.substr(prefix.size()), DirEntry::Type::kFile});
       }
     }));
     return out;
@@ -268,9 +270,12 @@ class S3Env final : public Env {
     if (head.ok() || !head.status().IsNotFound()) return head;
     // Not an object: a directory if some object is below it.
     bool any = false;
-    KVTIER_RETURN_IF_ERROR(ListPrefix(key + "/", true, [&](pugi::xml_node result) {
-      any = any || result.child("Contents") || result.child("CommonPrefixes");
-    }, 1));
+    KVTIER_RETURN_IF_ERROR(ListPrefix(
+        key + "/", true,
+        [&](pugi::xml_node result) {
+          any = any || result.child("Contents") || result.child("CommonPrefixes");
+        },
+        1));
     if (any) return info;
     return Status::NotFound(fmt::format("{}: no such object or prefix", path));
   }
@@ -374,7 +379,7 @@ Status S3File::Submit(std::span<IoOp> ops, IoObserver* observer) {
         extents_.push_back({op.offset, {op.buf, op.len}});
       } else {
         Reserve(op.offset + op.len);
-        std::memcpy(data_.data() + op.offset, op.buf, op.len);
+        if (op.len > 0) std::memcpy(data_.data() + op.offset, op.buf, op.len);
       }
       size_ = std::max<uint64_t>(size_, op.offset + op.len);
       dirty_ = true;
@@ -402,8 +407,8 @@ Status S3File::SubmitReads(std::span<IoOp> ops, IoObserver* observer) {
     uint64_t got = 0;
   };
   std::vector<S3Request> requests;
-  std::vector<Segment> segments;       // request by request, in file order
-  std::vector<size_t> first_segment;   // of each request, and one past the last
+  std::vector<Segment> segments;      // request by request, in file order
+  std::vector<size_t> first_segment;  // of each request, and one past the last
   std::vector<std::vector<size_t>> op_segments(ops.size());
   for (size_t i = 0; i < ops.size();) {
     if (ops[i].kind != IoOp::Kind::kRead) {
@@ -590,8 +595,8 @@ Result<std::unique_ptr<Env>> NewS3Env(const S3EnvOptions& options) {
   if (!r.ok()) {
     Status s = r.ToStatus(q, bucket);
     if (r.http_status == 0) {
-      s = Status::Unavailable(fmt::format("{}: no S3 server answers at {}: {}", options.url,
-                                          endpoint, s.message()));
+      s = Status::Unavailable(
+          fmt::format("{}: no S3 server answers at {}: {}", options.url, endpoint, s.message()));
     } else if (r.error_code == "NoSuchBucket") {
       s = Status::NotFound(fmt::format("{}: the bucket does not exist at {}: {}", options.url,
                                        endpoint, s.message()));

@@ -61,8 +61,8 @@ Result<std::vector<uint8_t>> ReadFile(Env& env, const std::string& path, size_t 
 }
 
 TEST(S3UrlTest, MalformedUrlsAreRefusedWithTheReason) {
-  for (const char* url : {"s3://", "s3://ab", "s3://Upper/x", "s3://b_ucket", "s3://bucket?x=1",
-                          "http://bucket/x"}) {
+  for (const char* url :
+       {"s3://", "s3://ab", "s3://Upper/x", "s3://b_ucket", "s3://bucket?x=1", "http://bucket/x"}) {
     S3EnvOptions o;
     o.url = url;
     auto env = NewS3Env(o);
@@ -253,8 +253,7 @@ TEST(S3EnvTest, ReadsAreRangedGetsInParallelAndEndOfFileIsShort) {
   IoOp tail = IoOp::Read(data.size() - 100, over);
   ASSERT_TRUE((*f)->Submit(std::span<IoOp>(&tail, 1)).ok());
   EXPECT_EQ(tail.result, 100);
-  EXPECT_EQ(ReadFile(*env, path, 8192, data.size() - 100).status().code(),
-            StatusCode::kCorruption);
+  EXPECT_EQ(ReadFile(*env, path, 8192, data.size() - 100).status().code(), StatusCode::kCorruption);
   // A missing object opens (nothing is sent) and its first read is NotFound.
   auto missing = ReadFile(*env, dir->url() + "/absent", 10);
   EXPECT_TRUE(missing.status().IsNotFound()) << missing.status().ToString();

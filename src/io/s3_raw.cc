@@ -39,7 +39,8 @@ class S3RawClient::Impl {
     curl_easy_setopt(easy, CURLOPT_UPLOAD_BUFFERSIZE, 2L << 20);
     curl_slist* h = curl_slist_append(nullptr, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
     if (!config.session_token.empty()) {
-      h = curl_slist_append(h, fmt::format("x-amz-security-token: {}", config.session_token).c_str());
+      h = curl_slist_append(h,
+                            fmt::format("x-amz-security-token: {}", config.session_token).c_str());
     }
     curl_easy_setopt(easy, CURLOPT_HTTPHEADER, h);
     if (put) {
@@ -47,31 +48,31 @@ class S3RawClient::Impl {
       curl_easy_setopt(easy, CURLOPT_INFILESIZE_LARGE, curl_off_t(upload.size()));
       curl_easy_setopt(easy, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
       curl_easy_setopt(easy, CURLOPT_READDATA, &io);
-      curl_easy_setopt(easy, CURLOPT_READFUNCTION,
-                       +[](char* buf, size_t size, size_t n, void* user) -> size_t {
-                         auto* io = static_cast<Io*>(user);
-                         size_t take = std::min(size * n, io->up.size() - io->sent);
-                         std::memcpy(buf, io->up.data() + io->sent, take);
-                         io->sent += take;
-                         return take;
-                       });
+      curl_easy_setopt(
+          easy, CURLOPT_READFUNCTION, +[](char* buf, size_t size, size_t n, void* user) -> size_t {
+            auto* io = static_cast<Io*>(user);
+            size_t take = std::min(size * n, io->up.size() - io->sent);
+            if (take > 0) std::memcpy(buf, io->up.data() + io->sent, take);
+            io->sent += take;
+            return take;
+          });
     }
     curl_easy_setopt(easy, CURLOPT_WRITEDATA, &io);
-    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION,
-                     +[](char* data, size_t size, size_t n, void* user) -> size_t {
-                       auto* io = static_cast<Io*>(user);
-                       const size_t len = size * n;
-                       const size_t take = std::min(len, io->down.size() - io->received);
-                       if (take > 0) std::memcpy(io->down.data() + io->received, data, take);
-                       io->received += take;
-                       if (take < len) io->error_body.append(data + take, len - take);
-                       return len;
-                     });
+    curl_easy_setopt(
+        easy, CURLOPT_WRITEFUNCTION, +[](char* data, size_t size, size_t n, void* user) -> size_t {
+          auto* io = static_cast<Io*>(user);
+          const size_t len = size * n;
+          const size_t take = std::min(len, io->down.size() - io->received);
+          if (take > 0) std::memcpy(io->down.data() + io->received, data, take);
+          io->received += take;
+          if (take < len) io->error_body.append(data + take, len - take);
+          return len;
+        });
     CURLcode code = curl_easy_perform(easy);
     curl_slist_free_all(h);
     if (code != CURLE_OK) {
-      return Status::IOError(fmt::format("{} {}: {}", put ? "PUT" : "GET", url,
-                                         curl_easy_strerror(code)));
+      return Status::IOError(
+          fmt::format("{} {}: {}", put ? "PUT" : "GET", url, curl_easy_strerror(code)));
     }
     curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &io.status);
     if (io.status < 200 || io.status >= 300) {

@@ -103,8 +103,8 @@ Result<L2Spec> L2FromJson(const json& j) {
     }
   }
   if (spec.type != "fs" && spec.type != "nfs" && spec.type != "s3") {
-    return Status::InvalidArgument(fmt::format(
-        "unsupported L2 type \"{}\" (supported: \"fs\", \"nfs\", \"s3\")", spec.type));
+    return Status::InvalidArgument(
+        fmt::format("unsupported L2 type \"{}\" (supported: \"fs\", \"nfs\", \"s3\")", spec.type));
   }
   if (!has_path || spec.path.empty()) {
     return Status::InvalidArgument(

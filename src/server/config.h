@@ -21,9 +21,9 @@ namespace kvtier::server {
 struct L2Spec {
   // "fs": a local (or kernel-mounted) directory; "nfs": an nfs:// URL; "s3": an s3:// URL
   std::string type = "fs";
-  std::string path;         // the directory, or for "nfs" the URL (JSON key "url" or "path")
-  int connections = 0;  // "nfs", "s3": connections to the server (0: 4 for nfs, 16 for s3)
-  double max_size_gb = 0;   // 0 = unlimited
+  std::string path;        // the directory, or for "nfs" the URL (JSON key "url" or "path")
+  int connections = 0;     // "nfs", "s3": connections to the server (0: 4 for nfs, 16 for s3)
+  double max_size_gb = 0;  // 0 = unlimited
   int read_threads = 4;
   int write_threads = 2;
 };

@@ -81,11 +81,11 @@ inline std::unique_ptr<S3TempDir> S3TestDir(const std::string& prefix) {
 
 // Declares `var`, a S3TempDir in the test server's bucket; skips the test when no server is
 // configured (fails when one is required), returns when the server refuses.
-#define KVTIER_S3_TEST_DIR(var, prefix)                                            \
-  auto var = ::kvtier::testing::S3TestDir(prefix);                                 \
-  if (!var) {                                                                      \
-    if (!::kvtier::testing::S3Required() && !::testing::Test::HasFailure()) {      \
+#define KVTIER_S3_TEST_DIR(var, prefix)                                           \
+  auto var = ::kvtier::testing::S3TestDir(prefix);                                \
+  if (!var) {                                                                     \
+    if (!::kvtier::testing::S3Required() && !::testing::Test::HasFailure()) {     \
       GTEST_SKIP() << "no S3 test server (eval \"$(scripts/s3-server.sh env)\")"; \
-    }                                                                              \
-    return;                                                                        \
+    }                                                                             \
+    return;                                                                       \
   }

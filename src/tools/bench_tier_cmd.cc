@@ -263,12 +263,12 @@ int RunBenchTier(const BenchTierArgs& a) {
     }
   }
   auto raw_write_file = [&](int t, const std::string& path, std::span<const uint8_t> buf) {
-    return nfs ? nfs_clients[t]->WriteFile(path, buf)
+    return nfs  ? nfs_clients[t]->WriteFile(path, buf)
            : s3 ? s3_clients[t]->WriteFile(path, buf)
                 : RawWrite(path, buf);
   };
   auto raw_read_file = [&](int t, const std::string& path, std::span<uint8_t> buf) {
-    return nfs ? nfs_clients[t]->ReadFile(path, buf)
+    return nfs  ? nfs_clients[t]->ReadFile(path, buf)
            : s3 ? s3_clients[t]->ReadFile(path, buf)
                 : RawRead(path, buf);
   };

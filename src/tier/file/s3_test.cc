@@ -236,7 +236,7 @@ TEST(S3FileTierTest, FsckStatsAndPurgeWorkOnS3) {
 
   auto purged = PurgeCacheDir(dir->url());
   ASSERT_TRUE(purged.ok()) << purged.status().ToString();
-  EXPECT_EQ(purged->files, 5u + 1u);  // the chunks and namespace.json
+  EXPECT_EQ(purged->files, 5u + 1u);            // the chunks and namespace.json
   EXPECT_TRUE(CheckCacheDir(dir->url()).ok());  // the marker stays
   EXPECT_EQ(Objects(dir->env(), dir->url()), std::vector<std::string>{"kvtier-cache.json"});
 }
