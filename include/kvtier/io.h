@@ -311,6 +311,7 @@ struct S3EnvOptions {
   std::chrono::milliseconds request_timeout{10000};
   std::chrono::milliseconds connect_timeout{2000};
   int max_retries = 4;
+  int list_page_keys = 1000;  // objects per listing request (S3's maximum)
 };
 
 // True for `s3://...`.

@@ -538,6 +538,9 @@ Result<S3ClientConfig> ResolveS3Config(const S3EnvOptions& options) {
     return Status::InvalidArgument(
         fmt::format("S3 connections {} out of range [1, 1024]", options.connections));
   }
+  if (options.list_page_keys < 1 || options.list_page_keys > 1000) {
+    return Status::InvalidArgument("S3 listing page size must be in [1, 1000]");
+  }
   if (options.part_bytes < (5u << 20) || options.part_bytes > (1u << 30)) {
     return Status::InvalidArgument("S3 part size must be between 5 MiB (S3's minimum) and 1 GiB");
   }

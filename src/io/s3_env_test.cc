@@ -204,6 +204,24 @@ TEST(S3EnvTest, FilesAreObjectsAndPrefixesAreDirectories) {
   ASSERT_TRUE(moved.ok());
   EXPECT_EQ(*moved, small);
 
+  // Listings of several pages (three objects and a prefix per page here).
+  S3EnvOptions paged = Options(dir->url());
+  paged.list_page_keys = 3;
+  auto penv = MustEnv(paged);
+  ASSERT_NE(penv, nullptr);
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(WriteFile(*penv, fmt::format("{}/many/f{}", root, i), small).ok());
+  }
+  auto many = penv->List(root + "/many");
+  ASSERT_TRUE(many.ok()) << many.status().ToString();
+  EXPECT_EQ(many->size(), 8u);
+  auto deep = penv->ListTree(root);
+  ASSERT_TRUE(deep.ok());
+  EXPECT_EQ(deep->size(), 11u);
+  RemovedCounts many_counts;
+  ASSERT_TRUE(RemoveTree(*penv, root + "/many", &many_counts).ok());
+  EXPECT_EQ(many_counts.files, 8u);
+
   ASSERT_TRUE(env->Unlink(root + "/a/moved").ok());
   EXPECT_TRUE(env->Unlink(root + "/a/moved").ok());  // S3 cannot tell: documented
   RemovedCounts counts;
