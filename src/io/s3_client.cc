@@ -175,7 +175,7 @@ class S3Client::Loop {
     size_t remaining = 0;
     bool wants_progress = false;
   };
-  static constexpr uint64_t kProgressStep = 4u << 20;
+  static constexpr uint64_t kProgressStep = 1u << 20;
   // One request from its first attempt to its answer.
   struct Transfer {
     const S3Request* req = nullptr;
