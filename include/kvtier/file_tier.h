@@ -81,6 +81,9 @@ struct FileTierOptions {
   Env* env = nullptr;
   // An nfs:// or s3:// root with env null: connections to the server (0: 4 for NFS, 16 for S3).
   int connections = 0;
+  // An s3:// root with env null: the size of a ranged GET and of an upload part (0: the env's
+  // default, 64 MiB: one GET per chunk). 8-16 MiB fetch a chunk over several connections.
+  size_t s3_part_bytes = 0;
   // An asynchronous read or write running longer than this is stalled (see above). 0 = never:
   // Drain and the destructor wait for every operation, however long.
   std::chrono::milliseconds stall_timeout{5000};

@@ -89,6 +89,8 @@ Result<L2Spec> L2FromJson(const json& j) {
       has_path = true;
     } else if (key == "connections") {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.connections));
+    } else if (key == "part_mib") {
+      KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.part_mib));
     } else if (key == "max_size_gb") {
       KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.max_size_gb));
     } else if (key == "read_threads") {
@@ -97,8 +99,8 @@ Result<L2Spec> L2FromJson(const json& j) {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.write_threads));
     } else {
       return Status::InvalidArgument(
-          fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, max_size_gb, "
-                      "read_threads, write_threads)",
+          fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, part_mib, "
+                      "max_size_gb, read_threads, write_threads)",
                       k));
     }
   }
@@ -135,6 +137,13 @@ Result<L2Spec> L2FromJson(const json& j) {
           "L2 {}: this build of kvtier has no S3 client (built without libcurl or pugixml)",
           spec.path));
     }
+  }
+  if (spec.part_mib != 0 && spec.type != "s3") {
+    return Status::InvalidArgument("L2 \"part_mib\" applies to s3 tiers only");
+  }
+  if (spec.part_mib != 0 && (spec.part_mib < 5 || spec.part_mib > 1024)) {
+    return Status::InvalidArgument(
+        "L2 \"part_mib\" must be in [5, 1024] (S3's smallest upload part is 5 MiB; 0: 64)");
   }
   if (spec.connections < 0 || spec.connections > 256) {
     return Status::InvalidArgument(
@@ -324,6 +333,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.read_threads = l2[0].read_threads;
     f.write_threads = l2[0].write_threads;
     f.connections = l2[0].connections;
+    f.s3_part_bytes = static_cast<size_t>(l2[0].part_mib) << 20;
     o.engine.file = f;
   }
 

@@ -23,6 +23,7 @@ struct L2Spec {
   std::string type = "fs";
   std::string path;        // the directory, or for "nfs" the URL (JSON key "url" or "path")
   int connections = 0;     // "nfs", "s3": connections to the server (0: 4 for nfs, 16 for s3)
+  int part_mib = 0;        // "s3": the size of a ranged GET and of an upload part (0: 64 MiB)
   double max_size_gb = 0;  // 0 = unlimited
   int read_threads = 4;
   int write_threads = 2;

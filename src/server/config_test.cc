@@ -59,6 +59,27 @@ TEST(ServeConfigTest, L2SpecsAreValidated) {
   EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
 }
 
+TEST(ServeConfigTest, S3TiersTakeAUrlConnectionsAndAPartSize) {
+  if (!S3Supported()) GTEST_SKIP() << "built without the S3 client";
+  auto s3 = ParseL2Spec(R"({"type":"s3","url":"s3://bucket/kv","connections":32,"part_mib":8})");
+  ASSERT_TRUE(s3.ok()) << s3.status().ToString();
+  EXPECT_EQ(s3->type, "s3");
+  EXPECT_EQ(s3->connections, 32);
+  EXPECT_EQ(s3->part_mib, 8);
+  auto fs = ParseL2Spec(R"({"type":"fs","path":"s3://bucket/kv"})");  // a URL speaks S3
+  ASSERT_TRUE(fs.ok());
+  EXPECT_EQ(fs->type, "s3");
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"s3","url":"nfs://host/export"})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"s3","url":"s3://bucket/kv","part_mib":4})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","part_mib":8})").ok());
+  ServeConfig c;
+  c.l2 = {*s3};
+  auto options = BuildServerOptions(c);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  EXPECT_EQ(options->engine.file->s3_part_bytes, 8u << 20);
+  EXPECT_EQ(options->engine.file->connections, 32);
+}
+
 TEST(ServeConfigTest, BadValuesAreRefused) {
   auto refused = [](auto mutate) {
     ServeConfig c;

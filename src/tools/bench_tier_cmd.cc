@@ -43,6 +43,7 @@ struct BenchTierArgs {
   uint64_t request_kib = 4096;
   uint64_t write_request_kib = 65536;
   int connections = 0;  // nfs:// and s3://; 0: max(readers, writers) for NFS, 4x that for S3
+  int s3_part_mib = 0;  // s3:// only; 0: the env's default
   bool keep = false;
   bool json = false;
 };
@@ -217,6 +218,7 @@ int RunBenchTier(const BenchTierArgs& a) {
     S3EnvOptions so;
     so.url = a.dir;
     so.connections = connections;
+    if (a.s3_part_mib > 0) so.part_bytes = static_cast<size_t>(a.s3_part_mib) << 20;
     auto made = NewS3Env(so);
     if (!made.ok()) return fail(made.status().ToString());
     remote_env = std::move(*made);
@@ -509,6 +511,9 @@ void AddBenchTier(CLI::App& parent, CommandContext& ctx) {
                   "nfs:// and s3:// only: the tier's connections to the server (default: max of "
                   "--readers and --writers, the reference's connection count, for NFS; four "
                   "times that for S3, whose reads are ranged GETs of several parts at once)");
+  cmd->add_option("--s3-part-mib", args->s3_part_mib,
+                  "s3:// only: the tier's ranged-GET and upload part size in MiB (5-1024; "
+                  "default 64, one GET per chunk)");
   cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk payload size in MiB")
       ->capture_default_str();
   cmd->add_option("--chunks", args->chunks, "Chunks written and read per repeat")

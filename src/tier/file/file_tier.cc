@@ -319,6 +319,7 @@ Status FileTier::Impl::Init() {
     S3EnvOptions so;
     so.url = options_.root;
     if (options_.connections > 0) so.connections = options_.connections;
+    if (options_.s3_part_bytes > 0) so.part_bytes = options_.s3_part_bytes;
     KVTIER_ASSIGN_OR_RETURN(owned_env_, NewS3Env(so));
     env_ = owned_env_.get();
   } else if (IsNfsUrl(options_.root)) {
