@@ -347,23 +347,14 @@ TEST(S3EnvTest, BorrowedBuffersAreUploadedInPlaceOrCopiedWhenTheyLeaveGaps) {
   EXPECT_TRUE(std::equal(back->begin() + 8192, back->end(), body.begin()));
 }
 
-class S3FaultTest : public ::testing::Test {
+class S3FaultTest : public testing::S3FaultFixture {
  protected:
-  void SetUp() override {
-    const std::string upstream = EnvOr("AWS_ENDPOINT_URL");
-    if (upstream.empty()) {
-      if (testing::S3Required()) FAIL() << "KVTIER_REQUIRE_S3=1 but AWS_ENDPOINT_URL is unset";
-      GTEST_SKIP() << "no S3 test server";
-    }
-    front_ = std::make_unique<testing::S3FaultFront>(upstream);
-  }
   S3EnvOptions FrontOptions(const std::string& url) {
-    S3EnvOptions o = Options(url);
-    o.endpoint = front_->endpoint();
-    o.request_timeout = std::chrono::seconds(2);
+    S3EnvOptions o = S3FaultFixture::FrontOptions(url, std::chrono::seconds(2));
+    o.connections = 8;
+    o.part_bytes = 5u << 20;
     return o;
   }
-  std::unique_ptr<testing::S3FaultFront> front_;
 };
 
 TEST_F(S3FaultTest, ThrottlingIsRetriedWithBackoffAndReportedWhenItPersists) {

@@ -5,6 +5,7 @@
 // nor checks clocks; this is how the client's handling of those answers is tested.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <atomic>
@@ -12,6 +13,9 @@
 #include <memory>
 #include <string>
 #include <thread>
+
+#include "kvtier/io.h"
+#include "testing/s3_target.h"
 
 namespace kvtier::testing {
 
@@ -139,6 +143,29 @@ class S3FaultFront {
   std::atomic<Mode> mode_{Mode::kPass};
   std::atomic<int> remaining_{0}, hang_ms_{3000};
   std::atomic<int> requests_{0}, injected_{0};
+};
+
+// A fixture with a fault front before the test server: skipped without a server, failed
+// without one when one is required (KVTIER_REQUIRE_S3=1).
+class S3FaultFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string upstream = EnvOr("AWS_ENDPOINT_URL");
+    if (upstream.empty()) {
+      if (S3Required()) FAIL() << "KVTIER_REQUIRE_S3=1 but AWS_ENDPOINT_URL is unset";
+      GTEST_SKIP() << "no S3 test server";
+    }
+    front_ = std::make_unique<S3FaultFront>(upstream);
+  }
+  // An env's options for `url` through the front, each request given `timeout`.
+  S3EnvOptions FrontOptions(const std::string& url, std::chrono::milliseconds timeout) const {
+    S3EnvOptions o;
+    o.url = url;
+    o.endpoint = front_->endpoint();
+    o.request_timeout = timeout;
+    return o;
+  }
+  std::unique_ptr<S3FaultFront> front_;
 };
 
 }  // namespace kvtier::testing

@@ -30,6 +30,7 @@
 #endif
 #include "testing/nfs_target.h"
 #include "tier/file/test_chunks.h"
+#include "tier/file/tier_keys.h"
 
 namespace kvtier {
 namespace {
@@ -74,25 +75,11 @@ void FlipByte(const std::string& path, uint64_t offset) {
   ::close(fd);
 }
 
-// Writes keys [first, first + count) through `tier`.
 void WriteKeys(FileTier& tier, uint64_t first, uint64_t count) {
-  AlignedBuffer buf(kChunk);
-  for (uint64_t i = first; i < first + count; ++i) {
-    FillChunk(TestKey(i), buf.first(kChunk));
-    Status s = tier.Write(TestKey(i), buf.first(kChunk));
-    ASSERT_TRUE(s.ok()) << i << ": " << s.ToString();
-  }
+  testing::WriteKeys(tier, first, count, kChunk);
 }
-
-// Reads keys [first, first + count) through `tier`: each must be there, with its own bytes.
 void ExpectKeys(FileTier& tier, uint64_t first, uint64_t count) {
-  AlignedBuffer buf(kChunk);
-  for (uint64_t i = first; i < first + count; ++i) {
-    std::memset(buf.data(), 0, buf.size());
-    Status s = tier.Read(TestKey(i), buf.first(kChunk));
-    ASSERT_TRUE(s.ok()) << i << ": " << s.ToString();
-    EXPECT_TRUE(VerifyChunk(TestKey(i), buf.first(kChunk))) << "wrong bytes for key " << i;
-  }
+  testing::ExpectKeys(tier, first, count, kChunk);
 }
 
 TEST(NfsFileTierTest, TiersOnTheExportPathAndOnNfsShareChunks) {

@@ -19,6 +19,7 @@
 #include "testing/s3_fault_front.h"
 #include "testing/s3_target.h"
 #include "tier/file/test_chunks.h"
+#include "tier/file/tier_keys.h"
 
 namespace kvtier {
 namespace {
@@ -48,22 +49,10 @@ std::unique_ptr<FileTier> OpenTier(const FileTierOptions& o) {
 }
 
 void WriteKeys(FileTier& tier, uint64_t first, uint64_t count) {
-  AlignedBuffer buf(kChunk);
-  for (uint64_t i = first; i < first + count; ++i) {
-    FillChunk(TestKey(i), buf.first(kChunk));
-    Status s = tier.Write(TestKey(i), buf.first(kChunk));
-    ASSERT_TRUE(s.ok()) << i << ": " << s.ToString();
-  }
+  testing::WriteKeys(tier, first, count, kChunk);
 }
-
 void ExpectKeys(FileTier& tier, uint64_t first, uint64_t count) {
-  AlignedBuffer buf(kChunk);
-  for (uint64_t i = first; i < first + count; ++i) {
-    std::memset(buf.data(), 0, buf.size());
-    Status s = tier.Read(TestKey(i), buf.first(kChunk));
-    ASSERT_TRUE(s.ok()) << i << ": " << s.ToString();
-    EXPECT_TRUE(VerifyChunk(TestKey(i), buf.first(kChunk))) << "wrong bytes for key " << i;
-  }
+  testing::ExpectKeys(tier, first, count, kChunk);
 }
 
 // Every object below `dir`, by path relative to it.
@@ -254,26 +243,13 @@ TEST(S3FileTierTest, WrongCredentialsFailTheTierWithTheReason) {
 }
 
 // The tier through a fault front: an env of its own pointed at the front.
-class S3FaultTierTest : public ::testing::Test {
+class S3FaultTierTest : public testing::S3FaultFixture {
  protected:
-  void SetUp() override {
-    const std::string upstream = EnvOr("AWS_ENDPOINT_URL");
-    if (upstream.empty()) {
-      if (testing::S3Required()) FAIL() << "KVTIER_REQUIRE_S3=1 but AWS_ENDPOINT_URL is unset";
-      GTEST_SKIP() << "no S3 test server";
-    }
-    front_ = std::make_unique<testing::S3FaultFront>(upstream);
-  }
   std::unique_ptr<Env> FrontEnv(const std::string& url) {
-    S3EnvOptions o;
-    o.url = url;
-    o.endpoint = front_->endpoint();
-    o.request_timeout = std::chrono::milliseconds(1500);
-    auto env = NewS3Env(o);
+    auto env = NewS3Env(FrontOptions(url, std::chrono::milliseconds(1500)));
     EXPECT_TRUE(env.ok()) << env.status().ToString();
     return env.ok() ? std::move(*env) : nullptr;
   }
-  std::unique_ptr<testing::S3FaultFront> front_;
 };
 
 TEST_F(S3FaultTierTest, ThrottledWritesAreRetriedAndPersistentThrottlingIsAnError) {
