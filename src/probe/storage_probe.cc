@@ -702,6 +702,12 @@ PageCacheResidency MeasurePageCacheResidency(const std::vector<std::string>& pat
 
 Result<StorageProbeReport> RunStorageProbe(const StorageProbeOptions& o) {
   if (o.directory.empty()) return Status::InvalidArgument("no directory given");
+  if (IsS3Url(o.directory)) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: bench storage probes filesystems (O_DIRECT, page cache); for S3 run `kvtier bench "
+        "tier --dir {}`, which compares the tier with plain libcurl GETs and PUTs",
+        o.directory, o.directory));
+  }
   if (IsNfsUrl(o.directory)) {
     KVTIER_RETURN_IF_ERROR(ValidateSizes(o));
     return RunNfsProbe(o);

@@ -209,6 +209,11 @@ TEST(StorageProbe, RejectsBadInput) {
   auto status = RunStorageProbe(huge).status();
   EXPECT_EQ(status.code(), StatusCode::kNoSpace) << status.ToString();
   EXPECT_EQ(Entries(dir.path()), 1u);  // only plain-file; the probe left nothing
+
+  auto s3 = SmallOptions("s3://bucket/kv");  // not a filesystem: bench tier is the S3 benchmark
+  status = RunStorageProbe(s3).status();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("bench tier"), std::string::npos) << status.ToString();
 }
 
 // ---- nfs://: the probe through the user-space NFS client, against the loopback server ----
