@@ -188,7 +188,6 @@ class S3Client::Loop {
     // Per attempt:
     CURL* easy = nullptr;
     curl_slist* headers = nullptr;
-    uint64_t upload_pos = 0;                       // bytes of the body sent so far
     size_t upload_segment = 0, upload_offset = 0;  // where the next byte comes from
     uint64_t skip = 0;  // bytes of a 200 answer to a ranged GET before the range
     uint64_t download_bytes = 0;
@@ -222,14 +221,6 @@ class S3Client::Loop {
       incoming_.push_back(t);
     }
     curl_multi_wakeup(multi_);
-  }
-
-  S3ClientCounters counters() const {
-    S3ClientCounters c;
-    c.requests = requests_.load(), c.retries = retries_.load(), c.throttled = throttled_.load();
-    c.timeouts = timeouts_.load(), c.failures = failures_.load();
-    c.bytes_sent = bytes_sent_.load(), c.bytes_received = bytes_received_.load();
-    return c;
   }
 
  private:
@@ -286,14 +277,13 @@ class S3Client::Loop {
   void Start(Transfer* t) {
     S3Response& r = *t->resp;
     ++r.attempts;
-    requests_.fetch_add(1);
     const auto now = Clock::now();
     if (r.attempts == 1) t->deadline = now + config_.request_timeout;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t->deadline - now);
     r.http_status = 0, r.curl_code = 0, r.received = 0, r.content_length = -1;
     r.object_size = -1, r.last_modified_ns = 0;
     r.body.clear(), r.curl_error.clear(), r.etag.clear();
-    t->upload_pos = 0, t->skip = 0, t->errbuf[0] = 0;
+    t->skip = 0, t->errbuf[0] = 0;
     t->upload_segment = 0, t->upload_offset = 0;
     t->segment = 0, t->segment_offset = 0, t->announced = 0;
     t->streamed.store(0, std::memory_order_relaxed);
@@ -385,10 +375,8 @@ class S3Client::Loop {
     if (code != CURLE_OK) {
       r.curl_error = t->errbuf[0] != 0 ? t->errbuf : curl_easy_strerror(code);
       r.timed_out = code == CURLE_OPERATION_TIMEDOUT;
-      if (r.timed_out) timeouts_.fetch_add(1);
     }
     if (r.http_status >= 300) ParseS3Error(r.body, &r.error_code, &r.error_message);
-    if (r.http_status == 503) throttled_.fetch_add(1);
     if (!r.ok() && Retryable(r) && r.attempts <= config_.max_retries) {
       // Exponential backoff with jitter, within the deadline.
       std::uniform_real_distribution<double> jitter(0.5, 1.5);
@@ -396,14 +384,10 @@ class S3Client::Loop {
           config_.retry_base_delay * (1 << std::min(r.attempts - 1, 10)) * jitter(rng_));
       t->not_before = Clock::now() + delay;
       if (t->not_before < t->deadline) {
-        retries_.fetch_add(1);
         retrying_.push_back(t);
         return;
       }
     }
-    if (!r.ok()) failures_.fetch_add(1);
-    bytes_sent_.fetch_add(t->req->method == "POST" ? t->req->upload_bytes() : t->upload_pos);
-    bytes_received_.fetch_add(r.received);
     Finish(t);
   }
 
@@ -470,7 +454,6 @@ class S3Client::Loop {
       t->upload_offset += take;
       if (t->upload_offset == seg.size()) ++t->upload_segment, t->upload_offset = 0;
     }
-    t->upload_pos += filled;
     return filled;
   }
 
@@ -516,8 +499,6 @@ class S3Client::Loop {
   std::vector<Transfer*> active_, retrying_;
   std::vector<CURL*> idle_;
   std::mt19937_64 rng_{std::random_device{}()};
-  std::atomic<uint64_t> requests_{0}, retries_{0}, throttled_{0}, timeouts_{0}, failures_{0};
-  std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0};
 };
 
 Result<S3ClientConfig> ResolveS3Config(const S3EnvOptions& options) {
@@ -673,17 +654,6 @@ S3Response S3Client::Execute(S3Request& request) {
   S3Response r;
   Execute(std::span<S3Request>(&request, 1), std::span<S3Response>(&r, 1));
   return r;
-}
-
-S3ClientCounters S3Client::counters() const {
-  S3ClientCounters sum;
-  for (const auto& loop : loops_) {
-    S3ClientCounters c = loop->counters();
-    sum.requests += c.requests, sum.retries += c.retries, sum.throttled += c.throttled;
-    sum.timeouts += c.timeouts, sum.failures += c.failures;
-    sum.bytes_sent += c.bytes_sent, sum.bytes_received += c.bytes_received;
-  }
-  return sum;
 }
 
 }  // namespace kvtier::io

@@ -80,7 +80,6 @@ struct S3Response {
   int64_t content_length = -1;
   int64_t object_size = -1;  // from Content-Range ("bytes a-b/SIZE"), or a 200's Content-Length
   int64_t last_modified_ns = 0;
-  std::string upload_id;  // filled in by the caller from the body where needed
   std::string etag;
   std::string error_code, error_message;  // S3's <Code> and <Message> of an error answer
   int attempts = 0;
@@ -94,11 +93,6 @@ struct S3Response {
   std::string Describe(const S3Request& request, const std::string& bucket) const;
   // The Status of a failed answer (kNotFound, kPermissionDenied, kUnavailable, kIOError, ...).
   Status ToStatus(const S3Request& request, const std::string& bucket) const;
-};
-
-struct S3ClientCounters {
-  uint64_t requests = 0, retries = 0, throttled = 0, timeouts = 0, failures = 0;
-  uint64_t bytes_sent = 0, bytes_received = 0;
 };
 
 class S3Client {
@@ -119,7 +113,6 @@ class S3Client {
   S3Response Execute(S3Request& request);
 
   const S3ClientConfig& config() const { return config_; }
-  S3ClientCounters counters() const;
   // The URL of a request (for tests and messages).
   std::string Url(const S3Request& request) const;
 
