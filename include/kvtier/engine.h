@@ -8,8 +8,13 @@
 // Tiers: L1 is the host-memory MemoryTier; L2, when configured, is a FileTier on a local or
 // shared filesystem. Write policies decide when L1's chunks reach L2:
 //   kWriteThrough: every store also goes to L2, asynchronously;
-//   kWriteBack:    a chunk goes to L2 only when L1 evicts it (and is not there already);
+//   kWriteBack:    a chunk goes to L2 only as it nears eviction from L1 (and is not there yet);
 //   kNone:         L2 is only read (chunks other hosts wrote), never written.
+// No store waits on L2. A background flusher keeps the chunks next in L1's eviction order clean
+// (written to L2) at the disk's pace, `flush_headroom` of L1's slots ahead, so evictions find
+// clean victims. Stores that outrun the disk for longer than that headroom absorbs evict dirty
+// chunks before they reach L2: counted (EngineStats::dirty_evictions) and logged, and the
+// caller recomputes them on a later miss, as it would without kvtier.
 //
 // Store and Load copy between caller memory and L1 on a fixed worker pool whose bounded queue
 // refuses (kRejected) rather than blocks. Loads deliver the longest available prefix; a chunk
@@ -54,6 +59,10 @@ struct EngineOptions {
   std::chrono::milliseconds load_deadline{2000};
   int worker_threads = 2;           // copy threads for Store and Load
   size_t max_queued_chunks = 1024;  // per-chunk tasks queued before Store/Load are rejected
+  // The share of L1's slots, in eviction order, the flusher keeps clean or free (0 < x <= 1).
+  // Larger absorbs longer bursts of stores without losing chunks to L2, at the price of
+  // writing chunks that might have been overwritten or evicted clean later.
+  double flush_headroom = 0.125;
 };
 
 struct LookupResult {
@@ -98,8 +107,11 @@ struct EngineStats {
   uint64_t promotions = 0;       // chunks copied from L2 into L1 by loads
   uint64_t deadline_misses = 0;  // chunks reported missing because L2 missed the load deadline
   // Write-through chunks L2's full write queue refused: retried as writes complete (deferred),
-  // or, past the bound, left dirty in L1 for write-back (dropped). Both logged.
+  // or, past the bound, left dirty in L1 for the flusher (dropped). Both logged.
   uint64_t write_through_deferred = 0, write_through_dropped = 0;
+  uint64_t write_backs = 0;          // chunks the flusher wrote to L2
+  uint64_t write_back_failures = 0;  // flusher writes L2 refused or failed (retried later)
+  uint64_t dirty_evictions = 0;      // chunks evicted from L1 before they reached L2 (lost)
   uint64_t stores = 0, loads = 0, rejected_ops = 0;
 };
 
@@ -129,7 +141,7 @@ class Engine {
   // Reserves one L1 slot per key for the caller to fill in place. slots[i] is kNoSlot when
   // keys[i] is already stored (nothing to write). Stops at the first key that cannot get a slot:
   // the returned vector is then shorter than keys (possibly empty) and the tier is full of
-  // pinned chunks. May block on a write-back of an evicted chunk.
+  // pinned chunks. Never blocks on I/O.
   std::vector<SlotId> ReserveSlots(std::span<const ChunkKey> keys);
   // Publishes filled slots (kNoSlot entries are skipped) and applies the write policy to them.
   void CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots);
@@ -142,7 +154,8 @@ class Engine {
   void Unpin(std::span<const SlotId> slots);
 
   // Blocks until every queued operation, and every write to L2 already started or deferred, has
-  // finished: true. False if it stopped waiting on file-tier operations stuck in the kernel.
+  // finished, and the flusher has cleaned its headroom: true. False if it stopped waiting on
+  // file-tier operations stuck in the kernel.
   bool Drain();
   // Writes every L1 chunk not yet in L2 to L2 (write-back at shutdown), then drains. Blocking,
   // but bounded when L2 is stuck (kTimeout). Returns the first error, if any; a no-op without
@@ -158,7 +171,13 @@ class Engine {
   explicit Engine(const EngineOptions& options);
 
   bool StoresDirty() const;
+  // Reserve in L1, reporting a dirty eviction (counted by L1, logged here).
+  Result<MemoryTier::Reservation> ReserveInMemory(const ChunkKey& key, const ChunkKey* parent);
   void PublishStored(SlotId slot, const ChunkKey& key);
+  void FlusherLoop();
+  // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
+  // many it started.
+  size_t FlushPass();
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
                              std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);

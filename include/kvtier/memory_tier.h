@@ -9,15 +9,20 @@
 // A slot moves through: free -> reserved (being filled by a store, invisible to readers) ->
 // resident (visible; may be pinned by readers) -> evicted or removed -> free. Pinned slots are
 // never evicted, so a reader can copy out of a slot without holding any lock. Eviction asks an
-// EvictionPolicy (LRU or prefix-aware). When a *dirty* chunk (one not yet in a lower tier) is
-// evicted, the eviction sink is called with its data before the slot is reused (write-back).
+// EvictionPolicy (LRU or prefix-aware).
 //
-// Thread-safety: every method is thread-safe. No lock is held while the eviction sink runs.
+// A *dirty* chunk is one not yet in a lower tier. Reserve never does I/O: it evicts the policy's
+// first *clean* victim, and only when every evictable chunk is dirty does it evict a dirty one,
+// whose data is then lost to the lower tiers (counted in dirty_evictions and reported in the
+// Reservation). Keeping clean victims ready is the job of a flusher (the engine's): it takes the
+// dirty chunks next in eviction order (TakeFlushCandidates), writes them down from their pinned
+// slots, and reports each with EndClean.
+//
+// Thread-safety: every method is thread-safe.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -48,12 +53,11 @@ struct MemoryTierStats {
   bool huge_pages = false;
   uint64_t lookups = 0, hits = 0, misses = 0;
   uint64_t bytes_in = 0, bytes_out = 0;  // counted by the engine as it copies
-  uint64_t evictions = 0, write_backs = 0, rejections = 0, errors = 0;
+  uint32_t dirty = 0;                    // resident chunks in no lower tier yet
+  uint32_t cleaning = 0;                 // dirty chunks being written to a lower tier now
+  uint64_t evictions = 0, rejections = 0, errors = 0;
+  uint64_t dirty_evictions = 0;  // dirty chunks evicted before they reached a lower tier
 };
-
-// Called with a dirty chunk that is being evicted, before its slot is reused; runs on the thread
-// that needed the slot, with no lock held.
-using EvictionSink = std::function<void(const ChunkKey& key, std::span<const uint8_t> data)>;
 
 class MemoryTier {
  public:
@@ -63,9 +67,6 @@ class MemoryTier {
   ~MemoryTier();
   MemoryTier(const MemoryTier&) = delete;
   MemoryTier& operator=(const MemoryTier&) = delete;
-
-  // Must be set before the first Reserve if write-back is wanted.
-  void SetEvictionSink(EvictionSink sink);
 
   // The arena, for sharing with other processes: an fd that maps to base() at offset 0.
   int fd() const { return fd_; }
@@ -89,21 +90,38 @@ class MemoryTier {
   void Unpin(SlotId slot);
 
   struct Reservation {
-    SlotId slot = kNoSlot;        // to fill, then Commit or Abort
-    bool already_present = false; // the key is resident or being stored: nothing to do
+    SlotId slot = kNoSlot;         // to fill, then Commit or Abort
+    bool already_present = false;  // the key is resident or being stored: nothing to do
+    // Making room evicted a dirty chunk (no clean one was evictable): it is in no lower tier.
+    bool evicted_dirty = false;
+    ChunkKey evicted_key;  // that chunk, when evicted_dirty
   };
-  // Reserves a slot for `key`, evicting the policy's victim if no slot is free. `parent` is the
-  // key of the previous chunk of the same prefix (for the prefix-aware policy), or null.
-  // kRejected if every slot is pinned or reserved. May run the eviction sink (blocking I/O).
+  // Reserves a slot for `key`, evicting the policy's first clean victim if no slot is free (a
+  // dirty one if no clean chunk is evictable). `parent` is the key of the previous chunk of the
+  // same prefix (for the prefix-aware policy), or null. kRejected if every slot is pinned or
+  // reserved. Never blocks on I/O.
   Result<Reservation> Reserve(const ChunkKey& key, const ChunkKey* parent);
   // Publishes a reserved slot. `dirty`: the chunk exists in no lower tier yet.
   void Commit(SlotId slot, bool dirty);
   // Gives a reserved slot back unpublished.
   void Abort(SlotId slot);
-  // Marks a resident chunk as safely stored in a lower tier (no write-back needed).
-  void MarkClean(const ChunkKey& key);
   // Keys of the resident chunks that are dirty (in no lower tier yet).
   std::vector<ChunkKey> DirtyKeys() const;
+
+  // --- Cleaning: writing dirty chunks to a lower tier. ---
+  struct Dirty {
+    ChunkKey key;
+    SlotId slot = kNoSlot;
+  };
+  // Starts cleaning `key`: pins its slot (without touching its recency) for the writer to read.
+  // kNotFound if it is absent, clean, or being cleaned already.
+  Result<SlotId> BeginClean(const ChunkKey& key);
+  // The flusher's work: while fewer than `headroom` slots are free, the dirty chunks among the
+  // next `headroom - free` evictable chunks in eviction order, at most `max` of them, each
+  // begun as by BeginClean. Chunks being cleaned count towards the headroom (they will be clean).
+  std::vector<Dirty> TakeFlushCandidates(uint32_t headroom, size_t max);
+  // Ends a cleaning begun above: `stored` marks the chunk clean; the slot is unpinned.
+  void EndClean(SlotId slot, bool stored);
   // Removes a resident, unpinned chunk. kNotFound if absent, kRejected if pinned.
   Status Remove(const ChunkKey& key);
 
@@ -119,27 +137,28 @@ class MemoryTier {
     bool has_parent = false;
     SlotState state = SlotState::kFree;
     bool dirty = false;
+    bool cleaning = false;  // pinned by a writer to a lower tier
     uint32_t pins = 0;
   };
 
   MemoryTier() = default;
   void ReleaseSlotLocked(SlotId slot);
+  void SetDirtyLocked(Slot& s, bool dirty);
 
   int fd_ = -1;
   uint8_t* base_ = nullptr;
   uint64_t arena_bytes_ = 0, slot_bytes_ = 0, chunk_bytes_ = 0;
   uint32_t num_slots_ = 0;
   bool huge_pages_ = false;
-  EvictionSink sink_;
 
   mutable std::mutex mu_;
   std::unordered_map<ChunkKey, SlotId, ChunkKeyHash> index_;  // reserved and resident keys
   std::vector<Slot> slots_;
   std::vector<SlotId> free_;
   std::unique_ptr<EvictionPolicy> policy_;
-  uint32_t resident_ = 0, pinned_ = 0;
+  uint32_t resident_ = 0, pinned_ = 0, dirty_ = 0, cleaning_ = 0;
   uint64_t lookups_ = 0, hits_ = 0, misses_ = 0;
-  uint64_t evictions_ = 0, write_backs_ = 0, rejections_ = 0;
+  uint64_t evictions_ = 0, dirty_evictions_ = 0, rejections_ = 0;
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
 };
 

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -220,11 +222,42 @@ struct Engine::Impl {
   size_t max_deferred = 0;
   std::atomic<uint64_t> write_through_deferred{0}, write_through_dropped{0};
   LogLimiter deferred_log;
+
+  // The flusher: a thread that keeps the chunks next in L1's eviction order clean. Its state is
+  // shared with the L2 writes it starts, whose callbacks may outlive the engine if abandoned.
+  struct Flusher {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool kicked = false, stop = false;
+    std::atomic<size_t> in_flight{0};
+    std::atomic<uint64_t> written{0}, failed{0};
+    void Kick() {
+      {
+        std::lock_guard lock(mu);
+        kicked = true;
+      }
+      cv.notify_one();
+    }
+  };
+  std::shared_ptr<Flusher> flusher = std::make_shared<Flusher>();
+  std::thread flusher_thread;
+  std::mutex pass_mu;     // one flusher pass at a time (the thread's, or Drain's)
+  uint32_t headroom = 1;  // L1 slots kept clean or free
+  size_t max_flushing = 1;
+  LogLimiter dirty_eviction_log;
 };
 
 Engine::Engine(const EngineOptions& options) : options_(options) {}
 
 Engine::~Engine() {
+  if (impl_ && impl_->flusher_thread.joinable()) {
+    {
+      std::lock_guard lock(impl_->flusher->mu);
+      impl_->flusher->stop = true;
+    }
+    impl_->flusher->cv.notify_one();
+    impl_->flusher_thread.join();
+  }
   if (impl_) impl_->pool.Drain();
   if (!file_) return;
   // Bounded: operations stuck in the kernel (a hung NFS server) are abandoned after the file
@@ -260,6 +293,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.load_deadline.count() < 0) {
     return Status::InvalidArgument("engine: load_deadline must not be negative");
   }
+  if (!(options.flush_headroom > 0 && options.flush_headroom <= 1)) {
+    return Status::InvalidArgument(
+        fmt::format("engine: flush_headroom must be in (0, 1], got {}", options.flush_headroom));
+  }
   std::unique_ptr<Engine> engine(new Engine(options));
   MemoryTierOptions mem = options.memory;
   mem.chunk_bytes = options.chunk_bytes;
@@ -275,17 +312,17 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     engine->file_ = std::move(file).value();
   }
   engine->impl_ = std::make_unique<Impl>(options);
-  if (engine->file_ && options.write_policy != WritePolicy::kNone) {
-    // Write-back: a dirty chunk leaving L1 goes to L2 first. Runs on the thread that needed
-    // the slot, without L1's lock.
-    Engine* e = engine.get();
-    // A failure is counted (once) and logged by the file tier itself.
-    engine->memory_->SetEvictionSink([e](const ChunkKey& key, std::span<const uint8_t> data) {
-      (void)e->file_->Write(key, data);
-    });
-  }
+  Impl& impl = *engine->impl_;
+  const uint32_t slots = engine->memory_->num_slots();
   // Dirty chunks never outnumber L1's slots; twice that leaves room for re-stored keys.
-  engine->impl_->max_deferred = 2 * static_cast<size_t>(engine->memory_->num_slots());
+  impl.max_deferred = 2 * static_cast<size_t>(slots);
+  if (engine->StoresDirty()) {
+    impl.headroom = std::clamp<uint32_t>(
+        static_cast<uint32_t>(std::ceil(options.flush_headroom * slots)), 1, slots);
+    // Half of L2's write queue, so that write-through's own writes still find room.
+    impl.max_flushing = std::max<size_t>(1, engine->file_->options().max_queued_writes / 2);
+    impl.flusher_thread = std::thread([e = engine.get()] { e->FlusherLoop(); });
+  }
   return engine;
 }
 
@@ -293,10 +330,68 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
 void Engine::PublishStored(SlotId slot, const ChunkKey& key) {
   memory_->Commit(slot, StoresDirty());
   memory_->AddBytesIn(options_.chunk_bytes);
-  if (StoresDirty() && options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
+  if (!StoresDirty()) return;
+  if (options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
+  impl_->flusher->Kick();
 }
 
 bool Engine::StoresDirty() const { return file_ && options_.write_policy != WritePolicy::kNone; }
+
+Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key,
+                                                        const ChunkKey* parent) {
+  auto r = memory_->Reserve(key, parent);
+  if (r.ok() && r->evicted_dirty) {
+    if (auto held = impl_->dirty_eviction_log.Allow()) {
+      spdlog::warn(
+          "engine: chunk {} left L1 before it reached L2 (stores outran L2's writes for longer "
+          "than the flusher's headroom of {} slots); {} chunks lost so far{}",
+          r->evicted_key.ToHex(), impl_->headroom, memory_->Stats().dirty_evictions,
+          LogLimiter::Suppressed(*held));
+    }
+  }
+  return r;
+}
+
+void Engine::FlusherLoop() {
+  Impl::Flusher& f = *impl_->flusher;
+  for (;;) {
+    {
+      std::unique_lock lock(f.mu);
+      // The timeout retries writes that failed (their completions do not kick).
+      f.cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return f.kicked || f.stop; });
+      if (f.stop) return;
+      f.kicked = false;
+    }
+    FlushPass();
+  }
+}
+
+size_t Engine::FlushPass() {
+  std::lock_guard pass(impl_->pass_mu);
+  auto flusher = impl_->flusher;
+  const size_t in_flight = flusher->in_flight.load();
+  if (in_flight >= impl_->max_flushing) return 0;
+  auto taken = memory_->TakeFlushCandidates(impl_->headroom, impl_->max_flushing - in_flight);
+  MemoryTier* memory = memory_.get();  // outlives abandoned writes (see ~Engine)
+  size_t started = 0;
+  for (; started < taken.size(); ++started) {
+    const SlotId slot = taken[started].slot;
+    flusher->in_flight++;
+    Status s = file_->WriteAsync(taken[started].key, memory->SlotData(slot),
+                                 [memory, flusher, slot](Status st) {
+                                   memory->EndClean(slot, st.ok());
+                                   (st.ok() ? flusher->written : flusher->failed)++;
+                                   flusher->in_flight--;
+                                   if (st.ok()) flusher->Kick();
+                                 });
+    if (!s.ok()) {  // queue full (a completion kicks the next pass) or shutting down
+      flusher->in_flight--;
+      break;
+    }
+  }
+  for (size_t i = started; i < taken.size(); ++i) memory_->EndClean(taken[i].slot, false);
+  return started;
+}
 
 // Write-through: the chunk goes to L2 in the background, from its L1 slot, pinned meanwhile.
 // It stays dirty until L2 has it, so if this write is refused or fails, eviction retries it.
@@ -307,15 +402,14 @@ void Engine::WriteThrough(const ChunkKey& key) {
 }
 
 Status Engine::StartWriteThrough(const ChunkKey& key) {
-  auto slot = memory_->Pin(key);
-  if (!slot.ok()) return Status::Ok();  // already evicted (and so written back)
+  auto slot = memory_->BeginClean(key);
+  if (!slot.ok()) return Status::Ok();  // gone, or the flusher is writing it already
   SlotId pinned = *slot;
-  Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, key, pinned](Status st) {
-    if (st.ok()) memory_->MarkClean(key);
-    memory_->Unpin(pinned);
+  Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, pinned](Status st) {
+    memory_->EndClean(pinned, st.ok());
     ResubmitDeferred();
   });
-  if (!s.ok()) memory_->Unpin(pinned);
+  if (!s.ok()) memory_->EndClean(pinned, false);
   return s;
 }
 
@@ -398,7 +492,7 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, data = src[i]] {
-      auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
+      auto r = ReserveInMemory(key, has_parent ? &parent : nullptr);
       if (!r.ok()) {
         state->ChunkDone(i, r.status());
         return;
@@ -444,8 +538,8 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
         if (!taken || !pin_for_caller) memory_->Unpin(*slot);
         return;
       }
-      FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out,
-                                    pin_for_caller](Status st, std::span<const uint8_t> data) {
+      FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out, pin_for_caller](
+                                       Status st, std::span<const uint8_t> data) {
         if (!st.ok()) {  // a miss, or an error the file tier counted
           state->ChunkDone(i, st);
           return;
@@ -453,7 +547,7 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
         // Promoted into L1 first, so that stats never lag what the caller has been told.
         Status promoted = Status::Ok();
         if (pin_for_caller || options_.promote_on_load) {
-          auto r = memory_->Reserve(key, has_parent ? &parent : nullptr);
+          auto r = ReserveInMemory(key, has_parent ? &parent : nullptr);
           if (!r.ok()) {
             promoted = r.status();  // L1 is full of pinned chunks
           } else if (!r->already_present) {
@@ -590,7 +684,7 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
   std::vector<SlotId> slots;
   slots.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto r = memory_->Reserve(keys[i], i ? &keys[i - 1] : nullptr);
+    auto r = ReserveInMemory(keys[i], i ? &keys[i - 1] : nullptr);
     if (!r.ok()) break;
     slots.push_back(r->already_present ? kNoSlot : r->slot);
   }
@@ -619,12 +713,20 @@ void Engine::Unpin(std::span<const SlotId> slots) {
 bool Engine::Drain() {
   impl_->pool.Drain();
   if (!file_) return true;
+  uint64_t failed = impl_->flusher->failed;
   for (;;) {
+    // The flusher's headroom, cleaned now rather than at its next wake-up. Chunks whose writes
+    // failed are not retried here (the flusher's thread retries them).
+    size_t flushing = StoresDirty() ? FlushPass() : 0;
     if (!file_->Drain()) return false;  // stuck in the kernel: stop waiting
+    bool deferred;
     {
       std::lock_guard lock(impl_->deferred_mu);
-      if (impl_->deferred.empty()) return true;
+      deferred = !impl_->deferred.empty();
     }
+    const bool new_failures = impl_->flusher->failed != failed;
+    if (!deferred && (flushing == 0 || new_failures)) return true;
+    failed = impl_->flusher->failed;
     // Deferred write-throughs whose retry no completion triggered (all finished before they
     // were deferred).
     ResubmitDeferred();
@@ -675,8 +777,8 @@ Status Engine::FlushDirty() {
         }
         if (gave_up) break;
       }
-      auto slot = memory_->Pin(key);
-      if (!slot.ok()) continue;  // evicted meanwhile, and so written back
+      auto slot = memory_->BeginClean(key);
+      if (!slot.ok()) continue;  // evicted, or being written by the flusher (Drain waits)
       const SlotId pinned = *slot;
       int64_t refusals = 0;
       for (;;) {
@@ -684,12 +786,11 @@ Status Engine::FlushDirty() {
           std::lock_guard lock(outcome->mu);
           ++outcome->in_flight;
         }
-        Status s = file_->WriteAsync(key, memory_->SlotData(pinned),
-                                     [this, key, pinned, outcome](Status st) {
-                                       if (st.ok()) memory_->MarkClean(key);
-                                       memory_->Unpin(pinned);
-                                       outcome->Done(st);
-                                     });
+        Status s =
+            file_->WriteAsync(key, memory_->SlotData(pinned), [this, pinned, outcome](Status st) {
+              memory_->EndClean(pinned, st.ok());
+              outcome->Done(st);
+            });
         if (s.ok()) break;
         {
           std::lock_guard lock(outcome->mu);
@@ -702,7 +803,7 @@ Status Engine::FlushDirty() {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
           continue;
         }
-        memory_->Unpin(pinned);
+        memory_->EndClean(pinned, false);
         if (s.IsRejected()) {
           gave_up = true;
         } else {
@@ -750,6 +851,9 @@ EngineStats Engine::Stats() const {
   st.deadline_misses = impl_->deadline_misses;
   st.write_through_deferred = impl_->write_through_deferred;
   st.write_through_dropped = impl_->write_through_dropped;
+  st.write_backs = impl_->flusher->written;
+  st.write_back_failures = impl_->flusher->failed;
+  st.dirty_evictions = st.memory_detail.dirty_evictions;
   return st;
 }
 

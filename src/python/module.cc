@@ -849,7 +849,8 @@ nb::dict EngineStatsDict(const EngineStats& s) {
   mem["bytes_in"] = m.bytes_in;
   mem["bytes_out"] = m.bytes_out;
   mem["evictions"] = m.evictions;
-  mem["write_backs"] = m.write_backs;
+  mem["dirty"] = m.dirty;
+  mem["dirty_evictions"] = m.dirty_evictions;
   mem["rejections"] = m.rejections;
   mem["errors"] = m.errors;
   nb::dict d;
@@ -862,6 +863,9 @@ nb::dict EngineStatsDict(const EngineStats& s) {
   }
   d["promotions"] = s.promotions;
   d["deadline_misses"] = s.deadline_misses;
+  d["write_backs"] = s.write_backs;
+  d["write_back_failures"] = s.write_back_failures;
+  d["dirty_evictions"] = s.dirty_evictions;
   d["stores"] = s.stores;
   d["loads"] = s.loads;
   d["rejected_ops"] = s.rejected_ops;

@@ -1514,6 +1514,11 @@ std::string Server::Impl::StatsJson() const {
     j["tiers"]["file"]["queued_writes"] = f.queued_writes;
     j["engine"]["promotions"] = st.promotions;
     j["engine"]["deadline_misses"] = st.deadline_misses;
+    j["engine"]["write_backs"] = st.write_backs;
+    j["engine"]["write_back_failures"] = st.write_back_failures;
+    j["engine"]["dirty_evictions"] = st.dirty_evictions;
+    j["engine"]["write_through_dropped"] = st.write_through_dropped;
+    j["pool"]["dirty"] = m.dirty;
   }
   nlohmann::json clients = nlohmann::json::array();
   {
@@ -1581,7 +1586,9 @@ std::string Server::Impl::MetricsText() const {
     for (auto [name, v] :
          {std::pair{"store", st.stores}, std::pair{"load", st.loads},
           std::pair{"rejected", st.rejected_ops}, std::pair{"promotion", st.promotions},
-          std::pair{"deadline_miss", st.deadline_misses}}) {
+          std::pair{"deadline_miss", st.deadline_misses}, std::pair{"write_back", st.write_backs},
+          std::pair{"write_back_failure", st.write_back_failures},
+          std::pair{"dirty_eviction", st.dirty_evictions}}) {
       ClientMetric m;
       m.label.push_back({"op", name});
       m.counter.value = d(v);
@@ -1601,8 +1608,10 @@ std::string Server::Impl::MetricsText() const {
     families.push_back(std::move(f));
   };
   const MemoryTierStats& m = st.memory_detail;
-  gauge("kvtier_pool_slots", "L1 pool slots by state",
-        {{"total", m.num_slots}, {"resident", m.resident}, {"pinned", m.pinned}}, "state");
+  gauge(
+      "kvtier_pool_slots", "L1 pool slots by state",
+      {{"total", m.num_slots}, {"resident", m.resident}, {"pinned", m.pinned}, {"dirty", m.dirty}},
+      "state");
   gauge("kvtier_pool_bytes", "L1 pool bytes",
         {{"capacity", d(m.capacity_bytes)},
          {"used", d(static_cast<uint64_t>(m.resident) * m.slot_bytes)}},

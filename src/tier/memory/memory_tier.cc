@@ -131,11 +131,6 @@ MemoryTier::~MemoryTier() {
   if (fd_ >= 0) close(fd_);
 }
 
-void MemoryTier::SetEvictionSink(EvictionSink sink) {
-  std::lock_guard lock(mu_);
-  sink_ = std::move(sink);
-}
-
 size_t MemoryTier::LookupPrefix(std::span<const ChunkKey> keys) {
   std::lock_guard lock(mu_);
   ++lookups_;
@@ -174,55 +169,54 @@ void MemoryTier::Unpin(SlotId slot) {
 }
 
 Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const ChunkKey* parent) {
-  std::unique_lock lock(mu_);
+  std::lock_guard lock(mu_);
   if (index_.contains(key)) return Reservation{kNoSlot, true};
 
-  SlotId slot = kNoSlot;
-  ChunkKey evicted_key;
-  bool write_back = false;
+  Reservation r;
   if (!free_.empty()) {
-    slot = free_.back();
+    r.slot = free_.back();
     free_.pop_back();
   } else {
-    slot = policy_->PickVictim([this](SlotId s) {
+    // A clean victim costs nothing; a dirty one is lost to the lower tiers, so it goes only when
+    // no clean chunk can (the flusher fell behind), and the caller is told.
+    auto evictable = [this](SlotId s) {
       return slots_[s].state == SlotState::kResident && slots_[s].pins == 0;
-    });
-    if (slot == kNoSlot) {
+    };
+    if (resident_ > dirty_) {
+      r.slot = policy_->PickVictim([&](SlotId s) { return evictable(s) && !slots_[s].dirty; });
+    }
+    if (r.slot == kNoSlot && dirty_ > 0) r.slot = policy_->PickVictim(evictable);
+    if (r.slot == kNoSlot) {
       ++rejections_;
       return Status::Rejected("memory tier full: every slot is pinned or being written");
     }
-    Slot& victim = slots_[slot];
-    policy_->OnRemove(slot);
+    Slot& victim = slots_[r.slot];
+    policy_->OnRemove(r.slot);
     index_.erase(victim.key);
     --resident_;
     ++evictions_;
-    write_back = victim.dirty && sink_;
-    evicted_key = victim.key;
+    if (victim.dirty) {
+      r.evicted_dirty = true;
+      r.evicted_key = victim.key;
+      ++dirty_evictions_;
+      SetDirtyLocked(victim, false);
+    }
   }
-  Slot& s = slots_[slot];
+  Slot& s = slots_[r.slot];
   s.key = key;
   s.has_parent = parent != nullptr;
   if (parent) s.parent = *parent;
   s.state = SlotState::kReserved;
-  s.dirty = false;
   s.pins = 0;
-  index_.emplace(key, slot);
-  if (write_back) {
-    ++write_backs_;
-    EvictionSink sink = sink_;
-    // The slot is reserved for `key` and nobody else can reach it, so its old bytes stay
-    // intact while the sink writes them out without the lock.
-    lock.unlock();
-    sink(evicted_key, SlotData(slot));
-  }
-  return Reservation{slot, false};
+  index_.emplace(key, r.slot);
+  return r;
 }
 
 void MemoryTier::Commit(SlotId slot, bool dirty) {
   std::lock_guard lock(mu_);
   Slot& s = slots_[slot];
   s.state = SlotState::kResident;
-  s.dirty = dirty;
+  SetDirtyLocked(s, dirty);
   ++resident_;
   SlotId parent_slot = kNoSlot;
   if (s.has_parent) {
@@ -243,14 +237,62 @@ void MemoryTier::ReleaseSlotLocked(SlotId slot) {
   index_.erase(s.key);
   s.state = SlotState::kFree;
   s.pins = 0;
-  s.dirty = false;
+  SetDirtyLocked(s, false);
   free_.push_back(slot);
 }
 
-void MemoryTier::MarkClean(const ChunkKey& key) {
+void MemoryTier::SetDirtyLocked(Slot& s, bool dirty) {
+  if (s.dirty == dirty) return;
+  s.dirty = dirty;
+  if (dirty) {
+    ++dirty_;
+  } else {
+    --dirty_;
+  }
+}
+
+Result<SlotId> MemoryTier::BeginClean(const ChunkKey& key) {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);
-  if (it != index_.end()) slots_[it->second].dirty = false;
+  if (it == index_.end()) return Status::NotFound("not in the memory tier");
+  Slot& s = slots_[it->second];
+  if (s.state != SlotState::kResident || !s.dirty || s.cleaning) {
+    return Status::NotFound("nothing to clean");
+  }
+  s.cleaning = true;
+  ++cleaning_;
+  if (s.pins++ == 0) ++pinned_;
+  return it->second;
+}
+
+std::vector<MemoryTier::Dirty> MemoryTier::TakeFlushCandidates(uint32_t headroom, size_t max) {
+  std::vector<Dirty> taken;
+  std::lock_guard lock(mu_);
+  if (dirty_ == cleaning_ || free_.size() >= headroom || max == 0) return taken;
+  size_t budget = headroom - free_.size();
+  // Walks the eviction order without evicting: the predicate never accepts, except to stop.
+  policy_->PickVictim([&](SlotId id) {
+    Slot& s = slots_[id];
+    if (s.state != SlotState::kResident || (s.pins > 0 && !s.cleaning)) return false;
+    if (s.dirty && !s.cleaning) {
+      s.cleaning = true;
+      ++cleaning_;
+      if (s.pins++ == 0) ++pinned_;
+      taken.push_back(Dirty{s.key, id});
+    }
+    return --budget == 0 || taken.size() == max;
+  });
+  return taken;
+}
+
+void MemoryTier::EndClean(SlotId slot, bool stored) {
+  std::lock_guard lock(mu_);
+  Slot& s = slots_[slot];
+  if (!s.cleaning) return;
+  s.cleaning = false;
+  --cleaning_;
+  if (stored) SetDirtyLocked(s, false);
+  if (s.pins > 0 && --s.pins == 0) --pinned_;
 }
 
 std::vector<ChunkKey> MemoryTier::DirtyKeys() const {
@@ -290,8 +332,10 @@ MemoryTierStats MemoryTier::Stats() const {
   st.misses = misses_;
   st.bytes_in = bytes_in_.load(std::memory_order_relaxed);
   st.bytes_out = bytes_out_.load(std::memory_order_relaxed);
+  st.dirty = dirty_;
+  st.cleaning = cleaning_;
   st.evictions = evictions_;
-  st.write_backs = write_backs_;
+  st.dirty_evictions = dirty_evictions_;
   st.rejections = rejections_;
   return st;
 }

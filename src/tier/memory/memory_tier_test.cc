@@ -1,13 +1,12 @@
 #include "kvtier/memory_tier.h"
 
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 
 #include <cstring>
 #include <map>
 #include <random>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 namespace kvtier {
 namespace {
@@ -115,23 +114,65 @@ TEST(MemoryTierTest, PinnedSlotsAreNeverEvicted) {
   EXPECT_TRUE(t->Remove(Key(0)).ok());
 }
 
-TEST(MemoryTierTest, DirtyEvictionsGoToTheSinkBeforeReuse) {
-  auto t = OpenTier(1);
-  std::vector<std::pair<ChunkKey, uint8_t>> sunk;
-  t->SetEvictionSink([&](const ChunkKey& k, std::span<const uint8_t> d) {
-    sunk.emplace_back(k, d[100]);
-  });
+TEST(MemoryTierTest, CleanChunksAreEvictedBeforeDirtyOnes) {
+  auto t = OpenTier(2);
   Put(*t, Key(0), 7, /*dirty=*/true);
-  Put(*t, Key(1), 8, /*dirty=*/false);  // evicts 0 (dirty): written back with its own bytes
-  Put(*t, Key(2), 9, /*dirty=*/false);  // evicts 1 (clean): not written back
-  ASSERT_EQ(sunk.size(), 1u);
-  EXPECT_EQ(sunk[0].first, Key(0));
-  EXPECT_EQ(sunk[0].second, 7);
-  Put(*t, Key(3), 9, /*dirty=*/true);  // evicts 2
-  t->MarkClean(Key(3));
-  Put(*t, Key(4), 9, /*dirty=*/false);
-  EXPECT_EQ(sunk.size(), 1u);
-  EXPECT_EQ(t->Stats().evictions, 4u);
+  Put(*t, Key(1), 8, /*dirty=*/false);
+  // Key 0 is older, but dirty: the clean key 1 goes first, and nothing is lost.
+  auto r = t->Reserve(Key(2), nullptr);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->evicted_dirty);
+  t->Commit(r->slot, /*dirty=*/true);
+  EXPECT_TRUE(t->Contains(Key(0)));
+  EXPECT_FALSE(t->Contains(Key(1)));
+  // Only dirty chunks left: the oldest goes, and the caller is told it reached no lower tier.
+  r = t->Reserve(Key(3), nullptr);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->evicted_dirty);
+  EXPECT_EQ(r->evicted_key, Key(0));
+  t->Commit(r->slot, false);
+  MemoryTierStats st = t->Stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.dirty_evictions, 1u);
+  EXPECT_EQ(st.dirty, 1u);  // key 2
+}
+
+TEST(MemoryTierTest, FlushCandidatesFollowEvictionOrderWithinTheHeadroom) {
+  auto t = OpenTier(4);
+  for (uint32_t i = 0; i < 4; ++i) Put(*t, Key(i), static_cast<uint8_t>(i), /*dirty=*/i != 1);
+  // No free slot; a headroom of 3 covers the three oldest (0, 1, 2): 0 and 2 are dirty.
+  auto taken = t->TakeFlushCandidates(3, 10);
+  ASSERT_EQ(taken.size(), 2u);
+  EXPECT_EQ(taken[0].key, Key(0));
+  EXPECT_EQ(taken[1].key, Key(2));
+  EXPECT_EQ(t->SlotData(taken[0].slot)[0], 0);
+  // Being cleaned: pinned (not evictable), not taken twice, not begun again.
+  EXPECT_TRUE(t->TakeFlushCandidates(3, 10).empty());
+  EXPECT_FALSE(t->BeginClean(Key(0)).ok());
+  EXPECT_EQ(t->Stats().cleaning, 2u);
+  EXPECT_EQ(t->Remove(Key(0)).code(), StatusCode::kRejected);
+  t->EndClean(taken[0].slot, /*stored=*/true);
+  t->EndClean(taken[1].slot, /*stored=*/false);  // a failed write: still dirty, taken again
+  EXPECT_EQ(t->Stats().dirty, 2u);
+  EXPECT_EQ(t->Stats().pinned, 0u);
+  taken = t->TakeFlushCandidates(3, 10);
+  ASSERT_EQ(taken.size(), 1u);
+  EXPECT_EQ(taken[0].key, Key(2));
+  t->EndClean(taken[0].slot, true);
+  // The oldest chunks are clean now: the next evictions lose nothing.
+  Put(*t, Key(10), 1);
+  Put(*t, Key(11), 1);
+  EXPECT_EQ(t->Stats().dirty_evictions, 0u);
+  // With enough free slots there is nothing to do.
+  ASSERT_TRUE(t->Remove(Key(10)).ok());
+  ASSERT_TRUE(t->Remove(Key(11)).ok());
+  EXPECT_TRUE(t->TakeFlushCandidates(2, 10).empty());
+  // Write-through's way in: one named chunk.
+  auto slot = t->BeginClean(Key(3));
+  ASSERT_TRUE(slot.ok());
+  t->EndClean(*slot, true);
+  EXPECT_EQ(t->Stats().dirty, 0u);
+  EXPECT_FALSE(t->BeginClean(Key(3)).ok());  // clean: nothing to do
 }
 
 TEST(MemoryTierTest, PrefixAwareTierKeepsHeadsOfPrefixes) {
