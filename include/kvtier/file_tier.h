@@ -13,11 +13,20 @@
 //
 // Reads verify the header and an XXH3 checksum of the payload; a corrupt file is a miss (counted,
 // logged, removed), a foreign one (another namespace or chunk size) is a miss left in place: a
-// wrong chunk is never served. The index is rebuilt from the directory at Open; keys not in the
-// index are re-checked on disk (subject to a short negative cache), so chunks written by other
-// processes or hosts are found. Capacity is enforced before each publish by evicting the least
+// wrong chunk is never served. Capacity is enforced before each publish by evicting the least
 // recently used chunks. Temporary files older than `temp_grace` (left by crashed writers) are
 // removed at Open.
+//
+// Lookups answer from an in-memory index and never touch the storage: no system call, no Env
+// call, no network round trip, whatever the filesystem (docs/file-format.md, "The index"). The
+// index is rebuilt from the directory at Open and kept current without the lookup's help: by
+// this tier's own writes, evictions and reads; by a background rescan that lists the namespace
+// every `rescan_interval` (adding what other processes and hosts published, dropping what
+// vanished); and by probes: a lookup that misses queues the missing key (and the keys after it)
+// for a background thread, which looks for their files and indexes those it finds, so the next
+// lookup hits. A key found absent is not probed again for `negative_cache_ttl`. So a chunk
+// another host published is seen one probe after the first lookup that wanted it, or one rescan
+// interval at worst; Rescan() catches up at once.
 //
 // I/O uses O_DIRECT where the filesystem allows it: caller buffers that are 4 KiB-aligned are read
 // into and written from in place; others go through a per-thread aligned bounce buffer (one extra
@@ -72,7 +81,19 @@ struct FileTierOptions {
   size_t io_request_bytes = 4u << 20;         // size of each of those read requests (env null)
   size_t io_write_request_bytes = 64u << 20;  // and of write requests (env null)
   bool use_o_direct = true;  // falls back to buffered I/O (logged once, in stats) where refused
-  std::chrono::milliseconds negative_cache_ttl{500};  // re-check the disk on a miss after this
+  // Index upkeep (see above). A key a probe or a read found absent is neither probed nor read
+  // again for `negative_cache_ttl` (0: no negative cache, every lookup miss queues a probe);
+  // the cache holds at most `negative_cache_entries` keys (the oldest go first).
+  std::chrono::milliseconds negative_cache_ttl{500};
+  size_t negative_cache_entries = 65536;
+  // Keys queued for probing, at most (a lookup that misses queues the key it stopped at and up to
+  // 31 keys after it; when the queue is full the miss is not probed). 0: no probes, only
+  // rescans find other hosts' chunks.
+  size_t max_queued_probes = 1024;
+  // The background listing of the namespace: at most this often, and never more often than
+  // four times its own last duration, so a slow listing (a large cache, NFS, S3) costs at most a
+  // fifth of one background thread. 0: no rescans.
+  std::chrono::milliseconds rescan_interval{5000};
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
   bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
   bool sync_directory = false;  // also fsync the directory after publishing (power-loss safe)
@@ -105,9 +126,22 @@ struct FileTierStats {
   uint64_t errors = 0;         // I/O errors returned to callers
   uint64_t corrupt = 0;        // files that failed a check (removed)
   uint64_t foreign = 0;        // files of another namespace or chunk size (left in place)
-  uint64_t disk_rechecks = 0;  // index misses looked up on disk
-  uint64_t found_on_disk = 0;  // of those, chunks another process or host had written
-  uint64_t stale_temps_removed = 0;  // at Open
+  uint64_t disk_rechecks = 0;  // reads of keys not in the index (they go to the file)
+  // Chunks another process or host had written, indexed when a read, a probe or a rescan found
+  // them.
+  uint64_t found_on_disk = 0;
+  // Index upkeep in the background (and Rescan()).
+  uint64_t rescans = 0;                 // listings of the namespace completed
+  uint64_t rescan_failures = 0;         // listings that failed (the index was left as it was)
+  uint64_t rescan_added = 0;            // chunks the listings found that the index lacked
+  uint64_t rescan_dropped = 0;          // indexed chunks the listings found gone
+  uint64_t last_rescan_us = 0;          // how long the last listing and its update took
+  uint64_t probes = 0;                  // keys looked up on the storage after a lookup missed
+  uint64_t probe_hits = 0;              // of those, found (and indexed)
+  uint64_t probes_dropped = 0;          // misses not probed because the probe queue was full
+  uint64_t queued_probes = 0;           // keys waiting to be probed now
+  uint64_t negative_cache_entries = 0;  // keys known absent now (not probed, reads are misses)
+  uint64_t stale_temps_removed = 0;     // at Open
   uint64_t bounce_copies = 0;  // transfers that went through a bounce buffer (unaligned caller)
   uint64_t queued_reads = 0, queued_writes = 0;  // now
   // Failed writes by reason (each also counted once in `errors`, or in `rejections` for
@@ -137,11 +171,22 @@ class FileTier {
   FileTier(const FileTier&) = delete;
   FileTier& operator=(const FileTier&) = delete;
 
-  // Number of leading keys present: the index first, then an on-disk re-check of the first key
-  // missing from it (skipped while that key is in the negative cache). Blocks on at most a few
-  // stat calls.
+  // Number of leading keys in the index. Never blocks on the storage: no system call, no Env
+  // call. If a key is missing, it and up to 31 keys after it are queued for a probe on a
+  // background thread (unless they are queued already, known absent, or the queue is full), so
+  // a chunk another host wrote is found by a later lookup.
   size_t LookupPrefix(std::span<const ChunkKey> keys);
-  bool Contains(const ChunkKey& key);
+  bool Contains(const ChunkKey& key);  // LookupPrefix of one key
+
+  // Lists the namespace now, on the calling thread, and brings the index up to date: chunks that
+  // other processes or hosts published are added (and the negative cache forgets them), indexed
+  // chunks whose files are gone are dropped (unless this process wrote or evicted them since the
+  // listing began), and the capacity is enforced. What the background rescan does every
+  // `rescan_interval`; for tools and tests that need another host's chunks seen now. Blocks for
+  // one listing (on S3 one request per 1,000 objects; on a local or NFS directory one per
+  // folder and file). Returns the listing's error, with the index unchanged, or kAborted after
+  // Shutdown.
+  Status Rescan();
 
   // Reads the chunk into dst (REQUIRES: dst.size() >= chunk_bytes). If dst is 4 KiB-aligned and
   // at least chunk_bytes rounded up to 4 KiB long, the payload is read in place and the bytes
@@ -175,6 +220,9 @@ class FileTier {
   // Stops the pools: waits for queued and running operations like Drain, abandons stalled ones
   // (their callbacks never run), and refuses asynchronous calls from then on (kAborted).
   // Returns the number of operations abandoned. Idempotent; the destructor calls it.
+  // Background probes and rescans stop too: a probe between two keys, a rescan after its
+  // listing; one stuck in the storage (a hung NFS server) is abandoned like a stalled read,
+  // after `stall_timeout` (not counted in the result).
   size_t Shutdown();
 
   FileTierStats Stats() const;

@@ -19,6 +19,7 @@
 // once (positional I/O has no shared cursor). Env::Default() lives for the whole process.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -375,6 +376,10 @@ class FaultInjectionEnv : public Env {
   // Faults are injected only while enabled (the default); bookkeeping for crashes continues.
   void SetEnabled(bool enabled);
   Counters counters() const;
+  // Calls made through this env so far, faults or not: every Env method (Now() included) and
+  // every File method of the files it opened. A wrapper with no faults is thus a counter, for
+  // tests and benchmarks that must show a path makes no I/O calls.
+  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
   // Opens of paths containing `fragment` block, as on a hung NFS server, until ReleaseStalls();
   // then they fail with EIO. An empty fragment stalls nothing. Works while faults are enabled.
@@ -416,6 +421,7 @@ class FaultInjectionEnv : public Env {
   };
   // Grows `path` to `end` bytes if space_bytes allows: false (nothing changed) if not.
   bool ClaimSpaceLocked(const std::string& path, uint64_t end);
+  void CountCall() const { calls_.fetch_add(1, std::memory_order_relaxed); }
   bool Draw(double p);           // REQUIRES: mu_ held
   uint64_t Uniform(uint64_t n);  // in [0, n); REQUIRES: mu_ held
 
@@ -432,6 +438,7 @@ class FaultInjectionEnv : public Env {
   std::unordered_map<std::string, PathState> paths_;
   uint64_t space_used_ = 0;  // sum of paths_[*].size
   std::chrono::nanoseconds clock_advance_{0};
+  mutable std::atomic<uint64_t> calls_{0};
 };
 
 }  // namespace kvtier

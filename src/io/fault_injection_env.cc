@@ -26,6 +26,7 @@ class FaultFile final : public File {
 
   // Never reports Progress: data may still be altered (bit flips) after the transfer completes.
   Status Submit(std::span<IoOp> ops, IoObserver* observer) override {
+    env_->CountCall();
     // Decide every op's fate under the lock, do the I/O without it.
     enum Fate { kPass, kFail, kShort };
     std::vector<Fate> fate(ops.size(), kPass);
@@ -87,6 +88,7 @@ class FaultFile final : public File {
   }
 
   Status Sync() override {
+    env_->CountCall();
     {
       std::lock_guard<std::mutex> lock(env_->mu_);
       if (env_->enabled_ && env_->Draw(env_->options_.sync_error)) {
@@ -101,8 +103,12 @@ class FaultFile final : public File {
     return Status::Ok();
   }
 
-  Result<uint64_t> Size() override { return base_->Size(); }
+  Result<uint64_t> Size() override {
+    env_->CountCall();
+    return base_->Size();
+  }
   Status Preallocate(uint64_t bytes) override {
+    env_->CountCall();
     {
       std::lock_guard<std::mutex> lock(env_->mu_);
       if ((env_->enabled_ && env_->Draw(env_->options_.no_space)) ||
@@ -165,6 +171,7 @@ void FaultInjectionEnv::AdvanceClock(std::chrono::nanoseconds by) {
 }
 
 std::chrono::steady_clock::time_point FaultInjectionEnv::Now() const {
+  CountCall();
   std::lock_guard lock(mu_);
   return base_->Now() + clock_advance_;
 }
@@ -203,6 +210,7 @@ uint64_t FaultInjectionEnv::stalled_now() const {
 
 Result<std::unique_ptr<File>> FaultInjectionEnv::Open(const std::string& path,
                                                       const OpenOptions& options) {
+  CountCall();
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (enabled_ && !stall_fragment_.empty() && path.find(stall_fragment_) != std::string::npos) {
@@ -224,6 +232,7 @@ Result<std::unique_ptr<File>> FaultInjectionEnv::Open(const std::string& path,
 }
 
 Status FaultInjectionEnv::Rename(const std::string& from, const std::string& to) {
+  CountCall();
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("rename {} to {}", from, to));
   KVTIER_RETURN_IF_ERROR(base_->Rename(from, to));
   std::lock_guard<std::mutex> lock(mu_);
@@ -239,6 +248,7 @@ Status FaultInjectionEnv::Rename(const std::string& from, const std::string& to)
 }
 
 Status FaultInjectionEnv::Unlink(const std::string& path) {
+  CountCall();
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("unlink {}", path));
   KVTIER_RETURN_IF_ERROR(base_->Unlink(path));
   std::lock_guard<std::mutex> lock(mu_);
@@ -250,23 +260,30 @@ Status FaultInjectionEnv::Unlink(const std::string& path) {
 }
 
 Status FaultInjectionEnv::CreateDirs(const std::string& path) {
+  CountCall();
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("mkdir -p {}", path));
   return base_->CreateDirs(path);
 }
 
-Status FaultInjectionEnv::RemoveDir(const std::string& path) { return base_->RemoveDir(path); }
+Status FaultInjectionEnv::RemoveDir(const std::string& path) {
+  CountCall();
+  return base_->RemoveDir(path);
+}
 
 Result<std::vector<DirEntry>> FaultInjectionEnv::List(const std::string& dir) {
+  CountCall();
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("list {}", dir));
   return base_->List(dir);
 }
 
 Result<FileInfo> FaultInjectionEnv::Stat(const std::string& path) {
+  CountCall();
   KVTIER_MAYBE_FAIL_METADATA(fmt::format("stat {}", path));
   return base_->Stat(path);
 }
 
 Status FaultInjectionEnv::SyncDir(const std::string& dir) {
+  CountCall();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (enabled_ && Draw(options_.sync_error)) {

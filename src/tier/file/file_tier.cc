@@ -9,10 +9,13 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <shared_mutex>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -47,6 +50,13 @@ struct ThreadScratch {
   }
 };
 thread_local ThreadScratch tls_scratch;
+
+// A lookup that misses queues the key it stopped at and up to this many keys in all from there:
+// another host that wrote a prefix wrote all of it, and one probe round finds it all.
+constexpr size_t kProbeRunKeys = 32;
+// Index updates of a rescan are applied this many keys per hold of the index lock, so that
+// lookups never wait long behind a rescan of a large cache.
+constexpr size_t kRescanBatch = 4096;
 
 uint64_t NowUnixMs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -87,7 +97,7 @@ Status WriteSmallFileOnce(Env* env, const std::string& dir, std::string_view nam
 
 }  // namespace
 
-class FileTier::Impl {
+class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
  public:
   Impl(const FileTierOptions& o, std::string ns_dir)
       : options_(o),
@@ -98,11 +108,29 @@ class FileTier::Impl {
   ~Impl() { Shutdown(); }
 
   Status Init();
-  // Stops both pools (see FileTier::Shutdown); then no callback runs any more.
+  // Stops the background work and both pools (see FileTier::Shutdown); then no callback runs any
+  // more.
   size_t Shutdown() {
     size_t abandoned = 0;
     {
       std::lock_guard<std::mutex> lock(shutdown_mu_);
+      {
+        std::lock_guard<std::mutex> index_lock(mu_);
+        stopping_ = true;
+      }
+      background_cv_.notify_all();
+      // The scheduler does no I/O: it leaves at once. (It never holds the last reference to us,
+      // so this never runs on it; detaching would be the safe answer if it did.)
+      if (scheduler_.joinable()) {
+        if (scheduler_.get_id() == std::this_thread::get_id()) {
+          scheduler_.detach();
+        } else {
+          scheduler_.join();
+        }
+      }
+      // A probe stops between two keys, a rescan after its listing; one stuck in the storage is
+      // abandoned after a stall timeout, like a stalled read (its task owns a reference to us).
+      if (background_pool_) (void)background_pool_->Shutdown();
       if (read_pool_) abandoned += read_pool_->Shutdown();
       if (write_pool_) abandoned += write_pool_->Shutdown();
     }
@@ -119,6 +147,7 @@ class FileTier::Impl {
   }
 
   size_t LookupPrefix(std::span<const ChunkKey> keys);
+  Status Rescan();
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
   Status Write(const ChunkKey& key, std::span<const uint8_t> src);
   Status Submit(bool write, std::function<void()> task);
@@ -138,6 +167,7 @@ class FileTier::Impl {
   struct Entry {
     uint64_t bytes;
     std::list<ChunkKey>::iterator lru;  // position in lru_
+    uint64_t seq;                       // index_seq_ when last inserted or confirmed on disk
   };
 
   // --- index; every *Locked method REQUIRES mu_ held ---
@@ -145,10 +175,11 @@ class FileTier::Impl {
     auto it = index_.find(key);
     if (it != index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second.lru);
+      it->second.seq = ++index_seq_;
       return;
     }
     lru_.push_front(key);
-    index_.emplace(key, Entry{bytes, lru_.begin()});
+    index_.emplace(key, Entry{bytes, lru_.begin(), ++index_seq_});
     used_bytes_ += bytes;
   }
   bool EraseLocked(const ChunkKey& key) {
@@ -157,6 +188,8 @@ class FileTier::Impl {
     used_bytes_ -= it->second.bytes;
     lru_.erase(it->second.lru);
     index_.erase(it);
+    // A rescan in progress may have listed this file before it went: it must not put it back.
+    if (rescans_running_ > 0) erased_during_rescan_.insert(key);
     return true;
   }
   // Picks least recently used victims (removing them from the index and marking them as being
@@ -181,17 +214,61 @@ class FileTier::Impl {
     if (disk_full_cap_ == 0 || env_->Now() >= disk_full_until_) return cap;
     return cap == 0 ? disk_full_cap_ : std::min(cap, disk_full_cap_);
   }
+  // The negative cache: keys found absent, each until its expiry. Entries leave when they
+  // expire (the scheduler purges them, so that a lookup needs no clock) or, oldest first, when
+  // the cache is full. `negative_order_` lists (key, expiry) by expiry, the TTL being fixed; an
+  // entry there whose key has since left or been renewed is skipped.
   void NegativeInsertLocked(const ChunkKey& key) {
-    if (options_.negative_cache_ttl.count() <= 0) return;
-    if (negative_.size() >= 65536) negative_.clear();  // bounded; a cleared entry costs one stat
-    negative_[key] = env_->Now() + options_.negative_cache_ttl;
+    const size_t cap = options_.negative_cache_entries;
+    if (options_.negative_cache_ttl.count() <= 0 || cap == 0) return;
+    const Clock::time_point expiry = env_->Now() + options_.negative_cache_ttl;
+    const bool was_empty = negative_.empty();
+    negative_[key] = expiry;
+    negative_order_.emplace_back(key, expiry);
+    while (negative_.size() > cap) PopNegativeLocked();
+    if (negative_order_.size() > 2 * cap + 1024) {  // renewed keys left stale entries behind
+      std::erase_if(negative_order_, [&](const auto& e) {
+        auto it = negative_.find(e.first);
+        return it == negative_.end() || it->second != e.second;
+      });
+    }
+    if (was_empty) background_cv_.notify_all();  // the scheduler's next wake-up moved
   }
-  bool NegativeHitLocked(const ChunkKey& key) {
+  void PopNegativeLocked() {
+    auto [key, expiry] = negative_order_.front();
+    negative_order_.pop_front();
     auto it = negative_.find(key);
-    if (it == negative_.end()) return false;
-    if (env_->Now() < it->second) return true;
-    negative_.erase(it);
-    return false;
+    if (it != negative_.end() && it->second == expiry) negative_.erase(it);
+  }
+  // Drops expired entries; returns the next expiry, if any.
+  std::optional<Clock::time_point> PurgeNegativeLocked() {
+    if (negative_.empty()) {
+      negative_order_.clear();
+      return std::nullopt;
+    }
+    const Clock::time_point now = env_->Now();
+    while (!negative_order_.empty() && negative_order_.front().second <= now) PopNegativeLocked();
+    if (negative_order_.empty()) return std::nullopt;
+    return negative_order_.front().second;
+  }
+  bool NegativeHitLocked(const ChunkKey& key) const { return negative_.count(key) != 0; }
+  // Queues a probe of `missing` (the key a lookup stopped at) and the keys after it, unless it
+  // is queued already or known absent. True when the scheduler needs a wake-up.
+  bool QueueProbeLocked(std::span<const ChunkKey> missing) {
+    const ChunkKey& first = missing.front();
+    if (options_.max_queued_probes == 0 || stopping_ || probe_pending_.count(first) ||
+        NegativeHitLocked(first)) {
+      return false;
+    }
+    const size_t n = std::min(missing.size(), kProbeRunKeys);
+    if (probe_queued_keys_ + n > options_.max_queued_probes) {
+      probes_dropped_.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+    probe_queue_.emplace_back(missing.begin(), missing.begin() + n);
+    probe_queued_keys_ += n;
+    probe_pending_.insert(first);
+    return !probe_task_running_;
   }
   void EndMutation(const ChunkKey& key) {
     {
@@ -236,15 +313,16 @@ class FileTier::Impl {
   // Adds a chunk found on disk (written by another process or host) and evicts if that pushed the
   // index over the capacity.
   void AdoptFromDisk(const ChunkKey& key) {
-    found_on_disk_.fetch_add(1);
     std::vector<ChunkKey> victims;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (mutating_.count(key)) return;  // our own write or eviction of it is in flight
+      if (!index_.count(key)) found_on_disk_.fetch_add(1);
       InsertLocked(key, file_bytes_);
       negative_.erase(key);
       const uint64_t cap = EffectiveCapacityLocked();
-      if (cap != 0 && used_bytes_ + reserved_bytes_ > cap) {
+      // After Shutdown (an abandoned background task returning late) nothing is removed.
+      if (cap != 0 && used_bytes_ + reserved_bytes_ > cap && !stopping_) {
         // Evict others first; the found chunk is the most recent.
         while (used_bytes_ + reserved_bytes_ > cap && lru_.size() > 1) {
           ChunkKey victim = lru_.back();
@@ -265,14 +343,26 @@ class FileTier::Impl {
   }
   Status Corrupt(const ChunkKey& key, const std::string& path, const std::string& why);
   Status Foreign(const ChunkKey& key, const std::string& path, const std::string& why);
-  bool CheckDisk(const ChunkKey& key);
   Status EnsureLeafDir(const std::string& dir, bool force);
   Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
   // The filesystem is full: lower the budget to what we hold on it minus this write's file, and
   // pick victims to make that room. False if there is nothing of ours to evict.
   bool DiskFull(std::vector<ChunkKey>* victims);
   void CountWriteFailure(const ChunkKey& key, const Status& s);
+  // A listing of the namespace folder: the chunk files in it with their publish times. At Open
+  // (`at_open`) also removes stale temporary files and counts misplaced or wrong-sized files.
+  struct Found {
+    ChunkKey key;
+    int64_t mtime_ns;
+  };
+  Result<std::vector<Found>> ListNamespace(bool at_open);
   Status ScanNamespace();
+  // The background: a scheduler thread (no I/O) that hands probes and rescans to
+  // background_pool_ and purges the negative cache; the pool's tasks, which own a reference to
+  // us (an abandoned one may return after we are gone).
+  void SchedulerLoop();
+  void RunProbes();
+  void RunScheduledRescan();
   void NoteDirect(const File& f) {
     if (!f.direct() && options_.use_o_direct) all_direct_.store(false);
   }
@@ -291,9 +381,24 @@ class FileTier::Impl {
   uint64_t used_bytes_ = 0;                              // file bytes of the index
   uint64_t reserved_bytes_ = 0;                          // file bytes of writes in flight
   std::unordered_set<ChunkKey, ChunkKeyHash> mutating_;  // writes and evictions in flight
+  // The negative cache: key -> expiry, and (key, expiry) in order of expiry.
   std::unordered_map<ChunkKey, Clock::time_point, ChunkKeyHash> negative_;
+  std::deque<std::pair<ChunkKey, Clock::time_point>> negative_order_;
   uint64_t disk_full_cap_ = 0;           // 0: no ENOSPC lately
   Clock::time_point disk_full_until_{};  // the lowered budget holds until then
+  uint64_t index_seq_ = 0;               // bumped by every InsertLocked (Entry::seq)
+  // Rescans listing or applying now, and what left the index meanwhile (see EraseLocked).
+  int rescans_running_ = 0;
+  std::unordered_set<ChunkKey, ChunkKeyHash> erased_during_rescan_;
+  // Probes: runs of keys from lookups that missed, each deduplicated by its first key (in
+  // probe_pending_ from queueing until probed).
+  std::deque<std::vector<ChunkKey>> probe_queue_;
+  size_t probe_queued_keys_ = 0;
+  std::unordered_set<ChunkKey, ChunkKeyHash> probe_pending_;
+  bool probe_task_running_ = false, rescan_task_running_ = false;
+  Clock::time_point next_rescan_{};  // real time (steady_clock), not env_->Now()
+  bool stopping_ = false;
+  std::condition_variable background_cv_;  // wakes the scheduler
 
   std::mutex dirs_mu_;
   std::unordered_set<std::string> leaf_dirs_;  // created (or seen) by us
@@ -302,14 +407,17 @@ class FileTier::Impl {
       bytes_written_{0}, evictions_{0}, rejections_{0}, errors_{0}, corrupt_{0}, foreign_{0},
       disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0},
       write_no_space_{0}, write_read_only_{0}, write_permission_{0}, read_queue_full_{0},
-      write_queue_full_{0}, disk_full_{0}, non_regular_{0};
+      write_queue_full_{0}, disk_full_{0}, non_regular_{0}, rescans_{0}, rescan_failures_{0},
+      rescan_added_{0}, rescan_dropped_{0}, last_rescan_us_{0}, probes_{0}, probe_hits_{0},
+      probes_dropped_{0};
   std::atomic<bool> all_direct_{true};
-  LogLimiter write_log_, reject_log_, evict_log_, read_log_;
+  LogLimiter write_log_, reject_log_, evict_log_, read_log_, rescan_log_;
 
   std::mutex shutdown_mu_;
   std::shared_mutex callbacks_mu_;
   bool callbacks_closed_ = false;
-  std::unique_ptr<TaskPool> read_pool_, write_pool_;
+  std::unique_ptr<TaskPool> read_pool_, write_pool_, background_pool_;
+  std::thread scheduler_;
 };
 
 Status FileTier::Impl::Init() {
@@ -395,14 +503,15 @@ Status FileTier::Impl::Init() {
       pool_options(options_.read_threads, options_.max_queued_reads, "reads"));
   write_pool_ = std::make_unique<TaskPool>(
       pool_options(options_.write_threads, options_.max_queued_writes, "writes"));
+  // Two threads: a slow listing does not hold up probes. At most one probe task and one rescan
+  // task exist at a time (the scheduler sees to it), so the queue never refuses them.
+  background_pool_ = std::make_unique<TaskPool>(pool_options(2, 2, "background"));
+  next_rescan_ = Clock::now() + options_.rescan_interval;
+  scheduler_ = std::thread([this] { SchedulerLoop(); });
   return Status::Ok();
 }
 
-Status FileTier::Impl::ScanNamespace() {
-  struct Found {
-    ChunkKey key;
-    int64_t mtime_ns;
-  };
+Result<std::vector<FileTier::Impl::Found>> FileTier::Impl::ListNamespace(bool at_open) {
   std::vector<Found> found;
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
@@ -412,7 +521,13 @@ Status FileTier::Impl::ScanNamespace() {
   uint64_t wrong_size = 0;
   // One listing of the whole namespace (an object store lists a prefix in pages of 1,000;
   // walking its 65,536 leaf folders one by one would take as many requests).
-  KVTIER_ASSIGN_OR_RETURN(auto tree, env_->ListTree(ns_dir_));
+  auto listed = env_->ListTree(ns_dir_);
+  if (!listed.ok() && listed.status().IsNotFound() && !at_open) {
+    // The folder is gone (purged) if a stat agrees; then so is every chunk.
+    auto dir = env_->Stat(ns_dir_);
+    if (dir.status().IsNotFound()) return found;
+  }
+  KVTIER_ASSIGN_OR_RETURN(auto tree, std::move(listed));
   for (const TreeEntry& e : tree) {
     // <aa>/<bb>/<name>
     const size_t s1 = e.path.find('/'), s2 = e.path.find('/', s1 + 1);
@@ -428,7 +543,7 @@ Status FileTier::Impl::ScanNamespace() {
     }
     const std::string path = fmt::format("{}/{}", bdir, name);
     if (temp) {
-      if (now_ns - e.info.mtime_ns > grace_ns) {
+      if (at_open && now_ns - e.info.mtime_ns > grace_ns) {
         Status s = env_->Unlink(path);
         if (s.ok()) {
           stale_temps_removed_.fetch_add(1);
@@ -448,7 +563,7 @@ Status FileTier::Impl::ScanNamespace() {
     }
     found.push_back({ChunkKey::FromHex(name).value(), e.info.mtime_ns});
   }
-  if (wrong_size > 0) {
+  if (wrong_size > 0 && at_open) {  // rescans see them again: reported once
     foreign_.fetch_add(wrong_size);
     spdlog::warn(
         "file tier: {} files in {} do not have this tier's chunk size ({} bytes) or "
@@ -458,6 +573,11 @@ Status FileTier::Impl::ScanNamespace() {
   // Oldest first, so that the newest ends up at the front of the LRU list.
   std::sort(found.begin(), found.end(),
             [](const Found& x, const Found& y) { return x.mtime_ns < y.mtime_ns; });
+  return found;
+}
+
+Status FileTier::Impl::ScanNamespace() {
+  KVTIER_ASSIGN_OR_RETURN(std::vector<Found> found, ListNamespace(/*at_open=*/true));
   std::vector<ChunkKey> victims;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -473,35 +593,194 @@ Status FileTier::Impl::ScanNamespace() {
   return Status::Ok();
 }
 
-bool FileTier::Impl::CheckDisk(const ChunkKey& key) {
+size_t FileTier::Impl::LookupPrefix(std::span<const ChunkKey> keys) {
+  // The index only: no Env call, no system call (a miss may wake the scheduler: a futex wake,
+  // once per probe queued).
+  size_t n = 0;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (index_.count(key)) return true;
-    if (NegativeHitLocked(key)) return false;
+    while (n < keys.size() && index_.count(keys[n]) != 0) ++n;
+    if (n < keys.size()) wake = QueueProbeLocked(keys.subspan(n));
   }
-  disk_rechecks_.fetch_add(1);
-  auto info = env_->Stat(ChunkPath(key));
-  if (info.ok() && info->is_regular && info->size == file_bytes_) {
-    AdoptFromDisk(key);
-    return true;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  NegativeInsertLocked(key);
-  return false;
+  if (wake) background_cv_.notify_all();
+  return n;
 }
 
-size_t FileTier::Impl::LookupPrefix(std::span<const ChunkKey> keys) {
-  size_t n = 0;
-  for (const ChunkKey& key : keys) {
-    bool present;
+void FileTier::Impl::RunProbes() {
+  for (;;) {
+    std::vector<ChunkKey> run;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      present = index_.count(key) != 0;
+      if (stopping_ || probe_queue_.empty()) {
+        probe_task_running_ = false;
+        break;
+      }
+      run = std::move(probe_queue_.front());
+      probe_queue_.pop_front();
+      probe_queued_keys_ -= run.size();
     }
-    if (!present && !CheckDisk(key)) break;
-    ++n;
+    // In order, up to the first key absent: the keys after it cannot extend a prefix.
+    for (const ChunkKey& key : run) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_ || NegativeHitLocked(key) || mutating_.count(key)) break;
+        if (index_.count(key)) continue;
+      }
+      probes_.fetch_add(1, std::memory_order_relaxed);
+      auto info = env_->Stat(ChunkPath(key));
+      if (info.ok() && info->is_regular && info->size == file_bytes_) {
+        probe_hits_.fetch_add(1, std::memory_order_relaxed);
+        AdoptFromDisk(key);
+        continue;
+      }
+      // Absent, or not a chunk of ours, or the storage failed: a miss for a while either way
+      // (a failing server is not asked again and again).
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!index_.count(key)) NegativeInsertLocked(key);
+      break;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    probe_pending_.erase(run.front());
   }
-  return n;
+  background_cv_.notify_all();
+}
+
+Status FileTier::Impl::Rescan() {
+  const auto t0 = Clock::now();
+  uint64_t start_seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Aborted("file tier is shut down");
+    start_seq = index_seq_;
+    ++rescans_running_;
+  }
+  // Whatever happens below, the rescan ends here.
+  struct End {
+    Impl* impl;
+    ~End() {
+      std::lock_guard<std::mutex> lock(impl->mu_);
+      if (--impl->rescans_running_ == 0) impl->erased_during_rescan_.clear();
+    }
+  } end{this};
+  auto listed = ListNamespace(/*at_open=*/false);
+  if (!listed.ok()) {
+    rescan_failures_.fetch_add(1, std::memory_order_relaxed);
+    if (auto held = rescan_log_.Allow()) {
+      spdlog::warn("file tier: rescanning {}: {}{}", ns_dir_, listed.status().ToString(),
+                   LogLimiter::Suppressed(*held));
+    }
+    return listed.status();
+  }
+  std::vector<Found>& found = *listed;
+  std::unordered_set<ChunkKey, ChunkKeyHash> on_disk;
+  on_disk.reserve(found.size());
+  for (const Found& f : found) on_disk.insert(f.key);
+
+  // Dropped: indexed before the listing began (so the listing would have seen them) and not in
+  // it. Candidates are gathered under the lock, checked against the listing outside it.
+  std::vector<ChunkKey> candidates;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Aborted("file tier is shut down");
+    candidates.reserve(index_.size());
+    for (const auto& [key, entry] : index_) {
+      if (entry.seq <= start_seq) candidates.push_back(key);
+    }
+  }
+  std::erase_if(candidates, [&](const ChunkKey& k) { return on_disk.count(k) != 0; });
+  uint64_t added = 0, dropped = 0;
+  std::vector<ChunkKey> victims;
+  for (size_t i = 0; i < std::max(candidates.size(), found.size()); i += kRescanBatch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Aborted("file tier is shut down");
+    for (size_t k = i; k < std::min(i + kRescanBatch, candidates.size()); ++k) {
+      // Written or confirmed since the listing began, or being written or evicted now: the
+      // listing is older news.
+      auto it = index_.find(candidates[k]);
+      if (it == index_.end() || it->second.seq > start_seq || mutating_.count(candidates[k])) {
+        continue;
+      }
+      EraseLocked(candidates[k]);
+      ++dropped;
+    }
+    // Added oldest first, each to the front of the LRU list: what others published lately is
+    // recent, and the newest is the most recent.
+    for (size_t k = i; k < std::min(i + kRescanBatch, found.size()); ++k) {
+      const ChunkKey& key = found[k].key;
+      if (index_.count(key) || mutating_.count(key) || erased_during_rescan_.count(key)) continue;
+      InsertLocked(key, file_bytes_);
+      negative_.erase(key);
+      ++added;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) MakeRoomLocked(0, &victims);
+  }
+  (void)RemoveVictims(victims);  // on failure the victims stay indexed: retried next time
+  found_on_disk_.fetch_add(added, std::memory_order_relaxed);
+  rescan_added_.fetch_add(added, std::memory_order_relaxed);
+  rescan_dropped_.fetch_add(dropped, std::memory_order_relaxed);
+  rescans_.fetch_add(1, std::memory_order_relaxed);
+  const auto took = Clock::now() - t0;
+  last_rescan_us_.store(
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(took).count()),
+      std::memory_order_relaxed);
+  if (added > 0 || dropped > 0) {
+    spdlog::debug("file tier: rescan of {}: {} chunks listed, {} added, {} dropped, {:.1f} ms",
+                  ns_dir_, found.size(), added, dropped,
+                  std::chrono::duration<double, std::milli>(took).count());
+  }
+  return Status::Ok();
+}
+
+void FileTier::Impl::RunScheduledRescan() {
+  const auto t0 = Clock::now();
+  (void)Rescan();  // counted and logged there
+  const auto t1 = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  rescan_task_running_ = false;
+  // A slow listing (a large cache, a remote store) is spaced out so that it costs at most a
+  // fifth of a thread.
+  next_rescan_ = t1 + std::max<Clock::duration>(options_.rescan_interval, 4 * (t1 - t0));
+  background_cv_.notify_all();
+}
+
+void FileTier::Impl::SchedulerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    const std::optional<Clock::time_point> expiry = PurgeNegativeLocked();
+    // The tasks own a reference to us: a task abandoned at shutdown (stuck in the storage) may
+    // return after the FileTier is gone.
+    if (!probe_queue_.empty() && !probe_task_running_) {
+      probe_task_running_ = true;
+      if (!background_pool_->TrySubmit([self = shared_from_this()] { self->RunProbes(); }).ok()) {
+        probe_task_running_ = false;  // shutting down
+      }
+    }
+    const bool rescans = options_.rescan_interval.count() > 0;
+    if (rescans && !rescan_task_running_ && Clock::now() >= next_rescan_) {
+      rescan_task_running_ = true;
+      if (!background_pool_->TrySubmit([self = shared_from_this()] { self->RunScheduledRescan(); })
+               .ok()) {
+        rescan_task_running_ = false;
+      }
+    }
+    // Sleep until the next rescan or expiry, or until a lookup queues a probe (or a task ends).
+    std::optional<Clock::time_point> wake;
+    if (rescans && !rescan_task_running_) wake = next_rescan_;
+    if (expiry) {
+      // The negative cache runs on the env's clock (a test may move it); sleeping is real time.
+      const Clock::time_point at = Clock::now() + (*expiry - env_->Now());
+      wake = wake ? std::min(*wake, at) : at;
+    }
+    if (wake) {
+      background_cv_.wait_until(lock, *wake);
+    } else {
+      background_cv_.wait(lock);
+    }
+  }
 }
 
 Status FileTier::Impl::Corrupt(const ChunkKey& key, const std::string& path,
@@ -933,6 +1212,8 @@ FileTierStats FileTier::Impl::Stats() const {
     st.chunks = index_.size();
     st.bytes = used_bytes_;
     st.effective_capacity_bytes = EffectiveCapacityLocked();
+    st.queued_probes = probe_queued_keys_;
+    st.negative_cache_entries = negative_.size();
   }
   st.write_no_space = write_no_space_.load();
   st.write_read_only = write_read_only_.load();
@@ -963,6 +1244,14 @@ FileTierStats FileTier::Impl::Stats() const {
   st.foreign = foreign_.load();
   st.disk_rechecks = disk_rechecks_.load();
   st.found_on_disk = found_on_disk_.load();
+  st.rescans = rescans_.load();
+  st.rescan_failures = rescan_failures_.load();
+  st.rescan_added = rescan_added_.load();
+  st.rescan_dropped = rescan_dropped_.load();
+  st.last_rescan_us = last_rescan_us_.load();
+  st.probes = probes_.load();
+  st.probe_hits = probe_hits_.load();
+  st.probes_dropped = probes_dropped_.load();
   st.stale_temps_removed = stale_temps_removed_.load();
   st.bounce_copies = bounce_copies_.load();
   st.queued_reads = read_pool_ ? read_pool_->queued() : 0;
@@ -993,6 +1282,11 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const FileTierOptions& options)
   if (options.max_queued_reads == 0 || options.max_queued_writes == 0) {
     return Status::InvalidArgument("max_queued_reads and max_queued_writes must be positive");
   }
+  if (options.rescan_interval.count() < 0 || options.negative_cache_ttl.count() < 0 ||
+      options.stall_timeout.count() < 0) {
+    return Status::InvalidArgument(
+        "rescan_interval, negative_cache_ttl and stall_timeout must not be negative");
+  }
   const uint64_t file_bytes = ChunkFileBytes(options.chunk_bytes);
   if (options.capacity_bytes != 0 && options.capacity_bytes < file_bytes) {
     return Status::InvalidArgument(
@@ -1012,6 +1306,8 @@ size_t FileTier::LookupPrefix(std::span<const ChunkKey> keys) { return impl_->Lo
 bool FileTier::Contains(const ChunkKey& key) {
   return impl_->LookupPrefix(std::span<const ChunkKey>(&key, 1)) == 1;
 }
+
+Status FileTier::Rescan() { return impl_->Rescan(); }
 
 Status FileTier::Read(const ChunkKey& key, std::span<uint8_t> dst) { return impl_->Read(key, dst); }
 

@@ -4,7 +4,8 @@
 //   file_tier_worker writer DIR CHUNK_BYTES CAPACITY KEYS SEED   writes and reads until killed
 //
 // serve commands: "write FIRST COUNT" -> "ok WRITTEN FAILED"; "read FIRST COUNT" ->
-// "ok HITS MISSES WRONG ERRORS"; "lookup FIRST COUNT" -> "prefix N"; "quit".
+// "ok HITS MISSES WRONG ERRORS"; "lookup FIRST COUNT" -> "prefix N"; "rescan" -> "ok" (or
+// "error MESSAGE"): index what other processes wrote; "quit".
 // Chunk contents come from tier/file/test_chunks.h, so any process can verify them.
 #include <unistd.h>
 
@@ -59,6 +60,9 @@ int Serve(FileTier& tier, uint64_t chunk) {
       std::vector<ChunkKey> keys;
       for (uint64_t i = first; i < first + count; ++i) keys.push_back(testing::TestKey(i));
       std::cout << "prefix " << tier.LookupPrefix(keys) << std::endl;
+    } else if (cmd == "rescan") {
+      Status s = tier.Rescan();
+      std::cout << (s.ok() ? "ok" : "error " + s.ToString()) << std::endl;
     } else {
       std::cout << "error unknown command" << std::endl;
     }
