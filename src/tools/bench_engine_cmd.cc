@@ -1,18 +1,25 @@
 // kvtier bench engine: stores and loads chunks through the engine's memory tier and compares
 // with a plain memcpy of the same buffers on as many threads as the engine's copy workers,
-// measured in the same run, pass by pass.
+// measured in the same run, pass by pass. Also times 1,000-key lookups: on the memory tier, and
+// with a file tier holding most of the chunks, counting the I/O calls such a lookup makes (none:
+// the file tier answers from its index).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include "kvtier/engine.h"
+#include "kvtier/file_tier.h"
+#include "kvtier/io.h"
+#include "testing/temp_dir.h"
 #include "tools/command.h"
 
 namespace kvtier::tools {
@@ -70,8 +77,8 @@ std::vector<ChunkKey> MakeKeys(const KeyNamespace& ns, uint32_t n, uint32_t seed
 }
 
 struct LookupTimes {
-  double lookup_us = 0;            // Lookup of 1,000 resident keys, keys already derived
-  double derive_and_lookup_us = 0; // the chained SHA-256 key derivation from tokens, then Lookup
+  double lookup_us = 0;             // Lookup of 1,000 resident keys, keys already derived
+  double derive_and_lookup_us = 0;  // the chained SHA-256 key derivation from tokens, then Lookup
 };
 
 // Median times of a 1,000-key Lookup on an engine holding those 1,000 chunks (16-token chunks),
@@ -111,6 +118,105 @@ Result<LookupTimes> MeasureLookup1000() {
     derived.push_back(Seconds(t0, t1) * 1e6);
   }
   return LookupTimes{Median(bare), Median(derived)};
+}
+
+// Read and write system calls of this process so far (all threads): syscr + syscw of
+// /proc/self/io. -1 where unavailable.
+int64_t ReadWriteSyscalls() {
+  std::ifstream in("/proc/self/io");
+  std::string name;
+  int64_t value = 0, total = 0;
+  int seen = 0;
+  while (in >> name >> value) {
+    if (name == "syscr:" || name == "syscw:") {
+      total += value;
+      ++seen;
+    }
+  }
+  return seen == 2 ? total : -1;
+}
+
+struct FileLookupFigures {
+  double lookup_us = 0;     // median of a 1,000-key Lookup, most chunks only in L2
+  uint32_t in_memory = 0;   // of the 1,000, also in L1 (the leading ones)
+  uint64_t lookups = 0;     // timed lookups
+  uint64_t env_calls = 0;   // Env and File calls the file tier made during them, in all
+  int64_t rw_syscalls = 0;  // read/write syscalls of the process during them (-1: unknown)
+};
+
+// A 1,000-key Lookup with a file tier configured: 1,000 chunks in L2 (written beforehand, in a
+// temporary directory, as another process would have), the first 64 also in L1, which holds no
+// more; the other 936 exist only on disk. The file tier's Env is a FaultInjectionEnv without
+// faults, which counts every call made through it; background rescans are off, so that every
+// call it counts would be a lookup's. /proc/self/io counts read and write system calls (only
+// those) of the whole process, less what reading it costs.
+Result<FileLookupFigures> MeasureFileLookup1000() {
+  constexpr uint32_t kKeys = 1000, kInMemory = 64;
+  constexpr uint64_t kChunk = 4096;
+  testing::TempDir dir("kvtier-bench-lookup");
+  if (dir.path().empty()) return Status::IOError("cannot create a temporary directory");
+  KeyNamespace ns;
+  ns.model_id = "kvtier-bench-lookup-l2";
+  ns.chunk_tokens = 16;
+  std::vector<uint32_t> tokens(static_cast<size_t>(kKeys) * ns.chunk_tokens);
+  std::iota(tokens.begin(), tokens.end(), 11 * 1000003u);
+  KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkKey> keys, ComputeChunkKeys(ns, tokens));
+  std::vector<uint8_t> chunk(kChunk, 7);
+  {
+    FileTierOptions w;
+    w.root = dir.path();
+    w.ns = ns;
+    w.chunk_bytes = kChunk;
+    w.sync_data = false;  // setup only: the lookup is what is timed
+    w.use_o_direct = false;
+    w.io_engine = IoEngineKind::kThreadPool;
+    KVTIER_ASSIGN_OR_RETURN(auto writer, FileTier::Open(w));
+    for (const ChunkKey& k : keys) KVTIER_RETURN_IF_ERROR(writer->Write(k, chunk));
+  }
+  FaultInjectionEnv counting(Env::Default(), {});  // no faults: a counter of calls
+  EngineOptions o;
+  o.ns = ns;
+  o.chunk_bytes = kChunk;
+  o.memory.capacity_bytes = kInMemory * kChunk;
+  o.write_policy = WritePolicy::kWriteThrough;
+  FileTierOptions f;
+  f.root = dir.path();
+  f.env = &counting;
+  f.rescan_interval = std::chrono::milliseconds(0);
+  f.max_queued_writes = 2 * kInMemory;  // the write-through of the L1 chunks (already there)
+  o.file = f;
+  FileLookupFigures fig;
+  {
+    KVTIER_ASSIGN_OR_RETURN(auto engine, Engine::Open(o));  // indexes the 1,000 at open
+    std::vector<std::span<const uint8_t>> src(kInMemory, chunk);
+    KVTIER_ASSIGN_OR_RETURN(OpHandle h,
+                            engine->Store(std::span<const ChunkKey>(keys).first(kInMemory), src));
+    KVTIER_RETURN_IF_ERROR(h.Wait().status);
+    engine->Drain();
+    LookupResult first = engine->Lookup(keys);
+    if (first.total != kKeys || first.memory != kInMemory) {
+      return Status::Internal(
+          fmt::format("file lookup benchmark: {} found, {} in L1", first.total, first.memory));
+    }
+    fig.in_memory = static_cast<uint32_t>(first.memory);
+    const int64_t r0 = ReadWriteSyscalls(), r1 = ReadWriteSyscalls();  // what reading costs
+    const uint64_t calls_before = counting.calls();
+    const int64_t before = ReadWriteSyscalls();
+    std::vector<double> us;
+    for (int i = 0; i < 2000; ++i) {
+      auto t0 = Clock::now();
+      LookupResult r = engine->Lookup(keys);
+      auto t1 = Clock::now();
+      if (r.total != kKeys) return Status::Internal("file lookup benchmark lost chunks");
+      us.push_back(Seconds(t0, t1) * 1e6);
+    }
+    const int64_t after = ReadWriteSyscalls();
+    fig.env_calls = counting.calls() - calls_before;
+    fig.rw_syscalls = (r0 < 0 || after < 0) ? -1 : (after - before) - (r1 - r0);
+    fig.lookups = us.size();
+    fig.lookup_us = Median(us);
+  }
+  return fig;
 }
 
 // memcpy of chunk i on thread i % threads, as the engine's workers share a batch: the limit the
@@ -215,6 +321,15 @@ int RunBenchEngine(const BenchEngineArgs& a) {
     fmt::print(stderr, "error: lookup benchmark: {}\n", lookup.status().ToString());
     return 1;
   }
+  progress(
+      "timing 1,000-key lookups with a file tier (writing 1,000 chunks to a temporary "
+      "directory)...");
+  auto file_lookup = MeasureFileLookup1000();
+  if (!file_lookup.ok()) {
+    fmt::print(stderr, "error: file lookup benchmark: {}\n", file_lookup.status().ToString());
+    return 1;
+  }
+  const FileLookupFigures& fl = *file_lookup;
 
   double mem = Median(memcpy_gbps), st = Median(store_gbps), ld = Median(load_gbps);
   if (a.json) {
@@ -235,6 +350,11 @@ int RunBenchEngine(const BenchEngineArgs& a) {
         {"load_GBps_passes", load_gbps},
         {"lookup_1000_us", lookup->lookup_us},
         {"lookup_1000_with_key_derivation_us", lookup->derive_and_lookup_us},
+        {"lookup_1000_l2_us", fl.lookup_us},
+        {"lookup_1000_l2_in_l1", fl.in_memory},
+        {"lookup_1000_l2_timed_lookups", fl.lookups},
+        {"lookup_1000_l2_env_calls", fl.env_calls},
+        {"lookup_1000_l2_rw_syscalls", fl.rw_syscalls},
         {"huge_pages", (*engine)->Stats().memory_detail.huge_pages},
     };
     fmt::print("{}\n", j.dump());
@@ -251,6 +371,10 @@ int RunBenchEngine(const BenchEngineArgs& a) {
     fmt::print("{:<44} {:>8.1f} us\n", "lookup of 1,000 keys (keys given)", lookup->lookup_us);
     fmt::print("{:<44} {:>8.1f} us\n", "lookup of 1,000 keys, SHA-256 derivation first",
                lookup->derive_and_lookup_us);
+    fmt::print("{:<44} {:>8.1f} us  {} Env calls, {} read/write syscalls in {} lookups\n",
+               fmt::format("lookup of 1,000 keys, {} only in L2 (file)", 1000 - fl.in_memory),
+               fl.lookup_us, fl.env_calls,
+               fl.rw_syscalls < 0 ? std::string("?") : std::to_string(fl.rw_syscalls), fl.lookups);
   }
   return 0;
 }
@@ -264,7 +388,8 @@ void AddBenchEngine(CLI::App& parent, CommandContext& ctx) {
   cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk size in MiB")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
-  cmd->add_option("--chunks", args->chunks, "Number of chunks per pass (memory used: 3 x chunks x chunk size)")
+  cmd->add_option("--chunks", args->chunks,
+                  "Number of chunks per pass (memory used: 3 x chunks x chunk size)")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--threads", args->threads,
