@@ -1512,6 +1512,14 @@ std::string Server::Impl::StatsJson() const {
     j["tiers"]["file"]["io_engine"] = f.io_engine;
     j["tiers"]["file"]["corrupt"] = f.corrupt;
     j["tiers"]["file"]["queued_writes"] = f.queued_writes;
+    j["tiers"]["file"]["index"] = {{"rescans", f.rescans},
+                                   {"rescan_failures", f.rescan_failures},
+                                   {"last_rescan_us", f.last_rescan_us},
+                                   {"probes", f.probes},
+                                   {"probe_hits", f.probe_hits},
+                                   {"probes_dropped", f.probes_dropped},
+                                   {"negative_cache_entries", f.negative_cache_entries},
+                                   {"found_on_disk", f.found_on_disk}};
     j["engine"]["promotions"] = st.promotions;
     j["engine"]["deadline_misses"] = st.deadline_misses;
     j["engine"]["write_backs"] = st.write_backs;
@@ -1623,6 +1631,25 @@ std::string Server::Impl::MetricsText() const {
     gauge("kvtier_file_tier_queued", "File tier operations queued now",
           {{"read", d(st.file_detail.queued_reads)}, {"write", d(st.file_detail.queued_writes)}},
           "op");
+    const FileTierStats& f = st.file_detail;
+    MetricFamily index{"kvtier_file_tier_index_total",
+                       "File tier index upkeep: rescans of the directory, probes of lookup misses",
+                       MetricType::Counter,
+                       {}};
+    for (auto [name, v] :
+         {std::pair{"rescan", f.rescans}, std::pair{"rescan_failure", f.rescan_failures},
+          std::pair{"probe", f.probes}, std::pair{"probe_hit", f.probe_hits},
+          std::pair{"probe_dropped", f.probes_dropped}}) {
+      ClientMetric m;
+      m.label.push_back({"op", name});
+      m.counter.value = d(v);
+      index.metric.push_back(std::move(m));
+    }
+    families.push_back(std::move(index));
+    gauge("kvtier_file_tier_negative_cache_entries", "File tier keys known absent now",
+          {{"", d(f.negative_cache_entries)}}, nullptr);
+    gauge("kvtier_file_tier_last_rescan_seconds", "Duration of the file tier's last rescan",
+          {{"", f.last_rescan_us / 1e6}}, nullptr);
   }
   return prometheus::TextSerializer().Serialize(families);
 }
