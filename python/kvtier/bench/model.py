@@ -213,6 +213,13 @@ class DecoderModel:
         K and V into the cache, then attends over cache tokens ``[0, start+n)`` with the causal
         mask aligned to the end. ``before_attention()`` runs just before the cache is read (a
         caller waits there for the layer's prefix to arrive)."""
+        q = self.layer_qkv(i, x, cache, start)
+        if before_attention is not None:
+            before_attention()
+        return self.layer_attention_mlp(i, x, q, cache, start)
+
+    def layer_qkv(self, i: int, x: torch.Tensor, cache: PagedKvCache, start: int) -> torch.Tensor:
+        """Layer i up to the attention: writes the tokens' K and V into the cache, returns q."""
         cfg = self.cfg
         n, d = x.shape[0], cfg.head_dim
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -231,12 +238,16 @@ class DecoderModel:
         end = start + n
         if end > cache.capacity_tokens:
             raise ValueError(f"{end} tokens do not fit the KV cache ({cache.capacity_tokens})")
-        kc, vc = cache.flat(i, 0), cache.flat(i, 1)
-        kc[start:end] = k
-        vc[start:end] = v
-        if before_attention is not None:
-            before_attention()
-        attn = _attention(q, kc[:end], vc[:end], start)
+        cache.flat(i, 0)[start:end] = k
+        cache.flat(i, 1)[start:end] = v
+        return q
+
+    def layer_attention_mlp(self, i: int, x: torch.Tensor, q: torch.Tensor, cache: PagedKvCache,
+                            start: int) -> torch.Tensor:
+        """Layer i from the attention over cache tokens ``[0, start+n)`` on: the layer's output."""
+        n, end = x.shape[0], start + x.shape[0]
+        q_out = self.cfg.num_heads * self.cfg.head_dim
+        attn = _attention(q, cache.flat(i, 0)[:end], cache.flat(i, 1)[:end], start)
         x = x + F.linear(attn.reshape(n, q_out), self.wo[i])
         h = self._rms_norm(x, self.ln2[i])
         gate, up = F.linear(h, self.w_gate_up[i]).chunk(2, dim=-1)
@@ -253,6 +264,75 @@ class DecoderModel:
         for i in range(self.cfg.num_layers):
             x = self.forward_layer(i, x, cache, start)
         return self.first_token(x)
+
+
+class SuffixGraphs:
+    """The forward pass of ``n`` tokens at positions ``start..start+n-1`` (the cache holding
+    ``[0, start)``) as CUDA graphs, replayed instead of launching each kernel from Python.
+
+    Two graphs per layer, split where ``forward_layer`` calls ``before_attention``: up to the KV
+    write (``layer_qkv``), and from the attention on (``layer_attention_mlp``); a caller can make
+    the stream wait for layer i's prefix KV between the two, exactly as in the eager pass. The
+    graphs read the model's weights and the cache in place and the tokens from ``self.tokens``
+    (``run`` copies them in), so a replay computes what ``prefill(tokens, cache, start)`` computes
+    with the same kernels, at a host cost of two graph launches per layer instead of ~30 kernel
+    launches (an eager 256-token pass is bound by the launching thread, ~30 ms on an H200's host,
+    and moves with that CPU's speed). Like a serving engine's graphs (vLLM captures batches of up
+    to 512 tokens), they are captured once per shape, here per (start, n), outside any timing.
+    """
+
+    def __init__(self, model: "DecoderModel", cache: PagedKvCache, start: int, n: int,
+                 warmup: int = 2):
+        self.model, self.cache, self.start, self.n = model, cache, start, n
+        layers = model.cfg.num_layers
+        dev = model.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        model._rope(start + n)  # grown now, outside the capture
+        self.pre, self.post = [], []
+        self.embed_graph = torch.cuda.CUDAGraph()
+        self.head_graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the capture (lazy handles, workspaces)
+            for _ in range(warmup):
+                model.prefill(self.tokens, cache, start)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        self.pool = torch.cuda.graph_pool_handle()
+
+        def capture(graph, fn):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+            return out
+
+        self.x = [capture(self.embed_graph, lambda: model.embed(self.tokens))]
+        self.q = []
+        for i in range(layers):
+            g = torch.cuda.CUDAGraph()
+            self.q.append(capture(g, lambda: model.layer_qkv(i, self.x[i], cache, start)))
+            self.pre.append(g)
+            g = torch.cuda.CUDAGraph()
+            self.x.append(capture(g, lambda: model.layer_attention_mlp(i, self.x[i], self.q[i],
+                                                                       cache, start)))
+            self.post.append(g)
+        self.logits = capture(self.head_graph, lambda: model.first_token(self.x[layers]))
+        torch.cuda.synchronize(dev)
+
+    def run(self, tokens: torch.Tensor, before_layer=None, before_attention=None) -> torch.Tensor:
+        """Replays the pass over ``tokens`` (n of them, on the device). ``before_layer(i)`` runs on
+        the host before layer i's graphs are launched, ``before_attention(i)`` between its two.
+        The logits are overwritten by the next replay: clone them to keep them."""
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.embed_graph.replay()
+        for i in range(len(self.pre)):
+            if before_layer is not None:
+                before_layer(i)
+            self.pre[i].replay()
+            if before_attention is not None:
+                before_attention(i)
+            self.post[i].replay()
+        self.head_graph.replay()
+        return self.logits
 
 
 _LOWER_RIGHT_GQA_OK: bool | None = None
