@@ -503,7 +503,8 @@ def main(argv=None) -> int:
 
 def report(result: dict) -> None:
     cols = ("total_ms", "yard_py_ms", "yard_launch_us", "pin_ms", "issued_ms", "gpu_end_ms",
-            "wait_ms", "copy_end_ms", "copy_sum_ms", "issue_ms", "host_layer_ms_med", "host_gap_max_ms",
+            "wait_ms", "copy_end_ms", "copy_sum_ms", "issue_ms", "host_layer_ms_med",
+            "host_gap_max_ms",
             "gpu_layer_ms_med", "gpu_lag_max_ms", "sm_mhz_before", "sm_mhz_min", "sm_mhz_med",
             "gc_n", "gc_ms", "nivcsw", "nvcsw", "runq_wait_ms", "steal_ticks", "minflt",
             "dev_alloc")
