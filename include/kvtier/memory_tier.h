@@ -116,9 +116,9 @@ class MemoryTier {
   // Starts cleaning `key`: pins its slot (without touching its recency) for the writer to read.
   // kNotFound if it is absent, clean, or being cleaned already.
   Result<SlotId> BeginClean(const ChunkKey& key);
-  // The flusher's work: while fewer than `headroom` slots are free, the dirty chunks among the
-  // next `headroom - free` evictable chunks in eviction order, at most `max` of them, each
-  // begun as by BeginClean. Chunks being cleaned count towards the headroom (they will be clean).
+  // The flusher's work: while fewer than `headroom` slots are free or being cleaned, the dirty
+  // chunks among the next `headroom - free - cleaning` evictable chunks in eviction order, at
+  // most `max` of them, each begun as by BeginClean.
   std::vector<Dirty> TakeFlushCandidates(uint32_t headroom, size_t max);
   // Ends a cleaning begun above: `stored` marks the chunk clean; the slot is unpinned.
   void EndClean(SlotId slot, bool stored);

@@ -220,6 +220,10 @@ struct Engine::Impl {
   std::mutex deferred_mu;
   std::deque<ChunkKey> deferred;
   size_t max_deferred = 0;
+  // Write-through writes in flight pin their L1 slots; a quarter of L1 at most, so that a slow
+  // L2 leaves stores room to evict (the rest wait in `deferred`).
+  std::atomic<size_t> write_through_in_flight{0};
+  size_t max_write_through = 1;
   std::atomic<uint64_t> write_through_deferred{0}, write_through_dropped{0};
   LogLimiter deferred_log;
 
@@ -258,7 +262,8 @@ Engine::~Engine() {
     impl_->flusher->cv.notify_one();
     impl_->flusher_thread.join();
   }
-  if (impl_) impl_->pool.Drain();
+  // Queued copies, and deferred write-throughs (bounded: gives up on storage stuck in the kernel).
+  if (impl_) Drain();
   if (!file_) return;
   // Bounded: operations stuck in the kernel (a hung NFS server) are abandoned after the file
   // tier's stall timeout. An abandoned write may still read from its L1 slot and an abandoned
@@ -316,6 +321,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   const uint32_t slots = engine->memory_->num_slots();
   // Dirty chunks never outnumber L1's slots; twice that leaves room for re-stored keys.
   impl.max_deferred = 2 * static_cast<size_t>(slots);
+  if (engine->file_) {
+    impl.max_write_through = std::clamp<size_t>(
+        slots / 4, 1, std::max<size_t>(1, engine->file_->options().max_queued_writes));
+  }
   if (engine->StoresDirty()) {
     impl.headroom = std::clamp<uint32_t>(
         static_cast<uint32_t>(std::ceil(options.flush_headroom * slots)), 1, slots);
@@ -402,14 +411,25 @@ void Engine::WriteThrough(const ChunkKey& key) {
 }
 
 Status Engine::StartWriteThrough(const ChunkKey& key) {
+  if (impl_->write_through_in_flight.fetch_add(1) >= impl_->max_write_through) {
+    impl_->write_through_in_flight--;
+    return Status::Rejected("write-through: enough L1 slots pinned by writes in flight");
+  }
   auto slot = memory_->BeginClean(key);
-  if (!slot.ok()) return Status::Ok();  // gone, or the flusher is writing it already
+  if (!slot.ok()) {  // gone, or the flusher is writing it already
+    impl_->write_through_in_flight--;
+    return Status::Ok();
+  }
   SlotId pinned = *slot;
   Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, pinned](Status st) {
     memory_->EndClean(pinned, st.ok());
+    impl_->write_through_in_flight--;
     ResubmitDeferred();
   });
-  if (!s.ok()) memory_->EndClean(pinned, false);
+  if (!s.ok()) {
+    memory_->EndClean(pinned, false);
+    impl_->write_through_in_flight--;
+  }
   return s;
 }
 
@@ -431,8 +451,8 @@ void Engine::DeferWriteThrough(const ChunkKey& key) {
           "eviction or at shutdown{}",
           key.ToHex(), depth, LogLimiter::Suppressed(*held));
     } else {
-      spdlog::info("engine: file tier write queue full; write-through deferred ({} waiting){}",
-                   depth, LogLimiter::Suppressed(*held));
+      spdlog::info("engine: L2 writes are behind; write-through deferred ({} waiting){}", depth,
+                   LogLimiter::Suppressed(*held));
     }
   }
 }

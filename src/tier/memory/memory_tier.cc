@@ -268,12 +268,15 @@ Result<SlotId> MemoryTier::BeginClean(const ChunkKey& key) {
 std::vector<MemoryTier::Dirty> MemoryTier::TakeFlushCandidates(uint32_t headroom, size_t max) {
   std::vector<Dirty> taken;
   std::lock_guard lock(mu_);
-  if (dirty_ == cleaning_ || free_.size() >= headroom || max == 0) return taken;
-  size_t budget = headroom - free_.size();
+  // Chunks being cleaned count once, whether or not the walk meets them (the prefix-aware
+  // policy walks only leaves, and a chunk may stop being one while it is written): so writes
+  // never pin more than the headroom.
+  if (dirty_ == cleaning_ || free_.size() + cleaning_ >= headroom || max == 0) return taken;
+  size_t budget = headroom - free_.size() - cleaning_;
   // Walks the eviction order without evicting: the predicate never accepts, except to stop.
   policy_->PickVictim([&](SlotId id) {
     Slot& s = slots_[id];
-    if (s.state != SlotState::kResident || (s.pins > 0 && !s.cleaning)) return false;
+    if (s.state != SlotState::kResident || s.pins > 0) return false;
     if (s.dirty && !s.cleaning) {
       s.cleaning = true;
       ++cleaning_;

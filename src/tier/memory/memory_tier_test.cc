@@ -175,6 +175,30 @@ TEST(MemoryTierTest, FlushCandidatesFollowEvictionOrderWithinTheHeadroom) {
   EXPECT_FALSE(t->BeginClean(Key(3)).ok());  // clean: nothing to do
 }
 
+// A chunk being cleaned counts towards the headroom even where the walk no longer meets it (a
+// leaf that gained a child while its write was in flight): writes never pin more slots than
+// the headroom, so storage that hangs cannot take more of L1 than that.
+TEST(MemoryTierTest, ChunksBeingCleanedCountTowardsTheHeadroomWhereverTheyAre) {
+  auto t = OpenTier(4, 4096, EvictionPolicyKind::kPrefixAware);
+  ChunkKey a0 = Key(100), a1 = Key(101), a2 = Key(102);
+  Put(*t, a0, 1, /*dirty=*/true);
+  Put(*t, a1, 1, true, &a0);
+  Put(*t, Key(5), 1, true);
+  Put(*t, Key(6), 1, true);
+  auto taken = t->TakeFlushCandidates(1, 10);  // the coldest leaf, a1
+  ASSERT_EQ(taken.size(), 1u);
+  EXPECT_EQ(taken[0].key, a1);
+  ASSERT_TRUE(t->Remove(Key(6)).ok());
+  Put(*t, a2, 1, true, &a1);  // a1 is no leaf now: the walk passes it by
+  EXPECT_TRUE(t->TakeFlushCandidates(1, 10).empty());
+  EXPECT_EQ(t->Stats().cleaning, 1u);
+  EXPECT_EQ(t->Stats().pinned, 1u);
+  t->EndClean(taken[0].slot, /*stored=*/true);
+  taken = t->TakeFlushCandidates(1, 10);  // the headroom is free again: the next leaf
+  ASSERT_EQ(taken.size(), 1u);
+  t->EndClean(taken[0].slot, true);
+}
+
 TEST(MemoryTierTest, PrefixAwareTierKeepsHeadsOfPrefixes) {
   auto t = OpenTier(3, 4096, EvictionPolicyKind::kPrefixAware);
   ChunkKey a0 = Key(100), a1 = Key(101), a2 = Key(102);
