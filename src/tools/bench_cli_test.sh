@@ -47,4 +47,35 @@ PY
     > "$T/server.txt" 2>&1 || { cat "$T/server.txt" >&2; fail "bench server (text)"; }
 grep -q "floor: bare socket, first of round" "$T/server.txt" || fail "no floor line"
 grep -Eq "^goal .*: (met|NOT met)$" "$T/server.txt" || fail "no goal verdict"
+# Steady state: a file tier under the pool, L1 full after the warm-up, one run per write policy.
+mkdir "$T/l2"
+"$KVTIER" bench server --clients 2 --chunk-mib 1 --chunks 4 --repeats 2 --rpc-rounds 20 \
+    --l2 "$T/l2" --json > "$T/steady.json" 2> "$T/steady.err" \
+    || { cat "$T/steady.err" >&2; fail "bench server --l2"; }
+python3 - "$T/steady.json" <<'PY' || fail "bench server --l2 --json"
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+assert [r["steady_state"]["write_policy"] for r in runs] == ["write_back", "write_through", "none"]
+for r in runs:
+    s = r["steady_state"]
+    assert r["warmup_passes"] == 2
+    assert s["l1_evictions"] > 0, "the pool is full in the measured passes"
+    assert s["raw_o_direct_write_GBps"] > 0 and s["l2_errors"] == 0
+    assert r["store_refused_chunks"] == 0, r["store_refused_chunks"]
+    if s["write_policy"] == "none":
+        assert s["l2_bytes_written"] == 0 and s["write_backs"] == 0
+    else:
+        assert s["l2_bytes_written"] > 0 and s["l2_write_GBps"] > 0
+        # Every eviction found a clean chunk (written by the flusher or by write-through) or
+        # was counted as lost.
+        assert s["write_backs"] + s["dirty_evictions"] > 0 or s["write_policy"] == "write_through"
+PY
+[ -z "$(ls -A "$T/l2")" ] || fail "bench server --l2 left files behind: $(ls -A "$T/l2")"
+for bad in "--l2 $T/missing" "--write-policy write_back" "--l2 $T/l2 --write-policy sometimes"; do
+  # shellcheck disable=SC2086
+  if "$KVTIER" bench server --clients 1 --repeats 1 $bad > "$T/bad.txt" 2>&1; then
+    fail "bench server $bad was accepted"
+  fi
+  grep -q "error" "$T/bad.txt" || fail "bench server $bad: no error message"
+done
 echo "bench_cli_test: all passed"

@@ -2,6 +2,12 @@
 // shared pool. Reports control round-trip latency per operation (p50/p99) next to the bare
 // Unix-socket round trip of the same processes (the floor), and data throughput through the pool
 // next to a plain memcpy by the same N processes, each limit measured in the same run.
+//
+// Steady state (--l2 DIR): the server has a file tier on DIR and an L1 pool of two passes' worth
+// of chunks, so after the warm-up passes every store evicts, as in a cache that has been running
+// for an hour; run once per write policy. The file tier's write rate over the measured passes is
+// reported beside plain O_DIRECT writes of chunk files to the same directory by as many threads
+// as the tier writes with.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -12,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -28,6 +35,7 @@
 #include "testing/temp_dir.h"
 #include "tools/bench_timing.h"
 #include "tools/command.h"
+#include "tools/raw_io.h"
 
 namespace kvtier::tools {
 namespace {
@@ -44,6 +52,9 @@ struct BenchServerArgs {
   int rpc_interval_us = 200; // pacing of each client's round trips in the paced rpc phase
   std::string token;
   bool json = false;
+  std::string l2_dir;                      // steady state: the in-process server's file tier
+  std::vector<std::string> write_policies;  // with l2_dir; empty: all three
+  int warmup = -1;                          // unmeasured passes; -1: 2 with l2_dir, else 0
 };
 
 double Now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
@@ -76,6 +87,7 @@ bool ReadAll(int fd, void* p, size_t n) {
 struct PhaseTime {
   double start = 0, end = 0;
   uint64_t bytes = 0;
+  uint64_t refused = 0;  // chunks the pool had no slot for (stores) or did not have (loads)
 };
 
 enum Phase { kMemcpy = 0, kStore = 1, kLoad = 2 };
@@ -233,9 +245,12 @@ int RunClient(const BenchServerArgs& a, const std::string& socket, const std::st
   for (size_t i = 0; i < src.size(); i += 4096) src[i] = static_cast<uint8_t>(i >> 12);
   std::memset(dst.data(), 0, dst.size());  // pre-fault
 
+  // Each returns the bytes moved; `refused` counts the chunks that were not.
+  uint64_t refused = 0;
   auto store = [&](const std::vector<ChunkKey>& keys) -> uint64_t {
     auto slots = cl.ReserveSlots(keys);
     if (!slots.ok()) return 0;
+    refused += keys.size() - slots->size();
     uint64_t bytes = 0;
     for (size_t i = 0; i < slots->size(); ++i) {
       if ((*slots)[i] == kNoSlot) continue;
@@ -248,6 +263,7 @@ int RunClient(const BenchServerArgs& a, const std::string& socket, const std::st
     auto op = cl.PrepareLoad(keys);
     if (!op.ok()) return 0;
     OpResult r = op->Wait();
+    refused += keys.size() - r.slots.size();
     for (size_t i = 0; i < r.slots.size(); ++i) {
       std::memcpy(dst.data() + i * chunk_bytes, cl.SlotData(r.slots[i]).data(), chunk_bytes);
     }
@@ -325,9 +341,10 @@ int RunClient(const BenchServerArgs& a, const std::string& socket, const std::st
   }
   close(floor_fd);
 
-  // Data passes: memcpy (the limit), store into the pool, load another client's chunks.
+  // Data passes: memcpy (the limit), store into the pool, load another client's chunks. Each
+  // pass stores new chunks, so once the pool is full every store evicts.
   std::vector<PhaseTime> times;
-  for (int rep = 0; rep < a.repeats; ++rep) {
+  for (int rep = 0; rep < a.warmup + a.repeats; ++rep) {
     PhaseTime t;
     if (!barrier()) return 17;
     t.start = Now();
@@ -340,16 +357,20 @@ int RunClient(const BenchServerArgs& a, const std::string& socket, const std::st
 
     auto mine = ClientKeys(me, rep + 1, n);
     if (!barrier()) return 18;
+    refused = 0;
     t.start = Now();
     t.bytes = store(mine);
     t.end = Now();
+    t.refused = refused;
     times.push_back(t);
 
     auto theirs = ClientKeys((me + 1) % a.clients, rep + 1, n);
     if (!barrier()) return 19;
+    refused = 0;
     t.start = Now();
     t.bytes = load(theirs);
     t.end = Now();
+    t.refused = refused;
     times.push_back(t);
   }
   uint32_t phases = static_cast<uint32_t>(times.size());
@@ -381,8 +402,93 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-int RunBenchServer(const BenchServerArgs& a) {
+// What a steady-state run adds: the file tier's side of the measured passes.
+struct SteadyState {
+  WritePolicy policy = WritePolicy::kWriteBack;
+  EngineStats before, after;
+  double seconds = 0;  // wall time of the measured passes
+};
+
+// The file tier's side of a steady-state run, and plain O_DIRECT writes of as many bytes (at
+// least 16 chunks, at most 4 GiB) in chunk files to the same directory by as many threads as
+// the tier writes with: what the disk takes from a writer with no cache in front of it.
+Result<nlohmann::json> MeasureSteadyState(const BenchServerArgs& a, const SteadyState& st,
+                                          uint64_t chunk_bytes, int threads) {
+  const FileTierStats &f0 = st.before.file_detail, &f1 = st.after.file_detail;
+  const uint64_t l2_bytes = f1.bytes_written - f0.bytes_written;
+  const uint64_t buf_bytes = (chunk_bytes + 4095) / 4096 * 4096;
+  const uint64_t files = std::clamp<uint64_t>(l2_bytes / chunk_bytes, 16, (4ull << 30) / buf_bytes);
+  threads = std::max(1, threads);
+  const std::string raw_dir = fmt::format("{}/kvtier-bench-raw-{}", a.l2_dir, getpid());
+  std::error_code ec;
+  std::filesystem::create_directories(raw_dir, ec);
+  if (ec) return Status::IOError(fmt::format("cannot create {}: {}", raw_dir, ec.message()));
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{raw_dir};
+  std::vector<Status> failed(threads);
+  const auto t0 = Clock::now();
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      void* p = nullptr;
+      if (posix_memalign(&p, 4096, buf_bytes) != 0) {
+        failed[t] = Status::NoSpace("allocating a write buffer");
+        return;
+      }
+      std::unique_ptr<void, decltype(&free)> buf(p, &free);
+      std::memset(p, 0x5a, buf_bytes);
+      for (uint64_t i = t; i < files && failed[t].ok(); i += threads) {
+        failed[t] = RawWrite(fmt::format("{}/{}", raw_dir, i),
+                             {static_cast<const uint8_t*>(p), buf_bytes});
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  const double raw_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (const Status& s : failed) {
+    if (!s.ok()) return s.WithContext("plain O_DIRECT writes (the reference)");
+  }
+  const double l2_gbps = st.seconds > 0 ? l2_bytes / st.seconds / 1e9 : 0;
+  const double raw_gbps = files * buf_bytes / raw_s / 1e9;
+  const EngineStats &e0 = st.before, &e1 = st.after;
+  return nlohmann::json{
+      {"write_policy", WritePolicyName(st.policy)},
+      {"measured_seconds", st.seconds},
+      {"l1_evictions", e1.memory_detail.evictions - e0.memory_detail.evictions},
+      {"l2_bytes_written", l2_bytes},
+      {"l2_write_GBps", l2_gbps},
+      {"raw_o_direct_write_GBps", raw_gbps},
+      {"raw_o_direct_write_threads", threads},
+      {"raw_o_direct_bytes", files * buf_bytes},
+      {"l2_write_vs_raw", raw_gbps > 0 ? l2_gbps / raw_gbps : 0},
+      {"write_backs", e1.write_backs - e0.write_backs},
+      {"dirty_evictions", e1.dirty_evictions - e0.dirty_evictions},
+      {"write_through_deferred", e1.write_through_deferred - e0.write_through_deferred},
+      {"write_through_dropped", e1.write_through_dropped - e0.write_through_dropped},
+      {"l2_errors", f1.errors - f0.errors}};
+}
+
+void PrintSteadyState(const nlohmann::json& j) {
+  fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x plain O_DIRECT writes ({:.2f} GB/s, {} threads)\n",
+             "file tier writes (measured passes)", j["l2_write_GBps"].get<double>(),
+             j["l2_write_vs_raw"].get<double>(), j["raw_o_direct_write_GBps"].get<double>(),
+             j["raw_o_direct_write_threads"].get<int>());
+  fmt::print(
+      "  L1 evictions {}, written back by the flusher {}, lost before reaching L2 {}, "
+      "write-through deferred {} / dropped {}, L2 errors {}\n",
+      j["l1_evictions"].get<uint64_t>(), j["write_backs"].get<uint64_t>(),
+      j["dirty_evictions"].get<uint64_t>(), j["write_through_deferred"].get<uint64_t>(),
+      j["write_through_dropped"].get<uint64_t>(), j["l2_errors"].get<uint64_t>());
+}
+
+int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohmann::json* out) {
   const uint64_t chunk_bytes_wanted = a.chunk_mib << 20;
+  const int passes = a.warmup + a.repeats;
   struct Child {
     pid_t pid;
     int to_child, from_child;
@@ -449,17 +555,33 @@ int RunBenchServer(const BenchServerArgs& a) {
     o.engine.chunk_bytes = chunk_bytes_wanted;
     // Two generations of every client's chunks, so loads find the chunks just stored.
     o.engine.memory.capacity_bytes = 2ull * a.clients * a.chunks * chunk_bytes_wanted;
+    if (policy) {
+      FileTierOptions f;
+      f.root = fmt::format("{}/kvtier-bench-server-{}", a.l2_dir, getpid());
+      o.engine.file = f;
+      o.engine.write_policy = *policy;
+    }
     auto started = server::Server::Start(o);
     if (!started.ok()) return fail(started.status().ToString());
     srv = std::move(started).value();
-    where = "in-process server (L1 only)";
+    where = policy ? fmt::format("in-process server, L1 + file tier on {}, {}", a.l2_dir,
+                                 WritePolicyName(*policy))
+                   : "in-process server (L1 only)";
     for (auto& k : kids) send_path(k.to_child, o.socket_path);
   }
   char go = 'g';
   for (auto& k : kids) WriteAll(k.to_child, &go, 1);
-  // Barriers: floor and kvtier in each rpc mode, then memcpy/store/load per repeat.
-  const int barriers = 2 * kRpcModes + 3 * a.repeats;
+  // Barriers: floor and kvtier in each rpc mode, then memcpy/store/load per pass.
+  const int barriers = 2 * kRpcModes + 3 * passes;
+  const int first_measured = 2 * kRpcModes + 3 * a.warmup;
+  std::optional<SteadyState> steady;
+  if (policy && srv) steady = SteadyState{*policy};
+  Clock::time_point measured_from;
   for (int b = 0; b < barriers; ++b) {
+    if (steady && b == first_measured) {
+      steady->before = srv->engine().Stats();
+      measured_from = Clock::now();
+    }
     for (auto& k : kids) {
       char c;
       if (!ReadAll(k.from_child, &c, 1)) {
@@ -475,7 +597,7 @@ int RunBenchServer(const BenchServerArgs& a) {
   std::vector<float> rpc[kRpcModes][kRpcOps];
   for (int i = 0; i < a.clients; ++i) {
     uint32_t phases = 0;
-    if (!ReadAll(kids[i].from_child, &phases, 4) || phases != 3u * a.repeats) {
+    if (!ReadAll(kids[i].from_child, &phases, 4) || phases != 3u * passes) {
       return fail("a client process did not report its results");
     }
     times[i].resize(phases);
@@ -505,11 +627,15 @@ int RunBenchServer(const BenchServerArgs& a) {
       return 1;
     }
   }
+  if (steady) {
+    steady->seconds = std::chrono::duration<double>(Clock::now() - measured_from).count();
+    steady->after = srv->engine().Stats();
+  }
   // Throughput of a phase = bytes moved by all clients / (last end - first start); median of
   // the repeats.
   auto gbps = [&](Phase p) {
     std::vector<double> v;
-    for (int rep = 0; rep < a.repeats; ++rep) {
+    for (int rep = a.warmup; rep < passes; ++rep) {
       double s = 1e300, e = 0;
       uint64_t bytes = 0;
       for (int i = 0; i < a.clients; ++i) {
@@ -523,6 +649,15 @@ int RunBenchServer(const BenchServerArgs& a) {
     return Median(v);
   };
   const double mem = gbps(kMemcpy), st = gbps(kStore), ld = gbps(kLoad);
+  // Chunks the measured passes could not store or load: a throughput over fewer bytes.
+  auto refused = [&](Phase p) {
+    uint64_t n = 0;
+    for (int rep = a.warmup; rep < passes; ++rep) {
+      for (int i = 0; i < a.clients; ++i) n += times[i][rep * 3 + p].refused;
+    }
+    return n;
+  };
+  const uint64_t store_refused = refused(kStore), load_missed = refused(kLoad);
   struct Latency {
     size_t count = 0;
     double p50 = 0, p99 = 0, p999 = 0;
@@ -547,8 +682,21 @@ int RunBenchServer(const BenchServerArgs& a) {
     goal_met = goal_met && vs_floor[op] > 0 && vs_floor[op] <= kGoalVsFloor;
   }
   uint64_t chunk_bytes = srv ? srv->engine().options().chunk_bytes : 0;
+  const int tier_write_threads =
+      srv && srv->engine().options().file ? srv->engine().options().file->write_threads : 0;
   if (srv) srv->Stop();
   echo.Stop();
+  nlohmann::json l2;
+  if (steady) {
+    std::error_code ec;
+    std::filesystem::remove_all(fmt::format("{}/kvtier-bench-server-{}", a.l2_dir, getpid()), ec);
+    auto r = MeasureSteadyState(a, *steady, chunk_bytes, tier_write_threads);
+    if (!r.ok()) {
+      fmt::print(stderr, "kvtier bench server: error: {}\n", r.status().ToString());
+      return 1;
+    }
+    l2 = *r;
+  }
   if (a.json) {
     nlohmann::json j = {{"server", where},
                         {"clients", a.clients},
@@ -571,7 +719,9 @@ int RunBenchServer(const BenchServerArgs& a) {
                         {"load_GBps", ld},
                         {"memcpy_GBps", mem},
                         {"store_vs_memcpy", st / mem},
-                        {"load_vs_memcpy", ld / mem}};
+                        {"load_vs_memcpy", ld / mem},
+                        {"store_refused_chunks", store_refused},
+                        {"load_missed_chunks", load_missed}};
     j["rpc_send_late_p50_us"] = lat[0][kSendLate].p50;
     j["rpc_send_late_p99_us"] = lat[0][kSendLate].p99;
     for (int op = kLookup; op <= kRelease; ++op) {
@@ -586,7 +736,9 @@ int RunBenchServer(const BenchServerArgs& a) {
       j["rpc_saturated_" + name + "_p50_vs_floor"] = sat_vs_floor[op];
     }
     if (chunk_bytes) j["chunk_bytes"] = chunk_bytes;
-    fmt::print("{}\n", j.dump(2));
+    j["warmup_passes"] = a.warmup;
+    if (steady) j["steady_state"] = l2;
+    *out = std::move(j);
   } else {
     fmt::print("server: {}; {} client processes, {} chunks each per pass\n", where, a.clients,
                a.chunks);
@@ -624,7 +776,57 @@ int RunBenchServer(const BenchServerArgs& a) {
                st / mem);
     fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n", "load from the shared pool", ld,
                ld / mem);
+    if (store_refused + load_missed > 0) {
+      fmt::print("WARNING: {} chunks found no slot to store into and {} were missing at load; "
+                 "the rates above count only the bytes moved\n",
+                 store_refused, load_missed);
+    }
+    if (steady) PrintSteadyState(l2);
   }
+  return 0;
+}
+
+int RunBenchServer(BenchServerArgs a) {
+  if (a.warmup < 0) a.warmup = a.l2_dir.empty() ? 0 : 2;
+  if (a.l2_dir.empty()) {
+    if (!a.write_policies.empty()) {
+      fmt::print(stderr, "kvtier bench server: error: --write-policy needs --l2 DIR\n");
+      return 2;
+    }
+    nlohmann::json j;
+    int rc = RunOnce(a, std::nullopt, &j);
+    if (rc == 0 && a.json) fmt::print("{}\n", j.dump(2));
+    return rc;
+  }
+  if (!a.socket.empty()) {
+    fmt::print(stderr,
+               "kvtier bench server: error: --l2 configures the server started here; a running "
+               "server (--socket) has its own tiers\n");
+    return 2;
+  }
+  if (!std::filesystem::is_directory(a.l2_dir)) {
+    fmt::print(stderr, "kvtier bench server: error: --l2 {}: not a directory\n", a.l2_dir);
+    return 2;
+  }
+  std::vector<WritePolicy> policies;
+  if (a.write_policies.empty()) a.write_policies = {"write_back", "write_through", "none"};
+  for (const auto& name : a.write_policies) {
+    auto p = ParseWritePolicy(name);
+    if (!p.ok()) {
+      fmt::print(stderr, "kvtier bench server: error: --write-policy: {}\n", p.status().message());
+      return 2;
+    }
+    policies.push_back(*p);
+  }
+  nlohmann::json runs = nlohmann::json::array();
+  for (WritePolicy p : policies) {
+    if (!a.json) fmt::print("== write policy {} ==\n", WritePolicyName(p));
+    nlohmann::json j;
+    if (int rc = RunOnce(a, p, &j); rc != 0) return rc;
+    runs.push_back(std::move(j));
+    if (!a.json) fmt::print("\n");
+  }
+  if (a.json) fmt::print("{}\n", nlohmann::json{{"runs", runs}}.dump(2));
   return 0;
 }
 
@@ -661,6 +863,17 @@ void AddBenchServer(CLI::App& parent, CommandContext& ctx) {
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   cmd->add_option("--token", args->token, "The server's token, if it has one");
+  cmd->add_option("--l2", args->l2_dir,
+                  "Steady state: give the server started here a file tier in this directory (a "
+                  "real filesystem with O_DIRECT; a subdirectory is created and removed) and an "
+                  "L1 pool of two passes' worth of chunks, so that after the warm-up every store "
+                  "evicts; the tier's write rate is reported beside plain O_DIRECT writes");
+  cmd->add_option("--write-policy", args->write_policies,
+                  "With --l2: write_back, write_through or none; repeat for several (default: "
+                  "all three, one run each)");
+  cmd->add_option("--warmup", args->warmup,
+                  "Unmeasured passes before the measured ones (default: 2 with --l2, else 0)")
+      ->check(CLI::Range(0, 1000));
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->callback([args, &ctx] { ctx.exit_code = RunBenchServer(*args); });
 }
