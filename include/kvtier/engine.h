@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -87,6 +88,12 @@ class OpHandle {
   OpResult Wait() const;
   // The result if done within `timeout`, else nullopt (the operation goes on).
   std::optional<OpResult> WaitFor(std::chrono::nanoseconds timeout) const;
+  // Completion notification: `done` runs once with the result when the operation ends (every
+  // chunk reported, its deadline passed, or the engine shut down), on the thread that ended it
+  // (an engine or file-tier thread, or the engine's deadline thread), or here at once if it has
+  // ended already. It must not block. Nothing needs to wait on the handle: a load ends at its
+  // deadline on its own. REQUIRES: called at most once per operation.
+  void OnDone(std::function<void(const OpResult&)> done) const;
 
  private:
   std::shared_ptr<State> state_;
@@ -175,6 +182,8 @@ class Engine {
   Result<MemoryTier::Reservation> ReserveInMemory(const ChunkKey& key, const ChunkKey* parent);
   void PublishStored(SlotId slot, const ChunkKey& key);
   void FlusherLoop();
+  void WatchDeadlines();     // the thread that ends loads at their deadline
+  void StopDeadlineWatch();  // at shutdown: ends every load still open
   // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
   // many it started.
   size_t FlushPass();

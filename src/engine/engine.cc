@@ -78,10 +78,29 @@ struct OpHandle::State {
     if (!s.ok() && error.ok()) error = s;
     if (--remaining == 0) {
       Finish();
-    } else if (delivering == 0) {
-      cv.notify_all();  // a waiter past the deadline held back by deliveries can expire it now
+    } else if (delivering == 0 && deadline != Clock::time_point::max()) {
+      ExpireIfLate();  // the deadline may have passed while deliveries held the operation open
     }
+    RunOnDone(lock);
     return true;
+  }
+  // With mu held through `lock`: once the operation has finished, runs the OnDone callback (at
+  // most once, outside the lock, so that it may call into the engine). Leaves `lock` unlocked
+  // if it ran one.
+  void RunOnDone(std::unique_lock<std::mutex>& lock) {
+    if (!done || !on_done) return;
+    auto callback = std::move(on_done);
+    on_done = nullptr;
+    const OpResult r = result;
+    lock.unlock();
+    callback(r);
+  }
+  // Ends the operation if its deadline has passed (or now, with `now`: engine shutdown).
+  void Expire(bool now) {
+    std::unique_lock lock(mu);
+    if (now) deadline = std::min(deadline, Clock::now());
+    ExpireIfLate();
+    RunOnDone(lock);
   }
   // With mu held: when a waiter should wake up next (the deadline, unless deliveries hold the
   // operation open past it: then their end, which notifies).
@@ -90,9 +109,11 @@ struct OpHandle::State {
   }
   // False once the operation is over (every chunk reported, or the deadline passed).
   bool Open() {
-    std::lock_guard lock(mu);
+    std::unique_lock lock(mu);
     ExpireIfLate();
-    return !done;
+    const bool open = !done;
+    RunOnDone(lock);
+    return open;
   }
   // With mu held: gives up on pending chunks once the deadline has passed.
   void ExpireIfLate() {
@@ -142,14 +163,11 @@ struct OpHandle::State {
   OpResult result;
   Clock::time_point deadline = Clock::time_point::max();
   std::atomic<uint64_t>* deadline_misses = nullptr;
-  std::function<void(State&)> on_finish;
+  std::function<void(State&)> on_finish;        // runs under mu as the operation finishes
+  std::function<void(const OpResult&)> on_done;  // OnDone's callback
 };
 
-bool OpHandle::Done() const {
-  std::lock_guard lock(state_->mu);
-  state_->ExpireIfLate();
-  return state_->done;
-}
+bool OpHandle::Done() const { return !state_->Open(); }
 
 OpResult OpHandle::Wait() const {
   std::unique_lock lock(state_->mu);
@@ -162,7 +180,9 @@ OpResult OpHandle::Wait() const {
     }
     state_->ExpireIfLate();
   }
-  return state_->result;
+  OpResult r = state_->result;
+  state_->RunOnDone(lock);
+  return r;
 }
 
 std::optional<OpResult> OpHandle::WaitFor(std::chrono::nanoseconds timeout) const {
@@ -174,7 +194,16 @@ std::optional<OpResult> OpHandle::WaitFor(std::chrono::nanoseconds timeout) cons
     state_->ExpireIfLate();
     if (!state_->done && State::Clock::now() >= until) return std::nullopt;
   }
-  return state_->result;
+  OpResult r = state_->result;
+  state_->RunOnDone(lock);
+  return r;
+}
+
+void OpHandle::OnDone(std::function<void(const OpResult&)> done) const {
+  std::unique_lock lock(state_->mu);
+  state_->ExpireIfLate();
+  state_->on_done = std::move(done);
+  state_->RunOnDone(lock);
 }
 
 namespace {
@@ -249,6 +278,17 @@ struct Engine::Impl {
   uint32_t headroom = 1;  // L1 slots kept clean or free
   size_t max_flushing = 1;
   LogLimiter dirty_eviction_log;
+
+  // Ends loads at their deadline whether or not anyone waits on them (OnDone's callbacks must
+  // come even when storage hangs). Every deadline is start + load_deadline, so they fall due in
+  // the order the loads started: a queue, not a heap.
+  struct DeadlineWatch {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    std::deque<std::weak_ptr<OpHandle::State>> loads;
+    std::thread thread;
+  } deadlines;
 };
 
 Engine::Engine(const EngineOptions& options) : options_(options) {}
@@ -270,6 +310,7 @@ Engine::~Engine() {
   // read may still write into L2's own buffer, so L1's arena must outlive them: it is left
   // mapped (the process is usually exiting anyway).
   size_t abandoned = file_->Shutdown();
+  StopDeadlineWatch();  // loads still open end now, as misses, their callbacks run
   if (abandoned > 0) {
     spdlog::error(
         "engine: {} file-tier operations are stuck in the kernel; leaving the L1 arena "
@@ -332,6 +373,9 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     impl.max_flushing = std::max<size_t>(1, engine->file_->options().max_queued_writes / 2);
     impl.flusher_thread = std::thread([e = engine.get()] { e->FlusherLoop(); });
   }
+  if (engine->file_ && options.load_deadline.count() > 0) {
+    impl.deadlines.thread = std::thread([e = engine.get()] { e->WatchDeadlines(); });
+  }
   return engine;
 }
 
@@ -359,6 +403,48 @@ Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key,
     }
   }
   return r;
+}
+
+void Engine::WatchDeadlines() {
+  auto& w = impl_->deadlines;
+  std::unique_lock lock(w.mu);
+  while (!w.stop) {
+    if (w.loads.empty()) {
+      w.cv.wait(lock);
+      continue;
+    }
+    auto load = w.loads.front().lock();
+    if (!load) {  // finished and released: nothing to end
+      w.loads.pop_front();
+      continue;
+    }
+    // Written before the load was queued and not again until StopDeadlineWatch.
+    const auto due = load->deadline;
+    if (OpHandle::State::Clock::now() < due) {
+      w.cv.wait_until(lock, due);
+      continue;
+    }
+    w.loads.pop_front();
+    lock.unlock();
+    load->Expire(/*now=*/false);  // a load held open by a delivery ends when that delivery does
+    load.reset();
+    lock.lock();
+  }
+}
+
+void Engine::StopDeadlineWatch() {
+  auto& w = impl_->deadlines;
+  if (!w.thread.joinable()) return;
+  {
+    std::lock_guard lock(w.mu);
+    w.stop = true;
+  }
+  w.cv.notify_one();
+  w.thread.join();
+  for (auto& weak : w.loads) {
+    if (auto load = weak.lock()) load->Expire(/*now=*/true);
+  }
+  w.loads.clear();
 }
 
 void Engine::FlusherLoop() {
@@ -646,6 +732,12 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   state->deadline_misses = &impl_->deadline_misses;
   if (!from_file.empty() && options_.load_deadline.count() > 0) {
     state->deadline = OpHandle::State::Clock::now() + options_.load_deadline;
+    auto& w = impl_->deadlines;
+    {
+      std::lock_guard lock(w.mu);
+      w.loads.push_back(state);
+    }
+    w.cv.notify_one();
   }
   if (pin_for_caller) {
     // The caller keeps the pins of the delivered prefix; chunks delivered past a gap are

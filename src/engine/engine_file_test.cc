@@ -453,6 +453,91 @@ TEST(EngineFileTest, HungStorageHoldsNoSlotAndShutdownIsBounded) {
   EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
 }
 
+// Completion notification: OnDone runs once when a load ends, with nobody waiting on it: at the
+// deadline when storage hangs (on the engine's deadline thread), at once when the load has ended
+// already, and at shutdown for a load whose deadline has not come.
+TEST(EngineFileTest, OnDoneComesAtTheDeadlineOnHungStorageWithNobodyWaiting) {
+  testing::TempDir dir;
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});
+  auto keys = Keys(2, 15);
+  Chunks in(2, 15);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 2, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  EngineOptions o = Options(dir.path(), 4, WritePolicy::kNone);
+  o.file->env = env;
+  o.file->stall_timeout = 100ms;
+  o.load_deadline = 200ms;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env->StallOpens(keys[0].ToHex());
+
+  struct Seen {
+    std::mutex mu;
+    std::condition_variable cv;
+    int calls = 0;
+    OpResult result;
+    std::thread::id thread;
+  };
+  auto watch = [](const std::shared_ptr<Seen>& seen) {
+    return [seen](const OpResult& r) {
+      std::lock_guard lock(seen->mu);
+      seen->calls++;
+      seen->result = r;
+      seen->thread = std::this_thread::get_id();
+      seen->cv.notify_all();
+    };
+  };
+  auto wait_for = [](Seen& seen, std::chrono::milliseconds limit) {
+    std::unique_lock lock(seen.mu);
+    return seen.cv.wait_for(lock, limit, [&] { return seen.calls > 0; });
+  };
+
+  auto hung = std::make_shared<Seen>();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto op = engine->PrepareLoad(keys);
+  ASSERT_TRUE(op.ok());
+  op->OnDone(watch(hung));
+  ASSERT_TRUE(wait_for(*hung, 3s)) << "no completion at the deadline";
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, 200ms);
+  EXPECT_LT(took, 1500ms);
+  EXPECT_EQ(hung->result.chunks, 0u);
+  EXPECT_TRUE(hung->result.slots.empty());
+  EXPECT_NE(hung->thread, std::this_thread::get_id());
+  EXPECT_TRUE(op->Done());
+  EXPECT_GE(engine->Stats().deadline_misses, 1u);
+
+  // Ended already: the callback runs here, at once.
+  auto l1 = engine->Load({}, {});
+  ASSERT_TRUE(l1.ok());
+  auto now = std::make_shared<Seen>();
+  l1->OnDone(watch(now));
+  EXPECT_EQ(now->calls, 1);
+  EXPECT_EQ(now->thread, std::this_thread::get_id());
+
+  // Shutdown ends a load whose deadline is far off, and runs its callback.
+  engine.reset();
+  o.load_deadline = 60s;
+  engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  auto late = std::make_shared<Seen>();
+  op = engine->PrepareLoad(keys);
+  ASSERT_TRUE(op.ok());
+  op->OnDone(watch(late));
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(late->calls, 0);
+  engine.reset();
+  EXPECT_EQ(late->calls, 1);
+  EXPECT_EQ(late->result.chunks, 0u);
+  env->ReleaseStalls();
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+}
+
 // A FIFO where an indexed chunk was: a miss at once (not a read thread lost to a blocking open).
 TEST(EngineFileTest, FifoAtChunkPathIsAMiss) {
   testing::TempDir dir;

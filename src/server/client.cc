@@ -127,6 +127,10 @@ class Client::Impl : public std::enable_shared_from_this<Client::Impl> {
   // released).
   void Abandon(uint64_t id);
   Status ReleaseSlots(std::span<const SlotId> slots);
+  // Sends a release without waiting for its reply (dropped when it comes): for destructors and
+  // replies nobody waits for. The Locked form with mu held.
+  void ReleaseSlotsNoWait(std::span<const SlotId> slots);
+  void ReleaseSlotsNoWaitLocked(std::span<const SlotId> slots);
 
   Result<LookupResult> TryLookup(std::span<const ChunkKey> keys);
   Result<std::vector<SlotId>> Reserve(std::span<const ChunkKey> keys);
@@ -466,14 +470,7 @@ void Client::Impl::DispatchLocked(const FrameHeader& h, Frame f) {
       Status remote;
       if (server::DecodeReplyStatus(r, &remote).ok() && remote.ok()) {
         auto p = server::DecodePrepareLoadReply(r, hello.max_keys_per_request);
-        if (p.ok() && !p->slots.empty()) {
-          uint64_t id = next_id.fetch_add(1);
-          abandoned[id] = true;
-          // Lock order mu -> send_mu (Send never takes mu while holding send_mu).
-          auto frame = server::EncodeSlotsRequest(Opcode::kRelease, id, p->slots);
-          std::lock_guard lock(send_mu);
-          [[maybe_unused]] ssize_t w = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
-        }
+        if (p.ok()) ReleaseSlotsNoWaitLocked(p->slots);
       }
     }
     return;
@@ -624,6 +621,24 @@ Status Client::Impl::ReleaseSlots(std::span<const SlotId> slots) {
   return server::DecodeEmptyReply(r);
 }
 
+void Client::Impl::ReleaseSlotsNoWait(std::span<const SlotId> slots) {
+  std::lock_guard lock(mu);
+  ReleaseSlotsNoWaitLocked(slots);
+}
+
+void Client::Impl::ReleaseSlotsNoWaitLocked(std::span<const SlotId> slots) {
+  if (slots.empty() || !broken.ok()) return;  // a broken connection: the server released them
+  for (size_t at = 0; at < slots.size(); at += hello.max_keys_per_request) {
+    const size_t n = std::min<size_t>(hello.max_keys_per_request, slots.size() - at);
+    uint64_t id = next_id.fetch_add(1);
+    abandoned[id] = true;
+    // Lock order mu -> send_mu (Send never takes mu while holding send_mu).
+    auto frame = server::EncodeSlotsRequest(Opcode::kRelease, id, slots.subspan(at, n));
+    std::lock_guard lock(send_mu);
+    [[maybe_unused]] ssize_t w = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+  }
+}
+
 namespace {
 
 // A prepare_load whose reply may come later. The first Wait/WaitFor that sees the result hands
@@ -637,8 +652,8 @@ class RemoteLoadOp final : public AsyncOp::Impl {
     std::lock_guard lock(mu_);
     if (!result_) {
       client_->Abandon(id_);
-    } else if (!taken_ && !result_->slots.empty()) {
-      [[maybe_unused]] Status s = client_->ReleaseSlots(result_->slots);
+    } else if (!taken_) {
+      client_->ReleaseSlotsNoWait(result_->slots);  // no round trip in a destructor
     }
   }
   bool Done() override { return Poll(Clock::now()).has_value(); }
@@ -901,9 +916,9 @@ class EngineOp final : public AsyncOp::Impl {
   EngineOp(OpHandle h, Engine* engine, bool owns_pins)
       : h_(std::move(h)), engine_(engine), owns_pins_(owns_pins) {}
   ~EngineOp() override {
+    // Pins nobody took are given back when the load ends, without waiting for it here.
     if (owns_pins_ && !taken_) {
-      OpResult r = h_.Wait();
-      engine_->Unpin(r.slots);
+      h_.OnDone([engine = engine_](const OpResult& r) { engine->Unpin(r.slots); });
     }
   }
   bool Done() override { return h_.Done(); }

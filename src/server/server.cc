@@ -26,6 +26,7 @@
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <shared_mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <system_error>
@@ -282,7 +283,7 @@ class OutputPump {
 //
 // Before its hello is accepted a connection belongs to the door thread alone (`in`,
 // `hello_deadline`). After, state under `mu` is shared between the connection's thread, the
-// completion pool (slow prepare_loads) and the stats walk; `mu` is never held across I/O.
+// engine threads that end slow prepare_loads (OnDone) and the stats walk; `mu` is never held across I/O.
 // Output goes through Send(): frames are written without blocking, in order, and what the socket
 // does not take is queued under `out_mu` for the OutputPump; once `out_closed` is set nothing is
 // written and `fd` may be closed.
@@ -512,7 +513,14 @@ class Server::Impl {
 
   Metrics metrics_;
   OutputPump pump_;
-  std::unique_ptr<TaskPool> completions_;
+  // Slow prepare_loads (file-tier promotions) are answered from the engine's completion
+  // callbacks, with no thread parked per operation. Stop closes the gate: a callback that comes
+  // later only gives its pins back, since the members a reply needs may be gone by then.
+  struct CompletionGate {
+    std::shared_mutex mu;
+    bool open = true;
+  };
+  std::shared_ptr<CompletionGate> completion_gate_ = std::make_shared<CompletionGate>();
   int listen_fd_ = -1;
   bool socket_bound_ = false;  // we created the socket file (and so may remove it)
   int wake_fd_ = -1;
@@ -545,9 +553,6 @@ Status Server::Impl::Init() {
     return Status::InvalidArgument(
         "server: max_keys_per_request must be >= 1 and fit in max_message_bytes");
   }
-  if (options_.completion_threads < 1 || options_.completion_threads > 64) {
-    return Status::InvalidArgument("server: completion_threads must be in [1, 64]");
-  }
   if (options_.http_threads < 1 || options_.http_threads > 256) {
     return Status::InvalidArgument("server: http_threads must be in [1, 256]");
   }
@@ -567,8 +572,6 @@ Status Server::Impl::Init() {
   auto engine = Engine::Open(eo);
   if (!engine.ok()) return engine.status();
   engine_ = std::move(engine).value();
-  completions_ =
-      std::make_unique<TaskPool>(options_.completion_threads, 1u << 16, "prepare_load completions");
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) return Status::FromErrno(errno, "eventfd");
   KVTIER_RETURN_IF_ERROR(pump_.Start());
@@ -1312,18 +1315,17 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         keep = reply(handle.status());
         break;
       }
-      if (handle->Done()) {
-        FinishPrepareLoad(conn, h.request_id, started, allowed, handle->Wait());
-      } else {
-        // A promotion from the file tier is under way: answer when it is done, without holding
-        // up this connection's other requests.
-        OpHandle op_handle = *handle;
-        Status queued =
-            completions_->TrySubmit([this, conn, op_handle, id = h.request_id, started, allowed] {
-              FinishPrepareLoad(conn, id, started, allowed, op_handle.Wait());
-            });
-        if (!queued.ok()) FinishPrepareLoad(conn, h.request_id, started, allowed, op_handle.Wait());
-      }
+      // Answered now if every chunk was in L1; else when the promotion from the file tier ends
+      // (or its deadline passes), without holding up this connection's other requests.
+      handle->OnDone([this, gate = completion_gate_, engine = engine_.get(), conn,
+                      id = h.request_id, started, allowed](const OpResult& r) {
+        std::shared_lock lock(gate->mu);
+        if (gate->open) {
+          FinishPrepareLoad(conn, id, started, allowed, r);
+        } else {
+          engine->Unpin(r.slots);
+        }
+      });
       break;
     }
     case Opcode::kRelease: {
@@ -1452,7 +1454,10 @@ void Server::Impl::Stop() {
     }
   }
   ReapFinished(true);
-  if (completions_) completions_->Drain();
+  {
+    std::unique_lock lock(completion_gate_->mu);  // waits for replies being sent
+    completion_gate_->open = false;
+  }
   pump_.Stop();
   if (engine_ && was_serving) {
     spdlog::info("draining: waiting for queued engine work (write policy {})",
