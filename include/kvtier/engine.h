@@ -112,6 +112,7 @@ struct EngineStats {
   TierCounters file;
   FileTierStats file_detail;
   uint64_t promotions = 0;       // chunks copied from L2 into L1 by loads
+  uint64_t shared_reads = 0;     // chunks a load took from another load's L2 read under way
   uint64_t deadline_misses = 0;  // chunks reported missing because L2 missed the load deadline
   // Write-through chunks L2's full write queue refused: retried as writes complete (deferred),
   // or, past the bound, left dirty in L1 for the flusher (dropped). Both logged.
@@ -187,6 +188,12 @@ class Engine {
   // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
   // many it started.
   size_t FlushPass();
+  // Shared promotions: joins `on_read` to the L2 read of `key` under way and returns nullopt,
+  // or, if there is none (or it is older than the load deadline), records one and returns its
+  // generation: the caller starts that read, and its completion hands the bytes to every
+  // waiter (TakeFileReadWaiters).
+  std::optional<uint64_t> JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
+  std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
                              std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);

@@ -11,6 +11,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define KVTIER_LSAN 1
@@ -278,6 +279,17 @@ struct Engine::Impl {
   uint32_t headroom = 1;  // L1 slots kept clean or free
   size_t max_flushing = 1;
   LogLimiter dirty_eviction_log;
+
+  // L2 reads in flight, by key, with the loads waiting for each (shared promotions).
+  struct FileRead {
+    std::vector<FileTier::ReadDone> waiters;
+    std::chrono::steady_clock::time_point started;
+    uint64_t generation = 0;  // of the read that serves them
+  };
+  std::mutex reads_mu;
+  std::unordered_map<ChunkKey, FileRead, ChunkKeyHash> reads;
+  uint64_t read_generation = 0;  // under reads_mu
+  std::atomic<uint64_t> shared_reads{0};
 
   // Ends loads at their deadline whether or not anyone waits on them (OnDone's callbacks must
   // come even when storage hangs). Every deadline is start + load_deadline, so they fall due in
@@ -623,6 +635,37 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
 // reaches them only if the load is still open when the data arrives: a read stuck past the
 // load's deadline (a hung NFS server) holds no L1 slot, and whatever it delivers late lands
 // nowhere the caller can see (promoted into L1 at most).
+std::optional<uint64_t> Engine::JoinFileRead(const ChunkKey& key,
+                                             const FileTier::ReadDone& on_read) {
+  const auto now = OpHandle::State::Clock::now();
+  std::lock_guard lock(impl_->reads_mu);
+  auto [it, first] = impl_->reads.try_emplace(key);
+  auto& read = it->second;
+  // A read older than a load's deadline may be stuck in the kernel: no load can wait for it any
+  // more, so a new one starts, and takes over the stuck one's waiters (a newer generation: the
+  // stuck read, if it ever ends, finds nobody to serve).
+  const bool stale = !first && options_.load_deadline.count() > 0 &&
+                     now - read.started >= options_.load_deadline;
+  read.waiters.push_back(on_read);
+  if (first || stale) {
+    read.started = now;
+    read.generation = impl_->read_generation + 1;
+    return ++impl_->read_generation;
+  }
+  impl_->shared_reads++;
+  return std::nullopt;
+}
+
+std::vector<FileTier::ReadDone> Engine::TakeFileReadWaiters(const ChunkKey& key,
+                                                            uint64_t generation) {
+  std::lock_guard lock(impl_->reads_mu);
+  auto it = impl_->reads.find(key);
+  if (it == impl_->reads.end() || it->second.generation != generation) return {};
+  std::vector<FileTier::ReadDone> waiters = std::move(it->second.waiters);
+  impl_->reads.erase(it);
+  return waiters;
+}
+
 void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
                             const std::vector<size_t>& chunks,
                             std::span<const std::span<uint8_t>> dst) {
@@ -675,16 +718,25 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
         bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
         if (!taken && pinned.ok()) memory_->Unpin(*pinned);
       };
+      // A read of this chunk already under way (another load's promotion) serves this load
+      // too: one read, one promotion, every waiter handed the same bytes.
+      const std::optional<uint64_t> generation = JoinFileRead(key, on_read);
+      if (!generation) return;
+      FileTier::ReadDone shared = [this, key, g = *generation](Status st,
+                                                              std::span<const uint8_t> data) {
+        for (auto& waiter : TakeFileReadWaiters(key, g)) waiter(st, data);
+      };
       // The file tier's read queue is bounded. A load of more chunks than it holds (or several
       // loads together) waits here for room, which the queue makes at the disk's pace, rather
       // than turning the rest of its prefix into misses; the deadline still bounds the wait.
-      Status s = file_->ReadAsync(key, on_read);
+      Status s = file_->ReadAsync(key, shared);
       for (auto pause = std::chrono::microseconds(50); s.IsRejected() && state->Open();
            pause = std::min(2 * pause, std::chrono::microseconds(2000))) {
         std::this_thread::sleep_for(pause);
-        s = file_->ReadAsync(key, on_read);
+        s = file_->ReadAsync(key, shared);
       }
-      if (!s.ok()) state->ChunkDone(i, s);  // shut down, or still full at the deadline: a miss
+      // Shut down, or still full at the deadline: a miss, for every load that joined it too.
+      if (!s.ok()) shared(s, {});
     });
   }
   Status submitted = impl_->pool.TrySubmit(std::move(tasks));
@@ -960,6 +1012,7 @@ EngineStats Engine::Stats() const {
   st.loads = impl_->loads;
   st.rejected_ops = impl_->rejected_ops;
   st.promotions = impl_->promotions;
+  st.shared_reads = impl_->shared_reads;
   st.deadline_misses = impl_->deadline_misses;
   st.write_through_deferred = impl_->write_through_deferred;
   st.write_through_dropped = impl_->write_through_dropped;

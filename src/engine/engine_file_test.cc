@@ -538,6 +538,69 @@ TEST(EngineFileTest, OnDoneComesAtTheDeadlineOnHungStorageWithNobodyWaiting) {
   EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
 }
 
+// Concurrent loads of one L2 chunk share one read and one promotion: a second load of a chunk
+// whose read is under way waits for that read rather than opening the file again; a read older
+// than the load deadline (stuck in the kernel) is not waited for, a new one starts.
+TEST(EngineFileTest, ConcurrentLoadsOfAChunkShareOneRead) {
+  testing::TempDir dir;
+  auto keys = Keys(3, 16);
+  Chunks in(3, 16);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 3, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+  }
+  // Bytes and promotion: several loads at once, every one gets the chunks, each read once.
+  {
+    EngineOptions o = Options(dir.path(), 8, WritePolicy::kNone);
+    o.worker_threads = 4;
+    auto engine = OpenEngine(o);
+    ASSERT_TRUE(engine);
+    std::vector<Chunks> outs(4, Chunks(3, 0));
+    std::vector<OpHandle> ops;
+    for (auto& out : outs) ops.push_back(*engine->Load(keys, out.Out()));
+    for (size_t i = 0; i < ops.size(); ++i) {
+      OpResult r = ops[i].Wait();
+      EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+      EXPECT_EQ(outs[i].data, in.data);
+    }
+    EngineStats st = engine->Stats();
+    EXPECT_EQ(st.promotions, 3u);
+    EXPECT_EQ(st.file_detail.reads + st.shared_reads + st.memory.hits, 3u * ops.size())
+        << "every chunk of every load came from a read, a shared read or L1";
+  }
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});
+  EngineOptions o = Options(dir.path(), 4, WritePolicy::kNone);
+  o.file->env = env;
+  o.file->stall_timeout = 100ms;
+  o.load_deadline = 300ms;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env->StallOpens(keys[0].ToHex());
+  auto first = engine->PrepareLoad(std::span(keys).first(1));
+  ASSERT_TRUE(first.ok());
+  for (int i = 0; i < 200 && env->stalled_now() < 1; ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(env->stalled_now(), 1u);
+  auto second = engine->PrepareLoad(std::span(keys).first(1));
+  ASSERT_TRUE(second.ok());
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(env->stalled_now(), 1u) << "the second load opened the chunk again";
+  EXPECT_EQ(engine->Stats().shared_reads, 1u);
+  EXPECT_EQ(first->Wait().chunks, 0u);  // misses at the deadline, both
+  EXPECT_EQ(second->Wait().chunks, 0u);
+  // The stuck read is older than the deadline now: a new load reads the chunk itself.
+  auto third = engine->PrepareLoad(std::span(keys).first(1));
+  ASSERT_TRUE(third.ok());
+  for (int i = 0; i < 200 && env->stalled_now() < 2; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(env->stalled_now(), 2u);
+  EXPECT_EQ(third->Wait().chunks, 0u);
+  engine.reset();
+  env->ReleaseStalls();
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+}
+
 // A FIFO where an indexed chunk was: a miss at once (not a read thread lost to a blocking open).
 TEST(EngineFileTest, FifoAtChunkPathIsAMiss) {
   testing::TempDir dir;

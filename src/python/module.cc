@@ -862,6 +862,7 @@ nb::dict EngineStatsDict(const EngineStats& s) {
     d["file_detail"] = FileTierStatsDict(s.file_detail);
   }
   d["promotions"] = s.promotions;
+  d["shared_reads"] = s.shared_reads;
   d["deadline_misses"] = s.deadline_misses;
   d["write_backs"] = s.write_backs;
   d["write_back_failures"] = s.write_back_failures;

@@ -1526,6 +1526,7 @@ std::string Server::Impl::StatsJson() const {
                                    {"negative_cache_entries", f.negative_cache_entries},
                                    {"found_on_disk", f.found_on_disk}};
     j["engine"]["promotions"] = st.promotions;
+    j["engine"]["shared_reads"] = st.shared_reads;
     j["engine"]["deadline_misses"] = st.deadline_misses;
     j["engine"]["write_backs"] = st.write_backs;
     j["engine"]["write_back_failures"] = st.write_back_failures;

@@ -575,7 +575,10 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
   const int barriers = 2 * kRpcModes + 3 * passes;
   const int first_measured = 2 * kRpcModes + 3 * a.warmup;
   std::optional<SteadyState> steady;
-  if (policy && srv) steady = SteadyState{*policy};
+  if (policy && srv) {
+    steady.emplace();
+    steady->policy = *policy;
+  }
   Clock::time_point measured_from;
   for (int b = 0; b < barriers; ++b) {
     if (steady && b == first_measured) {
