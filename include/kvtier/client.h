@@ -1,14 +1,16 @@
 // Client of a `kvtier serve` daemon, and the ChunkStore interface that lets an integration switch
-// between an in-process Engine and a shared server with one setting.
+// between an in-process Engine and a shared server with one setting (kvtier/chunk_store.h opens
+// either).
 //
-//   ChunkStoreOptions o;
-//   o.mode = ChunkStoreMode::kServer;          // or kInProcess
-//   o.client.ns = ns;  o.client.chunk_bytes = layout.bytes_per_chunk(256);
-//   o.engine.ns = ns;  o.engine.chunk_bytes = ...;   // used by kInProcess
-//   auto store = OpenChunkStore(o);
-//   LookupResult hit = store.value()->Lookup(keys);
-//   auto op = store.value()->Load(keys, destinations);   // asynchronous, like Engine::Load
-//   OpResult r = op->Wait();                               // r.chunks leading chunks loaded
+//   ClientOptions o;
+//   o.ns = ns;  o.chunk_bytes = layout.bytes_per_chunk(256);
+//   auto client = Client::Connect(o);
+//   LookupResult hit = client.value()->Lookup(keys);
+//   auto op = client.value()->Load(keys, destinations);  // asynchronous, like Engine::Load
+//   OpResult r = op->Wait();                              // r.chunks leading chunks loaded
+//
+// The client library (kvtier_client) needs only the protocol codec and the common types: it
+// links without the engine, the tiers, io_uring, prometheus-cpp or cpp-httplib.
 //
 // In server mode the chunks live in the server's L1 pool, a shared-memory arena that the client
 // maps in full (MAP_SHARED, page-aligned: pool_base() can be registered with cudaHostRegister).
@@ -178,19 +180,5 @@ class Client final : public ChunkStore {
   std::shared_ptr<Impl> impl_;  // shared with pending operations
 };
 
-enum class ChunkStoreMode : uint8_t { kInProcess, kServer };
-// "in_process"/"in-process"/"local" or "server".
-Result<ChunkStoreMode> ParseChunkStoreMode(std::string_view name);
-
-struct ChunkStoreOptions {
-  ChunkStoreMode mode = ChunkStoreMode::kInProcess;
-  EngineOptions engine;  // kInProcess: the engine to open in this process
-  ClientOptions client;  // kServer: the server to connect to
-};
-
-// Opens an in-process Engine or connects to a server, per options.mode.
-Result<std::unique_ptr<ChunkStore>> OpenChunkStore(const ChunkStoreOptions& options);
-// Wraps an already open engine (not owned; it must outlive the store).
-std::unique_ptr<ChunkStore> WrapEngine(Engine* engine);
 
 }  // namespace kvtier

@@ -191,7 +191,8 @@ class Engine {
   // Shared promotions: joins `on_read` to the L2 read of `key` under way and returns nullopt,
   // or, if there is none (or it is older than the load deadline), records one and returns its
   // generation: the caller starts that read, and its completion hands the bytes to every
-  // waiter (TakeFileReadWaiters).
+  // waiter, taking them in rounds (TakeFileReadWaiters: empty once none is left, and then the
+  // read is forgotten).
   std::optional<uint64_t> JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
   std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,

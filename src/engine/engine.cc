@@ -662,7 +662,8 @@ std::vector<FileTier::ReadDone> Engine::TakeFileReadWaiters(const ChunkKey& key,
   auto it = impl_->reads.find(key);
   if (it == impl_->reads.end() || it->second.generation != generation) return {};
   std::vector<FileTier::ReadDone> waiters = std::move(it->second.waiters);
-  impl_->reads.erase(it);
+  it->second.waiters.clear();
+  if (waiters.empty()) impl_->reads.erase(it);  // every waiter served: the read is over
   return waiters;
 }
 
@@ -724,7 +725,13 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
       if (!generation) return;
       FileTier::ReadDone shared = [this, key, g = *generation](Status st,
                                                               std::span<const uint8_t> data) {
-        for (auto& waiter : TakeFileReadWaiters(key, g)) waiter(st, data);
+        // Loads that join while the waiters run are served too, in the next round; the read is
+        // forgotten only after the first waiter has promoted the chunk into L1, so a load that
+        // comes later finds it there rather than reading it again.
+        for (auto waiters = TakeFileReadWaiters(key, g); !waiters.empty();
+             waiters = TakeFileReadWaiters(key, g)) {
+          for (auto& waiter : waiters) waiter(st, data);
+        }
       };
       // The file tier's read queue is bounded. A load of more chunks than it holds (or several
       // loads together) waits here for room, which the queue makes at the disk's pace, rather

@@ -48,6 +48,7 @@
 
 #include "common/logging.h"
 #include "kvtier/chunk_key.h"
+#include "kvtier/chunk_store.h"
 #include "kvtier/client.h"
 #include "kvtier/engine.h"
 #include "kvtier/file_tier.h"

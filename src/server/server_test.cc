@@ -24,6 +24,7 @@
 #include <sstream>
 #include <thread>
 
+#include "kvtier/chunk_store.h"
 #include "kvtier/client.h"
 #include "server/codec.h"
 #include "testing/temp_dir.h"
