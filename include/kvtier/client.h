@@ -180,5 +180,4 @@ class Client final : public ChunkStore {
   std::shared_ptr<Impl> impl_;  // shared with pending operations
 };
 
-
 }  // namespace kvtier

@@ -170,11 +170,24 @@ class Engine {
   // L2 or with write policy kNone.
   Status FlushDirty();
   EngineStats Stats() const;
-  MemoryTier& memory_tier() { return *memory_; }
-  FileTier* file_tier() { return file_.get(); }  // null without L2
   const EngineOptions& options() const { return options_; }
+  bool has_file_tier() const;
+
+  // --- The L1 arena, for a server that shares it with its clients' processes. ---
+  struct Pool {
+    uint8_t* base = nullptr;  // page-aligned; slot i at base + i * slot_bytes
+    uint64_t bytes = 0;
+    int fd = -1;  // the arena's memfd (owned by the engine): another process maps the same pool
+    uint32_t num_slots = 0;
+    uint64_t slot_bytes = 0;  // chunk_bytes rounded up to the page size
+  };
+  Pool pool() const;
+  // The bytes of one L1 slot; valid while the engine lives. What they hold is only defined
+  // while the caller holds the slot (reserved, or pinned by PrepareLoad).
+  std::span<uint8_t> SlotData(SlotId slot) const;
 
  private:
+  friend struct EngineInternals;  // tests' view of the tiers (src/engine/engine_internals.h)
   struct Impl;
   explicit Engine(const EngineOptions& options);
 
@@ -205,11 +218,8 @@ class Engine {
   void StartFileReads(std::shared_ptr<struct OpHandle::State> state, std::span<const ChunkKey> keys,
                       const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
 
-  // Destroyed in reverse: the worker pool first, then L2 (whose callbacks touch L1), then L1.
   EngineOptions options_;
-  std::unique_ptr<MemoryTier> memory_;
-  std::unique_ptr<FileTier> file_;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Impl> impl_;  // the tiers, the worker pool, the flusher
 };
 
 }  // namespace kvtier

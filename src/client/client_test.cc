@@ -1,5 +1,7 @@
 // The client library on its own (linked without the engine or the daemon): how it fails when
 // there is no server, or a peer that accepts and then says nothing.
+#include "kvtier/client.h"
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -9,8 +11,6 @@
 #include <chrono>
 #include <cstring>
 #include <string>
-
-#include "kvtier/client.h"
 
 namespace kvtier {
 namespace {

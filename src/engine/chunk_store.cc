@@ -19,7 +19,6 @@ Result<ChunkStoreMode> ParseChunkStoreMode(std::string_view name) {
       fmt::format("unknown chunk store mode \"{}\" (expected in_process or server)", name));
 }
 
-
 namespace {
 
 class EngineOp final : public AsyncOp::Impl {
@@ -81,11 +80,9 @@ class EngineStore final : public ChunkStore {
     engine_->Unpin(slots);
     return Status::Ok();
   }
-  std::span<uint8_t> SlotData(SlotId slot) const override {
-    return engine_->memory_tier().SlotData(slot);
-  }
-  uint8_t* pool_base() const override { return engine_->memory_tier().base(); }
-  uint64_t pool_bytes() const override { return engine_->memory_tier().arena_bytes(); }
+  std::span<uint8_t> SlotData(SlotId slot) const override { return engine_->SlotData(slot); }
+  uint8_t* pool_base() const override { return engine_->pool().base; }
+  uint64_t pool_bytes() const override { return engine_->pool().bytes; }
 
  private:
   Engine* engine_;

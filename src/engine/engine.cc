@@ -26,6 +26,7 @@
 
 #include "common/log_limiter.h"
 #include "common/task_pool.h"
+#include "engine/engine_internals.h"
 
 namespace kvtier {
 
@@ -164,7 +165,7 @@ struct OpHandle::State {
   OpResult result;
   Clock::time_point deadline = Clock::time_point::max();
   std::atomic<uint64_t>* deadline_misses = nullptr;
-  std::function<void(State&)> on_finish;        // runs under mu as the operation finishes
+  std::function<void(State&)> on_finish;         // runs under mu as the operation finishes
   std::function<void(const OpResult&)> on_done;  // OnDone's callback
 };
 
@@ -229,8 +230,15 @@ Status CheckChunkBuffers(std::string_view op, std::string_view kind, size_t keys
 }  // namespace
 
 struct Engine::Impl {
-  explicit Impl(const EngineOptions& o)
-      : pool(o.worker_threads, o.max_queued_chunks, "engine copy queue") {}
+  Impl(const EngineOptions& o, std::unique_ptr<MemoryTier> memory, std::unique_ptr<FileTier> file)
+      : l1(std::move(memory)),
+        l2(std::move(file)),
+        pool(o.worker_threads, o.max_queued_chunks, "engine copy queue") {}
+
+  // The tiers first, so that they are destroyed last: the worker pool and the threads below
+  // before L2 (whose callbacks touch L1), L2 before L1.
+  std::unique_ptr<MemoryTier> l1;
+  std::unique_ptr<FileTier> l2;  // null without L2
 
   struct Counters {
     std::atomic<uint64_t> lookups{0}, hits{0}, misses{0}, errors{0}, rejections{0};
@@ -316,19 +324,19 @@ Engine::~Engine() {
   }
   // Queued copies, and deferred write-throughs (bounded: gives up on storage stuck in the kernel).
   if (impl_) Drain();
-  if (!file_) return;
+  if (!impl_ || !impl_->l2) return;
   // Bounded: operations stuck in the kernel (a hung NFS server) are abandoned after the file
   // tier's stall timeout. An abandoned write may still read from its L1 slot and an abandoned
   // read may still write into L2's own buffer, so L1's arena must outlive them: it is left
   // mapped (the process is usually exiting anyway).
-  size_t abandoned = file_->Shutdown();
+  size_t abandoned = impl_->l2->Shutdown();
   StopDeadlineWatch();  // loads still open end now, as misses, their callbacks run
   if (abandoned > 0) {
     spdlog::error(
         "engine: {} file-tier operations are stuck in the kernel; leaving the L1 arena "
         "mapped for them",
         abandoned);
-    MemoryTier* kept = memory_.release();
+    MemoryTier* kept = impl_->l1.release();
 #if KVTIER_LSAN
     __lsan_ignore_object(kept);  // kept on purpose: not a leak for the sanitizer to report
 #else
@@ -360,32 +368,32 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   mem.chunk_bytes = options.chunk_bytes;
   auto memory = MemoryTier::Open(mem);
   if (!memory.ok()) return memory.status().WithContext("engine");
-  engine->memory_ = std::move(memory).value();
+  std::unique_ptr<FileTier> l2;
   if (options.file) {
     FileTierOptions fo = *options.file;
     fo.ns = options.ns;
     fo.chunk_bytes = options.chunk_bytes;
     auto file = FileTier::Open(fo);
     if (!file.ok()) return file.status().WithContext("engine: file tier");
-    engine->file_ = std::move(file).value();
+    l2 = std::move(file).value();
   }
-  engine->impl_ = std::make_unique<Impl>(options);
+  engine->impl_ = std::make_unique<Impl>(options, std::move(memory).value(), std::move(l2));
   Impl& impl = *engine->impl_;
-  const uint32_t slots = engine->memory_->num_slots();
+  const uint32_t slots = engine->impl_->l1->num_slots();
   // Dirty chunks never outnumber L1's slots; twice that leaves room for re-stored keys.
   impl.max_deferred = 2 * static_cast<size_t>(slots);
-  if (engine->file_) {
+  if (engine->impl_->l2) {
     impl.max_write_through = std::clamp<size_t>(
-        slots / 4, 1, std::max<size_t>(1, engine->file_->options().max_queued_writes));
+        slots / 4, 1, std::max<size_t>(1, engine->impl_->l2->options().max_queued_writes));
   }
   if (engine->StoresDirty()) {
     impl.headroom = std::clamp<uint32_t>(
         static_cast<uint32_t>(std::ceil(options.flush_headroom * slots)), 1, slots);
     // Half of L2's write queue, so that write-through's own writes still find room.
-    impl.max_flushing = std::max<size_t>(1, engine->file_->options().max_queued_writes / 2);
+    impl.max_flushing = std::max<size_t>(1, engine->impl_->l2->options().max_queued_writes / 2);
     impl.flusher_thread = std::thread([e = engine.get()] { e->FlusherLoop(); });
   }
-  if (engine->file_ && options.load_deadline.count() > 0) {
+  if (engine->impl_->l2 && options.load_deadline.count() > 0) {
     impl.deadlines.thread = std::thread([e = engine.get()] { e->WatchDeadlines(); });
   }
   return engine;
@@ -393,24 +401,26 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
 
 // A filled L1 slot becomes visible, and the write policy takes it from there.
 void Engine::PublishStored(SlotId slot, const ChunkKey& key) {
-  memory_->Commit(slot, StoresDirty());
-  memory_->AddBytesIn(options_.chunk_bytes);
+  impl_->l1->Commit(slot, StoresDirty());
+  impl_->l1->AddBytesIn(options_.chunk_bytes);
   if (!StoresDirty()) return;
   if (options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
   impl_->flusher->Kick();
 }
 
-bool Engine::StoresDirty() const { return file_ && options_.write_policy != WritePolicy::kNone; }
+bool Engine::StoresDirty() const {
+  return impl_->l2 && options_.write_policy != WritePolicy::kNone;
+}
 
 Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key,
                                                         const ChunkKey* parent) {
-  auto r = memory_->Reserve(key, parent);
+  auto r = impl_->l1->Reserve(key, parent);
   if (r.ok() && r->evicted_dirty) {
     if (auto held = impl_->dirty_eviction_log.Allow()) {
       spdlog::warn(
           "engine: chunk {} left L1 before it reached L2 (stores outran L2's writes for longer "
           "than the flusher's headroom of {} slots); {} chunks lost so far{}",
-          r->evicted_key.ToHex(), impl_->headroom, memory_->Stats().dirty_evictions,
+          r->evicted_key.ToHex(), impl_->headroom, impl_->l1->Stats().dirty_evictions,
           LogLimiter::Suppressed(*held));
     }
   }
@@ -478,25 +488,25 @@ size_t Engine::FlushPass() {
   auto flusher = impl_->flusher;
   const size_t in_flight = flusher->in_flight.load();
   if (in_flight >= impl_->max_flushing) return 0;
-  auto taken = memory_->TakeFlushCandidates(impl_->headroom, impl_->max_flushing - in_flight);
-  MemoryTier* memory = memory_.get();  // outlives abandoned writes (see ~Engine)
+  auto taken = impl_->l1->TakeFlushCandidates(impl_->headroom, impl_->max_flushing - in_flight);
+  MemoryTier* memory = impl_->l1.get();  // outlives abandoned writes (see ~Engine)
   size_t started = 0;
   for (; started < taken.size(); ++started) {
     const SlotId slot = taken[started].slot;
     flusher->in_flight++;
-    Status s = file_->WriteAsync(taken[started].key, memory->SlotData(slot),
-                                 [memory, flusher, slot](Status st) {
-                                   memory->EndClean(slot, st.ok());
-                                   (st.ok() ? flusher->written : flusher->failed)++;
-                                   flusher->in_flight--;
-                                   if (st.ok()) flusher->Kick();
-                                 });
+    Status s = impl_->l2->WriteAsync(taken[started].key, memory->SlotData(slot),
+                                     [memory, flusher, slot](Status st) {
+                                       memory->EndClean(slot, st.ok());
+                                       (st.ok() ? flusher->written : flusher->failed)++;
+                                       flusher->in_flight--;
+                                       if (st.ok()) flusher->Kick();
+                                     });
     if (!s.ok()) {  // queue full (a completion kicks the next pass) or shutting down
       flusher->in_flight--;
       break;
     }
   }
-  for (size_t i = started; i < taken.size(); ++i) memory_->EndClean(taken[i].slot, false);
+  for (size_t i = started; i < taken.size(); ++i) impl_->l1->EndClean(taken[i].slot, false);
   return started;
 }
 
@@ -513,19 +523,19 @@ Status Engine::StartWriteThrough(const ChunkKey& key) {
     impl_->write_through_in_flight--;
     return Status::Rejected("write-through: enough L1 slots pinned by writes in flight");
   }
-  auto slot = memory_->BeginClean(key);
+  auto slot = impl_->l1->BeginClean(key);
   if (!slot.ok()) {  // gone, or the flusher is writing it already
     impl_->write_through_in_flight--;
     return Status::Ok();
   }
   SlotId pinned = *slot;
-  Status s = file_->WriteAsync(key, memory_->SlotData(pinned), [this, pinned](Status st) {
-    memory_->EndClean(pinned, st.ok());
+  Status s = impl_->l2->WriteAsync(key, impl_->l1->SlotData(pinned), [this, pinned](Status st) {
+    impl_->l1->EndClean(pinned, st.ok());
     impl_->write_through_in_flight--;
     ResubmitDeferred();
   });
   if (!s.ok()) {
-    memory_->EndClean(pinned, false);
+    impl_->l1->EndClean(pinned, false);
     impl_->write_through_in_flight--;
   }
   return s;
@@ -580,18 +590,20 @@ LookupResult Engine::Lookup(std::span<const ChunkKey> keys) {
   LookupResult r;
   size_t in_memory = 0, in_file = 0;
   while (r.total < keys.size()) {
-    size_t m = memory_->LookupPrefix(keys.subspan(r.total));
+    size_t m = impl_->l1->LookupPrefix(keys.subspan(r.total));
     if (r.total == 0) r.memory = m;
     r.total += m;
     in_memory += m;
-    if (r.total == keys.size() || !file_) break;
-    size_t f = file_->LookupPrefix(keys.subspan(r.total));
+    if (r.total == keys.size() || !impl_->l2) break;
+    size_t f = impl_->l2->LookupPrefix(keys.subspan(r.total));
     r.total += f;
     in_file += f;
     if (f == 0) break;
   }
   impl_->memory.CountLookup(keys.size(), in_memory);
-  if (file_ && in_memory < keys.size()) impl_->file.CountLookup(keys.size() - in_memory, in_file);
+  if (impl_->l2 && in_memory < keys.size()) {
+    impl_->file.CountLookup(keys.size() - in_memory, in_file);
+  }
   return r;
 }
 
@@ -616,7 +628,7 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
         return;
       }
       if (!r->already_present) {
-        std::memcpy(memory_->SlotData(r->slot).data(), data.data(), data.size());
+        std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
         PublishStored(r->slot, key);
       }
       state->ChunkDone(i, Status::Ok());
@@ -644,8 +656,8 @@ std::optional<uint64_t> Engine::JoinFileRead(const ChunkKey& key,
   // A read older than a load's deadline may be stuck in the kernel: no load can wait for it any
   // more, so a new one starts, and takes over the stuck one's waiters (a newer generation: the
   // stuck read, if it ever ends, finds nobody to serve).
-  const bool stale = !first && options_.load_deadline.count() > 0 &&
-                     now - read.started >= options_.load_deadline;
+  const bool stale =
+      !first && options_.load_deadline.count() > 0 && now - read.started >= options_.load_deadline;
   read.waiters.push_back(on_read);
   if (first || stale) {
     read.started = now;
@@ -677,15 +689,15 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, out, pin_for_caller] {
       // Another store or promotion may have put the chunk in L1 meanwhile: serve it from there.
-      if (auto slot = memory_->Pin(key); slot.ok()) {
+      if (auto slot = impl_->l1->Pin(key); slot.ok()) {
         bool taken = state->ChunkDone(i, Status::Ok(), [&] {
           if (pin_for_caller) {
             state->slots[i] = *slot;
           } else {
-            std::memcpy(out.data(), memory_->SlotData(*slot).data(), out.size());
+            std::memcpy(out.data(), impl_->l1->SlotData(*slot).data(), out.size());
           }
         });
-        if (!taken || !pin_for_caller) memory_->Unpin(*slot);
+        if (!taken || !pin_for_caller) impl_->l1->Unpin(*slot);
         return;
       }
       FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out, pin_for_caller](
@@ -701,8 +713,8 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           if (!r.ok()) {
             promoted = r.status();  // L1 is full of pinned chunks
           } else if (!r->already_present) {
-            std::memcpy(memory_->SlotData(r->slot).data(), data.data(), data.size());
-            memory_->Commit(r->slot, /*dirty=*/false);
+            std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
+            impl_->l1->Commit(r->slot, /*dirty=*/false);
             impl_->promotions++;
           }
         }
@@ -715,16 +727,16 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           state->ChunkDone(i, promoted);
           return;
         }
-        auto pinned = memory_->Pin(key);
+        auto pinned = impl_->l1->Pin(key);
         bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
-        if (!taken && pinned.ok()) memory_->Unpin(*pinned);
+        if (!taken && pinned.ok()) impl_->l1->Unpin(*pinned);
       };
       // A read of this chunk already under way (another load's promotion) serves this load
       // too: one read, one promotion, every waiter handed the same bytes.
       const std::optional<uint64_t> generation = JoinFileRead(key, on_read);
       if (!generation) return;
       FileTier::ReadDone shared = [this, key, g = *generation](Status st,
-                                                              std::span<const uint8_t> data) {
+                                                               std::span<const uint8_t> data) {
         // Loads that join while the waiters run are served too, in the next round; the read is
         // forgotten only after the first waiter has promoted the chunk into L1, so a load that
         // comes later finds it there rather than reading it again.
@@ -736,11 +748,11 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
       // The file tier's read queue is bounded. A load of more chunks than it holds (or several
       // loads together) waits here for room, which the queue makes at the disk's pace, rather
       // than turning the rest of its prefix into misses; the deadline still bounds the wait.
-      Status s = file_->ReadAsync(key, shared);
+      Status s = impl_->l2->ReadAsync(key, shared);
       for (auto pause = std::chrono::microseconds(50); s.IsRejected() && state->Open();
            pause = std::min(2 * pause, std::chrono::microseconds(2000))) {
         std::this_thread::sleep_for(pause);
-        s = file_->ReadAsync(key, shared);
+        s = impl_->l2->ReadAsync(key, shared);
       }
       // Shut down, or still full at the deadline: a miss, for every load that joined it too.
       if (!s.ok()) shared(s, {});
@@ -772,18 +784,18 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   std::vector<size_t> from_memory, from_file;
   size_t available = 0;
   for (; available < keys.size(); ++available) {
-    auto slot = memory_->Pin(keys[available]);
+    auto slot = impl_->l1->Pin(keys[available]);
     if (slot.ok()) {
       pinned[available] = *slot;
       from_memory.push_back(available);
-    } else if (file_ && file_->LookupPrefix(keys.subspan(available, 1)) == 1) {
+    } else if (impl_->l2 && impl_->l2->LookupPrefix(keys.subspan(available, 1)) == 1) {
       from_file.push_back(available);
     } else {
       break;
     }
   }
   impl_->memory.CountLookup(keys.size(), from_memory.size());
-  if (file_ && from_memory.size() < keys.size()) {
+  if (impl_->l2 && from_memory.size() < keys.size()) {
     impl_->file.CountLookup(keys.size() - from_memory.size(), from_file.size());
   }
 
@@ -801,7 +813,7 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   if (pin_for_caller) {
     // The caller keeps the pins of the delivered prefix; chunks delivered past a gap are
     // useless to it and are unpinned here.
-    MemoryTier* memory = memory_.get();
+    MemoryTier* memory = impl_->l1.get();
     state->on_finish = [memory](OpHandle::State& st) {
       st.result.slots.assign(st.slots.begin(), st.slots.begin() + st.result.chunks);
       for (size_t i = st.result.chunks; i < st.slots.size(); ++i) {
@@ -833,15 +845,15 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
       tasks.push_back([this, state, i, slot = pinned[i], out = dst[i]] {
         // Counted before the caller can see the chunk delivered, so stats never lag a Wait().
         state->ChunkDone(i, Status::Ok(), [&] {
-          std::memcpy(out.data(), memory_->SlotData(slot).data(), out.size());
-          memory_->AddBytesOut(out.size());
+          std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
+          impl_->l1->AddBytesOut(out.size());
         });
-        memory_->Unpin(slot);
+        impl_->l1->Unpin(slot);
       });
     }
     Status submitted = impl_->pool.TrySubmit(std::move(tasks));
     if (!submitted.ok()) {
-      for (size_t i : from_memory) memory_->Unpin(pinned[i]);
+      for (size_t i : from_memory) impl_->l1->Unpin(pinned[i]);
       impl_->rejected_ops++;
       return submitted;
     }
@@ -870,26 +882,26 @@ void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId>
 
 void Engine::AbortSlots(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
-    if (s != kNoSlot) memory_->Abort(s);
+    if (s != kNoSlot) impl_->l1->Abort(s);
   }
 }
 
 void Engine::Unpin(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
-    memory_->Unpin(s);
-    memory_->AddBytesOut(options_.chunk_bytes);
+    impl_->l1->Unpin(s);
+    impl_->l1->AddBytesOut(options_.chunk_bytes);
   }
 }
 
 bool Engine::Drain() {
   impl_->pool.Drain();
-  if (!file_) return true;
+  if (!impl_->l2) return true;
   uint64_t failed = impl_->flusher->failed;
   for (;;) {
     // The flusher's headroom, cleaned now rather than at its next wake-up. Chunks whose writes
     // failed are not retried here (the flusher's thread retries them).
     size_t flushing = StoresDirty() ? FlushPass() : 0;
-    if (!file_->Drain()) return false;  // stuck in the kernel: stop waiting
+    if (!impl_->l2->Drain()) return false;  // stuck in the kernel: stop waiting
     bool deferred;
     {
       std::lock_guard lock(impl_->deferred_mu);
@@ -926,11 +938,11 @@ Status Engine::FlushDirty() {
     // Through the write pool, several at a time but never more than its queue holds, so the
     // flush itself causes no refusals. If the tier's writes are stuck in the kernel, the flush
     // stops after a stall timeout and the rest stays unwritten (kTimeout).
-    const FileTierOptions& fo = file_->options();
+    const FileTierOptions& fo = impl_->l2->options();
     const size_t limit = std::max<size_t>(1, fo.max_queued_writes);
     const auto stall = fo.stall_timeout;
     bool gave_up = false;
-    for (const ChunkKey& key : memory_->DirtyKeys()) {
+    for (const ChunkKey& key : impl_->l1->DirtyKeys()) {
       {
         std::unique_lock lock(outcome->mu);
         auto since = std::chrono::steady_clock::now();
@@ -938,7 +950,7 @@ Status Engine::FlushDirty() {
           outcome->cv.wait_for(lock, std::chrono::milliseconds(50));
           if (stall.count() == 0 || outcome->in_flight < limit) continue;
           lock.unlock();
-          const bool stalled = file_->Stats().stalled_writes > 0;
+          const bool stalled = impl_->l2->Stats().stalled_writes > 0;
           lock.lock();
           if (!stalled) since = std::chrono::steady_clock::now();
           if (stalled && std::chrono::steady_clock::now() - since >= stall) {
@@ -948,7 +960,7 @@ Status Engine::FlushDirty() {
         }
         if (gave_up) break;
       }
-      auto slot = memory_->BeginClean(key);
+      auto slot = impl_->l1->BeginClean(key);
       if (!slot.ok()) continue;  // evicted, or being written by the flusher (Drain waits)
       const SlotId pinned = *slot;
       int64_t refusals = 0;
@@ -957,24 +969,24 @@ Status Engine::FlushDirty() {
           std::lock_guard lock(outcome->mu);
           ++outcome->in_flight;
         }
-        Status s =
-            file_->WriteAsync(key, memory_->SlotData(pinned), [this, pinned, outcome](Status st) {
-              memory_->EndClean(pinned, st.ok());
-              outcome->Done(st);
-            });
+        Status s = impl_->l2->WriteAsync(key, impl_->l1->SlotData(pinned),
+                                         [this, pinned, outcome](Status st) {
+                                           impl_->l1->EndClean(pinned, st.ok());
+                                           outcome->Done(st);
+                                         });
         if (s.ok()) break;
         {
           std::lock_guard lock(outcome->mu);
           --outcome->in_flight;
         }
         if (s.IsRejected() && !(stall.count() > 0 && ++refusals > stall.count() &&
-                                file_->Stats().stalled_writes > 0)) {
+                                impl_->l2->Stats().stalled_writes > 0)) {
           // Other writers filled the queue: wait for room (about a stall timeout at most, if
           // writes are stuck).
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
           continue;
         }
-        memory_->EndClean(pinned, false);
+        impl_->l1->EndClean(pinned, false);
         if (s.IsRejected()) {
           gave_up = true;
         } else {
@@ -991,9 +1003,21 @@ Status Engine::FlushDirty() {
   return outcome->first;
 }
 
+std::span<uint8_t> Engine::SlotData(SlotId slot) const { return impl_->l1->SlotData(slot); }
+
+Engine::Pool Engine::pool() const {
+  const MemoryTier& m = *impl_->l1;
+  return Pool{m.base(), m.arena_bytes(), m.fd(), m.num_slots(), m.slot_bytes()};
+}
+
+bool Engine::has_file_tier() const { return impl_->l2 != nullptr; }
+
+MemoryTier& EngineInternals::memory(Engine& e) { return *e.impl_->l1; }
+FileTier* EngineInternals::file(Engine& e) { return e.impl_->l2.get(); }
+
 EngineStats Engine::Stats() const {
   EngineStats st;
-  st.memory_detail = memory_->Stats();
+  st.memory_detail = impl_->l1->Stats();
   st.memory.lookups = impl_->memory.lookups;
   st.memory.hits = impl_->memory.hits;
   st.memory.misses = impl_->memory.misses;
@@ -1002,9 +1026,9 @@ EngineStats Engine::Stats() const {
   st.memory.bytes_out = st.memory_detail.bytes_out;
   st.memory.evictions = st.memory_detail.evictions;
   st.memory.rejections = st.memory_detail.rejections + impl_->pool.rejections();
-  if (file_) {
+  if (impl_->l2) {
     st.has_file = true;
-    st.file_detail = file_->Stats();
+    st.file_detail = impl_->l2->Stats();
     st.file.lookups = impl_->file.lookups;
     st.file.hits = impl_->file.hits;
     st.file.misses = impl_->file.misses;

@@ -13,6 +13,8 @@
 #include <thread>
 
 #include "common/task_pool.h"
+#include "engine/engine_internals.h"
+#include "io/fault_injection_env.h"
 #include "kvtier/engine.h"
 #include "kvtier/io.h"
 #include "testing/temp_dir.h"
@@ -103,7 +105,7 @@ TEST(EngineFileTest, WriteThroughWritesEveryStoreAndSurvivesRestart) {
     ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
     engine->Drain();
     EXPECT_EQ(engine->Stats().file_detail.chunks, 3u);
-    EXPECT_TRUE(engine->memory_tier().DirtyKeys().empty());
+    EXPECT_TRUE(EngineInternals::memory(*engine).DirtyKeys().empty());
   }
   // A new engine (a restarted process) finds the chunks on disk.
   auto engine = OpenEngine(Options(dir.path(), 8, WritePolicy::kWriteThrough));
@@ -135,11 +137,11 @@ TEST(EngineFileTest, FlushDirtyWritesBackEverythingAtShutdown) {
   ASSERT_TRUE(engine);
   Chunks in(3, 4);
   ASSERT_TRUE(engine->Store(Keys(3), in.In())->Wait().status.ok());
-  EXPECT_EQ(engine->memory_tier().DirtyKeys().size(), 3u);
+  EXPECT_EQ(EngineInternals::memory(*engine).DirtyKeys().size(), 3u);
   EXPECT_EQ(engine->Stats().file_detail.chunks, 0u);  // write-back: nothing yet
   ASSERT_TRUE(engine->FlushDirty().ok());
   EXPECT_EQ(engine->Stats().file_detail.chunks, 3u);
-  EXPECT_TRUE(engine->memory_tier().DirtyKeys().empty());
+  EXPECT_TRUE(EngineInternals::memory(*engine).DirtyKeys().empty());
 }
 
 TEST(EngineFileTest, PrepareLoadPromotesAndPins) {
@@ -155,7 +157,7 @@ TEST(EngineFileTest, PrepareLoadPromotesAndPins) {
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   ASSERT_EQ(r.slots.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
-    auto d = engine->memory_tier().SlotData(r.slots[i]);
+    auto d = EngineInternals::memory(*engine).SlotData(r.slots[i]);
     EXPECT_TRUE(std::equal(d.begin(), d.end(), in.data[i].begin()));
   }
   EXPECT_EQ(engine->Stats().memory_detail.pinned, 2u);
@@ -256,7 +258,7 @@ TEST(EngineFileTest, CorruptFileIsAMissNeverWrongData) {
     auto writer = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
     ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
     writer->Drain();
-    path = writer->file_tier()->ChunkPath(keys[0]);
+    path = EngineInternals::file(*writer)->ChunkPath(keys[0]);
   }
   {
     FILE* f = std::fopen(path.c_str(), "r+b");
@@ -325,7 +327,7 @@ TEST(EngineFileTest, LoadLargerThanTheReadQueueDeliversEverything) {
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   ASSERT_EQ(r.slots.size(), keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto d = engine->memory_tier().SlotData(r.slots[i]);
+    auto d = EngineInternals::memory(*engine).SlotData(r.slots[i]);
     ASSERT_TRUE(std::equal(d.begin(), d.end(), in.data[i].begin())) << "chunk " << i;
   }
   engine->Unpin(r.slots);
@@ -615,7 +617,7 @@ TEST(EngineFileTest, FifoAtChunkPathIsAMiss) {
   auto others = Keys(2, 14);
   Chunks more(2, 14);
   ASSERT_TRUE(engine->Store(others, more.In())->Wait().status.ok());
-  const std::string path = engine->file_tier()->ChunkPath(keys[1]);
+  const std::string path = EngineInternals::file(*engine)->ChunkPath(keys[1]);
   ASSERT_EQ(::unlink(path.c_str()), 0);
   ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
   Chunks out(2, 0);

@@ -1,10 +1,12 @@
 #include "kvtier/engine.h"
 
+#include <gtest/gtest.h>
+
 #include <numeric>
 #include <random>
 #include <thread>
 
-#include <gtest/gtest.h>
+#include "engine/engine_internals.h"
 
 namespace kvtier {
 namespace {
@@ -32,11 +34,10 @@ std::vector<ChunkKey> Keys(size_t n, uint32_t seed = 0) {
 struct Buffers {
   Buffers(size_t n, uint8_t seed) : data(n, std::vector<uint8_t>(kChunk)) {
     std::mt19937 rng(seed);
-    for (auto& d : data) for (auto& b : d) b = static_cast<uint8_t>(rng());
+    for (auto& d : data)
+      for (auto& b : d) b = static_cast<uint8_t>(rng());
   }
-  std::vector<std::span<const uint8_t>> In() const {
-    return {data.begin(), data.end()};
-  }
+  std::vector<std::span<const uint8_t>> In() const { return {data.begin(), data.end()}; }
   std::vector<std::span<uint8_t>> Out() { return {data.begin(), data.end()}; }
   std::vector<std::vector<uint8_t>> data;
 };
@@ -148,16 +149,17 @@ TEST(EngineTest, FullTierRejectsChunksWhenAllPinned) {
   auto keys = Keys(4);
   Buffers in(4, 1);
   auto in_all = in.In();
-  ASSERT_TRUE(engine->Store(std::span(keys).first(2), std::span(in_all).first(2))->Wait().status.ok());
-  auto p0 = engine->memory_tier().Pin(keys[0]);
-  auto p1 = engine->memory_tier().Pin(keys[1]);
+  ASSERT_TRUE(
+      engine->Store(std::span(keys).first(2), std::span(in_all).first(2))->Wait().status.ok());
+  auto p0 = EngineInternals::memory(*engine).Pin(keys[0]);
+  auto p1 = EngineInternals::memory(*engine).Pin(keys[1]);
   ASSERT_TRUE(p0.ok() && p1.ok());
   auto in_vec = in.In();
   OpResult r = engine->Store(std::span(keys).subspan(2), std::span(in_vec).subspan(2))->Wait();
   EXPECT_EQ(r.status.code(), StatusCode::kRejected);
   EXPECT_EQ(r.chunks, 0u);
-  engine->memory_tier().Unpin(*p0);
-  engine->memory_tier().Unpin(*p1);
+  EngineInternals::memory(*engine).Unpin(*p0);
+  EngineInternals::memory(*engine).Unpin(*p1);
 }
 
 TEST(EngineTest, PollAndWaitFor) {
@@ -231,7 +233,7 @@ TEST(EngineZeroCopyTest, ReserveCommitPrepareLoadUnpin) {
   ASSERT_EQ(slots.size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
     ASSERT_NE(slots[i], kNoSlot);
-    std::memset(engine->memory_tier().SlotData(slots[i]).data(), int(i + 1), kChunk);
+    std::memset(EngineInternals::memory(*engine).SlotData(slots[i]).data(), int(i + 1), kChunk);
   }
   EXPECT_EQ(engine->Lookup(keys).total, 0u);  // invisible until committed
   engine->CommitSlots(keys, slots);
@@ -243,7 +245,7 @@ TEST(EngineZeroCopyTest, ReserveCommitPrepareLoadUnpin) {
   OpResult r = engine->PrepareLoad(keys)->Wait();
   ASSERT_TRUE(r.status.ok());
   ASSERT_EQ(r.slots.size(), 3u);
-  EXPECT_EQ(engine->memory_tier().SlotData(r.slots[2])[0], 3);
+  EXPECT_EQ(EngineInternals::memory(*engine).SlotData(r.slots[2])[0], 3);
   EXPECT_EQ(engine->Stats().memory_detail.pinned, 3u);
   engine->Unpin(r.slots);
   EXPECT_EQ(engine->Stats().memory_detail.pinned, 0u);

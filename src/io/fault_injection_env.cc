@@ -1,12 +1,12 @@
 // FaultInjectionEnv: a seeded fault injector in front of a real Env, in the spirit of leveldb's
 // fault-injection env and RocksDB's FaultInjectionTestFS. The real I/O still happens (through the
 // base Env); faults replace or distort it.
+#include "io/fault_injection_env.h"
+
 #include <fmt/format.h>
 
 #include <cerrno>
 #include <filesystem>
-
-#include "kvtier/io.h"
 
 namespace kvtier {
 

@@ -1,13 +1,14 @@
+#include "kvtier/io.h"
+
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <random>
 #include <set>
 
-#include <gtest/gtest.h>
-
-#include "kvtier/io.h"
+#include "io/fault_injection_env.h"
 #include "testing/temp_dir.h"
 
 namespace kvtier {
@@ -79,7 +80,7 @@ INSTANTIATE_TEST_SUITE_P(Engines, EngineTest,
                          ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kThreadPool),
                          [](const auto& info) {
                            return std::string(info.param == IoEngineKind::kIoUring ? "IoUring"
-                                                                                    : "Threads");
+                                                                                   : "Threads");
                          });
 
 TEST(EnvTest, MetadataOperations) {
@@ -203,7 +204,8 @@ TEST(FaultInjectionTest, BitFlipChangesExactlyOneBit) {
   ASSERT_TRUE(WriteFile(&env, dir.Sub("f"), data, true).ok());
   ASSERT_TRUE(ReadFile(&env, dir.Sub("f"), back).ok());
   int bits = 0;
-  for (size_t i = 0; i < data.size(); ++i) bits += __builtin_popcount(data.data()[i] ^ back.data()[i]);
+  for (size_t i = 0; i < data.size(); ++i)
+    bits += __builtin_popcount(data.data()[i] ^ back.data()[i]);
   EXPECT_EQ(bits, 1);
 }
 

@@ -18,7 +18,13 @@
 //    thread. It is drained and joined by an atexit hook, before the interpreter finalizes, so it
 //    never touches Python during finalization; later drops are destroyed inline.
 #include <Python.h>  // first, as Python's headers require
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 #include <pthread.h>
+#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <chrono>
@@ -38,13 +44,6 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
-#include <spdlog/spdlog.h>
 
 #include "common/logging.h"
 #include "kvtier/chunk_key.h"
@@ -1121,7 +1120,7 @@ PyChunkStore* OpenEngine(const KeyNamespace& ns, uint64_t chunk_bytes, double l1
     core->engine = Unwrap(Engine::Open(eo));
   }
   core->store = WrapEngine(core->engine.get());
-  core->num_slots = core->engine->memory_tier().num_slots();
+  core->num_slots = core->engine->pool().num_slots;
   return new PyChunkStore(std::move(core), "in_process");
 }
 
@@ -1161,12 +1160,12 @@ struct FileJob {
   int64_t id = 0;
   bool read = false;
   Clock::time_point start;
-  double seconds = 0;                 // submission to last chunk done
-  HeldBuffer buffer;                  // released on a Python thread (collect or close)
-  std::vector<uint8_t> chunk_ok;      // entry i is written by the one pool thread that did chunk i
+  double seconds = 0;             // submission to last chunk done
+  HeldBuffer buffer;              // released on a Python thread (collect or close)
+  std::vector<uint8_t> chunk_ok;  // entry i is written by the one pool thread that did chunk i
   std::atomic<size_t> remaining{0};
   std::mutex mu;
-  Status first_error;                 // guarded by mu
+  Status first_error;  // guarded by mu
 };
 
 struct FileTierCore {
@@ -1196,8 +1195,8 @@ struct FileTierCore {
   uint64_t chunk_bytes = 0;
   std::mutex mu;
   std::condition_variable idle;
-  size_t in_flight = 0;                            // guarded by mu
-  std::deque<std::shared_ptr<FileJob>> finished;   // guarded by mu; not yet collected
+  size_t in_flight = 0;                           // guarded by mu
+  std::deque<std::shared_ptr<FileJob>> finished;  // guarded by mu; not yet collected
 };
 
 class PyFileTier {
@@ -1239,8 +1238,10 @@ class PyFileTier {
     const uint64_t n = core_->chunk_bytes;
     for (size_t i = 0; i < offsets.size(); ++i) {
       if (offsets[i] < 0 || static_cast<uint64_t>(offsets[i]) + n > job->buffer.size()) {
-        ThrowInvalid(fmt::format("{}: offsets[{}] = {} puts a {}-byte chunk outside the {}-byte "
-                                 "buffer", what, i, offsets[i], n, job->buffer.size()));
+        ThrowInvalid(
+            fmt::format("{}: offsets[{}] = {} puts a {}-byte chunk outside the {}-byte "
+                        "buffer",
+                        what, i, offsets[i], n, job->buffer.size()));
       }
     }
     std::shared_ptr<FileTier> tier = Tier();
@@ -2109,24 +2110,26 @@ void DefineFileTier(nb::module_& m) {
                         "hosts wrote). ") +
             kKeysDoc)
                .c_str())
-      .def("submit_read",
-           [](PyFileTier& t, int64_t job, nb::handle keys, nb::handle buffer, nb::handle offsets) {
-             t.Submit(true, job, keys, buffer, offsets);
-           },
-           nb::arg("job"), nb::arg("keys"), nb::arg("buffer"), nb::arg("offsets"),
-           "Reads the chunk of keys[i] into ``buffer`` (writable, C-contiguous) at byte "
-           "offsets[i], asynchronously; ``job`` is the caller's id for finished(). The buffer is "
-           "held until the job is collected (or the tier closed). A missing, corrupt or foreign "
-           "chunk fails its read and is never written into the buffer as data the result calls "
-           "good.")
-      .def("submit_write",
-           [](PyFileTier& t, int64_t job, nb::handle keys, nb::handle buffer, nb::handle offsets) {
-             t.Submit(false, job, keys, buffer, offsets);
-           },
-           nb::arg("job"), nb::arg("keys"), nb::arg("buffer"), nb::arg("offsets"),
-           "Writes chunk_bytes of ``buffer`` at offsets[i] as the chunk of keys[i], "
-           "asynchronously (checksummed, published by rename, capacity enforced; keys already "
-           "stored are skipped). ``job`` is the caller's id for finished().")
+      .def(
+          "submit_read",
+          [](PyFileTier& t, int64_t job, nb::handle keys, nb::handle buffer, nb::handle offsets) {
+            t.Submit(true, job, keys, buffer, offsets);
+          },
+          nb::arg("job"), nb::arg("keys"), nb::arg("buffer"), nb::arg("offsets"),
+          "Reads the chunk of keys[i] into ``buffer`` (writable, C-contiguous) at byte "
+          "offsets[i], asynchronously; ``job`` is the caller's id for finished(). The buffer is "
+          "held until the job is collected (or the tier closed). A missing, corrupt or foreign "
+          "chunk fails its read and is never written into the buffer as data the result calls "
+          "good.")
+      .def(
+          "submit_write",
+          [](PyFileTier& t, int64_t job, nb::handle keys, nb::handle buffer, nb::handle offsets) {
+            t.Submit(false, job, keys, buffer, offsets);
+          },
+          nb::arg("job"), nb::arg("keys"), nb::arg("buffer"), nb::arg("offsets"),
+          "Writes chunk_bytes of ``buffer`` at offsets[i] as the chunk of keys[i], "
+          "asynchronously (checksummed, published by rename, capacity enforced; keys already "
+          "stored are skipped). ``job`` is the caller's id for finished().")
       .def("finished", &PyFileTier::Finished,
            "Jobs finished since the last call, as tuples (job, ok, chunks, error, seconds): "
            "``chunks`` is the leading chunks read for a read and the chunks stored for a write, "

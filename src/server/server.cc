@@ -26,8 +26,8 @@
 #include <cstring>
 #include <list>
 #include <mutex>
-#include <shared_mutex>
 #include <nlohmann/json.hpp>
+#include <shared_mutex>
 #include <sstream>
 #include <system_error>
 #include <thread>
@@ -283,10 +283,10 @@ class OutputPump {
 //
 // Before its hello is accepted a connection belongs to the door thread alone (`in`,
 // `hello_deadline`). After, state under `mu` is shared between the connection's thread, the
-// engine threads that end slow prepare_loads (OnDone) and the stats walk; `mu` is never held across I/O.
-// Output goes through Send(): frames are written without blocking, in order, and what the socket
-// does not take is queued under `out_mu` for the OutputPump; once `out_closed` is set nothing is
-// written and `fd` may be closed.
+// engine threads that end slow prepare_loads (OnDone) and the stats walk; `mu` is never held across
+// I/O. Output goes through Send(): frames are written without blocking, in order, and what the
+// socket does not take is queued under `out_mu` for the OutputPump; once `out_closed` is set
+// nothing is written and `fd` may be closed.
 struct Connection : std::enable_shared_from_this<Connection> {
   uint64_t id = 0;
   int fd = -1;
@@ -1007,7 +1007,7 @@ void Server::Impl::Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> 
   std::vector<uint8_t> buf = std::move(c.in);
   size_t begin = 0, end = buf.size();
   if (buf.size() < 64 * 1024) buf.resize(64 * 1024);
-  if (Send(c, hello_reply, engine_->memory_tier().fd())) {
+  if (Send(c, hello_reply, engine_->pool().fd)) {
     {
       std::lock_guard lock(c.mu);
       c.handshaken = true;
@@ -1126,13 +1126,13 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   c.ns = hello->ns;
   c.deriver = std::make_unique<KeyDeriver>(c.ns);
   c.in = std::move(rest);
-  MemoryTier& mem = engine_->memory_tier();
+  const Engine::Pool pool = engine_->pool();
   HelloReply reply;
   reply.session_id = c.id;
-  reply.arena_bytes = mem.arena_bytes();
-  reply.slot_bytes = mem.slot_bytes();
-  reply.chunk_bytes = mem.chunk_bytes();
-  reply.num_slots = mem.num_slots();
+  reply.arena_bytes = pool.bytes;
+  reply.slot_bytes = pool.slot_bytes;
+  reply.chunk_bytes = engine_->options().chunk_bytes;
+  reply.num_slots = pool.num_slots;
   reply.max_keys_per_request = options_.max_keys_per_request;
   reply.max_message_bytes = options_.max_message_bytes;
   reply.server_version = KVTIER_VERSION;
@@ -1387,7 +1387,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
 }
 
 size_t Server::Impl::SlotQuota() const {
-  const size_t slots = engine_->memory_tier().num_slots();
+  const size_t slots = engine_->pool().num_slots;
   if (options_.max_slots_per_client > 0) return options_.max_slots_per_client;
   return std::max<size_t>(1, slots / 2);
 }
@@ -1462,7 +1462,7 @@ void Server::Impl::Stop() {
   if (engine_ && was_serving) {
     spdlog::info("draining: waiting for queued engine work (write policy {})",
                  WritePolicyName(engine_->options().write_policy));
-    if (engine_->options().write_policy == WritePolicy::kWriteBack && engine_->file_tier()) {
+    if (engine_->options().write_policy == WritePolicy::kWriteBack && engine_->has_file_tier()) {
       // Write-back keeps dirty chunks only in L1, which dies with the process: write them down.
       Status flushed = engine_->FlushDirty();
       if (!flushed.ok())

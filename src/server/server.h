@@ -44,7 +44,7 @@ struct ServerOptions {
   uint32_t max_keys_per_request = 4096;
   // Slots one connection may hold reserved or pinned at once; 0 = half the pool.
   uint32_t max_slots_per_client = 0;
-  int http_threads = 8;        // HTTP workers (each slow HTTP client ties one up for a while)
+  int http_threads = 8;  // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
   uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it
 };

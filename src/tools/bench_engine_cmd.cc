@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "io/fault_injection_env.h"
 #include "kvtier/engine.h"
 #include "kvtier/file_tier.h"
 #include "kvtier/io.h"

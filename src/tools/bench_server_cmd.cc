@@ -8,7 +8,9 @@
 // for an hour; run once per write policy. The file tier's write rate over the measured passes is
 // reported beside plain O_DIRECT writes of chunk files to the same directory by as many threads
 // as the tier writes with.
+#include <fmt/format.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -19,15 +21,12 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
-#include <mutex>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
 #include "kvtier/client.h"
 #include "server/codec.h"
@@ -46,13 +45,13 @@ struct BenchServerArgs {
   std::string socket;
   int clients = 4;
   uint64_t chunk_mib = 4;
-  uint32_t chunks = 16;      // per client and pass
+  uint32_t chunks = 16;  // per client and pass
   int repeats = 5;
-  int rpc_rounds = 2000;     // per client
-  int rpc_interval_us = 200; // pacing of each client's round trips in the paced rpc phase
+  int rpc_rounds = 2000;      // per client
+  int rpc_interval_us = 200;  // pacing of each client's round trips in the paced rpc phase
   std::string token;
   bool json = false;
-  std::string l2_dir;                      // steady state: the in-process server's file tier
+  std::string l2_dir;                       // steady state: the in-process server's file tier
   std::vector<std::string> write_policies;  // with l2_dir; empty: all three
   int warmup = -1;                          // unmeasured passes; -1: 2 with l2_dir, else 0
 };
@@ -203,7 +202,8 @@ std::vector<ChunkKey> ClientKeys(int client, int generation, uint32_t n) {
   ns.model_id = "kvtier-bench-server";
   ns.chunk_tokens = 1;
   std::vector<uint32_t> tokens(n);
-  std::iota(tokens.begin(), tokens.end(), static_cast<uint32_t>((client * 1000 + generation) << 12));
+  std::iota(tokens.begin(), tokens.end(),
+            static_cast<uint32_t>((client * 1000 + generation) << 12));
   return *ComputeChunkKeys(ns, tokens);
 }
 
@@ -443,8 +443,8 @@ Result<nlohmann::json> MeasureSteadyState(const BenchServerArgs& a, const Steady
       std::unique_ptr<void, decltype(&free)> buf(p, &free);
       std::memset(p, 0x5a, buf_bytes);
       for (uint64_t i = t; i < files && failed[t].ok(); i += threads) {
-        failed[t] = RawWrite(fmt::format("{}/{}", raw_dir, i),
-                             {static_cast<const uint8_t*>(p), buf_bytes});
+        failed[t] =
+            RawWrite(fmt::format("{}/{}", raw_dir, i), {static_cast<const uint8_t*>(p), buf_bytes});
       }
     });
   }
@@ -755,9 +755,10 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
       if (m == 0 && !paced) {
         fmt::print("control round trips, not paced (--rpc-interval-us 0: back to back):\n");
       } else if (m == 0) {
-        fmt::print("control round trips, paced ({} per client, one round every {} us on average, "
-                   "timed from the scheduled send):\n",
-                   a.rpc_rounds, a.rpc_interval_us);
+        fmt::print(
+            "control round trips, paced ({} per client, one round every {} us on average, "
+            "timed from the scheduled send):\n",
+            a.rpc_rounds, a.rpc_interval_us);
       } else {
         fmt::print("control round trips, saturated (clients back to back):\n");
       }
@@ -780,9 +781,10 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n", "load from the shared pool", ld,
                ld / mem);
     if (store_refused + load_missed > 0) {
-      fmt::print("WARNING: {} chunks found no slot to store into and {} were missing at load; "
-                 "the rates above count only the bytes moved\n",
-                 store_refused, load_missed);
+      fmt::print(
+          "WARNING: {} chunks found no slot to store into and {} were missing at load; "
+          "the rates above count only the bytes moved\n",
+          store_refused, load_missed);
     }
     if (steady) PrintSteadyState(l2);
   }

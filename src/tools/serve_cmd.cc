@@ -96,11 +96,11 @@ int RunServe(ServeArgs& args) {
   }
   auto srv = server::Server::Start(*options);
   if (!srv.ok()) return Fail(srv.status());
-  const MemoryTier& mem = (*srv)->engine().memory_tier();
+  const Engine::Pool pool = (*srv)->engine().pool();
   spdlog::info("listening on {} ({}{}); pool {} slots, {:.2f} GiB shared", options->socket_path,
                options->socket_group.empty() ? "owner only" : "group " + options->socket_group,
-               options->token.empty() ? "" : ", token required", mem.num_slots(),
-               mem.arena_bytes() / double(1ull << 30));
+               options->token.empty() ? "" : ", token required", pool.num_slots,
+               pool.bytes / double(1ull << 30));
   if ((*srv)->http_port() >= 0) {
     spdlog::info("HTTP: http://{}:{}/metrics  /healthz  /stats", options->http_host,
                  (*srv)->http_port());

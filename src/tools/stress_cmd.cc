@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/task_pool.h"
+#include "io/fault_injection_env.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/client.h"
 #include "kvtier/io.h"

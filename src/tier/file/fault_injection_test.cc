@@ -1,9 +1,10 @@
 // Every injected fault must end as a miss or a clear error: never a crash, never wrong data.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <random>
 
-#include <gtest/gtest.h>
-
+#include "io/fault_injection_env.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
 #include "testing/storage_dir.h"
@@ -60,8 +61,10 @@ bool Allowed(const Status& s) {
     case StatusCode::kOk:
     case StatusCode::kNotFound:
     case StatusCode::kIOError:
-    case StatusCode::kNoSpace: return true;
-    default: return false;
+    case StatusCode::kNoSpace:
+      return true;
+    default:
+      return false;
   }
 }
 

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/task_pool.h"
+#include "io/fault_injection_env.h"
 #include "testing/storage_dir.h"
 #include "testing/temp_dir.h"
 #include "tier/file/test_chunks.h"

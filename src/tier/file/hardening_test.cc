@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/task_pool.h"
+#include "io/fault_injection_env.h"
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
 #include "testing/temp_dir.h"

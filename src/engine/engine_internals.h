@@ -1,0 +1,15 @@
+// Tests' access to an Engine's tiers, which the public API does not expose.
+#pragma once
+
+#include "kvtier/engine.h"
+#include "kvtier/file_tier.h"
+#include "kvtier/memory_tier.h"
+
+namespace kvtier {
+
+struct EngineInternals {
+  static MemoryTier& memory(Engine& engine);
+  static FileTier* file(Engine& engine);  // null without L2
+};
+
+}  // namespace kvtier
