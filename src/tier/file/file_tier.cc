@@ -334,15 +334,24 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
     }
     (void)RemoveVictims(victims);  // on failure the victims stay indexed: retried next time
   }
-  // A file vanished or is unusable: forget it and remember the miss for a while.
-  void Forget(const ChunkKey& key) {
+  // A file vanished or is unusable: forget it and remember the miss for a while. `seen` is
+  // index_seq_ when the reader looked (before its I/O): a key written or confirmed on disk since
+  // then names a newer file than the one found missing or bad, and stays. (Forgetting it would
+  // leave a published file out of the index, and out of the capacity.)
+  void Forget(const ChunkKey& key, uint64_t seen) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (mutating_.count(key)) return;
+    if (mutating_.count(key) || IndexedSinceLocked(key, seen)) return;
     EraseLocked(key);
     NegativeInsertLocked(key);
   }
-  Status Corrupt(const ChunkKey& key, const std::string& path, const std::string& why);
-  Status Foreign(const ChunkKey& key, const std::string& path, const std::string& why);
+  bool IndexedSinceLocked(const ChunkKey& key, uint64_t seen) const {
+    auto it = index_.find(key);
+    return it != index_.end() && it->second.seq > seen;
+  }
+  Status Corrupt(const ChunkKey& key, uint64_t seen, const std::string& path,
+                 const std::string& why);
+  Status Foreign(const ChunkKey& key, uint64_t seen, const std::string& path,
+                 const std::string& why);
   Status EnsureLeafDir(const std::string& dir, bool force);
   Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
   // The filesystem is full: lower the budget to what we hold on it minus this write's file, and
@@ -783,16 +792,16 @@ void FileTier::Impl::SchedulerLoop() {
   }
 }
 
-Status FileTier::Impl::Corrupt(const ChunkKey& key, const std::string& path,
+Status FileTier::Impl::Corrupt(const ChunkKey& key, uint64_t seen, const std::string& path,
                                const std::string& why) {
   corrupt_.fetch_add(1);
   misses_.fetch_add(1);
   bool remove;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // If this process is rewriting or evicting the key right now, the file at `path` is or will be
-    // another one: leave it to that mutation.
-    remove = mutating_.insert(key).second;
+    // If this process is rewriting or evicting the key right now, or wrote it since the read
+    // began, the file at `path` is or will be another one: leave it to that mutation.
+    remove = !IndexedSinceLocked(key, seen) && mutating_.insert(key).second;
     if (remove) EraseLocked(key);
   }
   spdlog::warn("file tier: corrupt chunk file {} ({}){}", path, why, remove ? "; removed" : "");
@@ -806,12 +815,12 @@ Status FileTier::Impl::Corrupt(const ChunkKey& key, const std::string& path,
   return Status::NotFound(fmt::format("chunk {} is corrupt ({})", key.ToHex(), why));
 }
 
-Status FileTier::Impl::Foreign(const ChunkKey& key, const std::string& path,
+Status FileTier::Impl::Foreign(const ChunkKey& key, uint64_t seen, const std::string& path,
                                const std::string& why) {
   foreign_.fetch_add(1);
   misses_.fetch_add(1);
   spdlog::warn("file tier: {} is not a chunk of this namespace ({}); not served", path, why);
-  Forget(key);
+  Forget(key, seen);
   return Status::NotFound(fmt::format("chunk {} is foreign ({})", key.ToHex(), why));
 }
 
@@ -823,8 +832,10 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
         fmt::format("read buffer holds {} bytes, a chunk is {}", dst.size(), n));
   }
   bool indexed;
+  uint64_t seen;  // what the index knew before the I/O below (see Forget)
   {
     std::lock_guard<std::mutex> lock(mu_);
+    seen = index_seq_;
     indexed = index_.count(key) != 0;
     if (!indexed && NegativeHitLocked(key)) {
       misses_.fetch_add(1);
@@ -839,13 +850,13 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
   if (!opened.ok()) {
     if (opened.status().IsNotFound()) {
       misses_.fetch_add(1);
-      Forget(key);
+      Forget(key, seen);
       return Status::NotFound("chunk not in the file tier");
     }
     if (opened.status().code() == StatusCode::kInvalidArgument) {
       // Not a regular file (a directory, a FIFO): not ours to serve or to remove. fsck names it.
       non_regular_.fetch_add(1);
-      return Foreign(key, path, opened.status().message());
+      return Foreign(key, seen, path, opened.status().message());
     }
     errors_.fetch_add(1);
     if (auto held = read_log_.Allow()) {
@@ -909,16 +920,16 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     DecodedHeader d =
         DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
     if (header_ok && d.verdict == HeaderVerdict::kOk && d.header.payload_bytes != n) {
-      return Foreign(key, path,
+      return Foreign(key, seen, path,
                      fmt::format("payload of {} bytes, not {}", d.header.payload_bytes, n));
     }
-    return Corrupt(key, path, "truncated");
+    return Corrupt(key, seen, path, "truncated");
   }
   opened.value().reset();  // close before any unlink below
   if (!s.ok()) {
     if (s.IsNotFound()) {  // e.g. ESTALE mapped by a network filesystem: gone
       misses_.fetch_add(1);
-      Forget(key);
+      Forget(key, seen);
       return s;
     }
     errors_.fetch_add(1);
@@ -933,24 +944,24 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
 
   DecodedHeader d =
       DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
-  if (d.verdict == HeaderVerdict::kCorrupt) return Corrupt(key, path, d.reason);
-  if (d.verdict == HeaderVerdict::kForeign) return Foreign(key, path, d.reason);
+  if (d.verdict == HeaderVerdict::kCorrupt) return Corrupt(key, seen, path, d.reason);
+  if (d.verdict == HeaderVerdict::kForeign) return Foreign(key, seen, path, d.reason);
   const ChunkHeader& h = d.header;
-  if (h.namespace_root != ns_root_) return Foreign(key, path, "another namespace");
+  if (h.namespace_root != ns_root_) return Foreign(key, seen, path, "another namespace");
   if (h.layout_fingerprint != options_.ns.layout_fingerprint) {
-    return Foreign(key, path, "another layout");
+    return Foreign(key, seen, path, "another layout");
   }
   if (h.payload_bytes != n) {
-    return Foreign(key, path, fmt::format("payload of {} bytes, not {}", h.payload_bytes, n));
+    return Foreign(key, seen, path, fmt::format("payload of {} bytes, not {}", h.payload_bytes, n));
   }
-  if (h.key != key) return Foreign(key, path, "header names another key");
+  if (h.key != key) return Foreign(key, seen, path, "header names another key");
   if (file_size.ok() && *file_size != file_bytes_) {
-    return Corrupt(key, path,
+    return Corrupt(key, seen, path,
                    fmt::format("file size {} does not match a payload of {} bytes", *file_size, n));
   }
   hashing.Finish(dst.data(), n);
   if (hashing.hasher.Digest() != h.payload_checksum) {
-    return Corrupt(key, path, "payload checksum mismatch");
+    return Corrupt(key, seen, path, "payload checksum mismatch");
   }
   if (indexed) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <random>
@@ -378,6 +379,73 @@ TEST(FileTierIndexTest, LookupOfAThousandChunksOnDiskMakesNoEnvCall) {
 
 // A chunk another tier wrote: the first lookup misses (the index does not have it) and queues a
 // probe; once the probe has found the file, lookups hit.
+// Forwards to the default Env; an Open of a path ending in `target` that finds nothing runs
+// `before_answer` first (once): the tier's own write can then publish the chunk while a read
+// that found it missing is on its way back.
+class RacingEnv final : public Env {
+ public:
+  std::string target;
+  std::function<void()> before_answer;
+
+  std::string io_engine_name() const override { return base_->io_engine_name(); }
+  uint64_t direct_fallbacks() const override { return base_->direct_fallbacks(); }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& options) override {
+    auto f = base_->Open(path, options);
+    if (!f.ok() && f.status().IsNotFound() && !target.empty() && path.ends_with(target) &&
+        before_answer) {
+      auto run = std::move(before_answer);
+      before_answer = nullptr;
+      run();
+    }
+    return f;
+  }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return base_->Rename(from, to);
+  }
+  Status Unlink(const std::string& path) override { return base_->Unlink(path); }
+  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
+  Status RemoveDir(const std::string& path) override { return base_->RemoveDir(path); }
+  Result<std::vector<DirEntry>> List(const std::string& dir) override { return base_->List(dir); }
+  Result<FileInfo> Stat(const std::string& path) override { return base_->Stat(path); }
+  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
+
+ private:
+  Env* base_ = Env::Default();
+};
+
+// A read that found a chunk missing must not forget it if the tier published it meanwhile (its
+// news is older): the published file would be left out of the index, and of the capacity, and
+// the tier would then hold more than its capacity on disk. Likewise a read that found an older
+// file corrupt leaves the newer one alone.
+TEST(FileTierIndexTest, AReadThatFoundAChunkMissingDoesNotForgetItsNewerWrite) {
+  testing::TempDir dir;
+  RacingEnv env;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.env = &env;
+  o.capacity_bytes = 2 * (4096 + 8192);  // two files
+  o.negative_cache_ttl = std::chrono::milliseconds(0);
+  auto tier = OpenTier(o);
+  ASSERT_TRUE(tier);
+  AlignedBuffer buf(8192), out(8192);
+  const ChunkKey k = TestKey(7);
+  env.target = k.ToHex();
+  env.before_answer = [&] {
+    FillChunk(k, buf.span());
+    ASSERT_TRUE(tier->Write(k, buf.span()).ok());
+  };
+  EXPECT_TRUE(tier->Read(k, out.span()).IsNotFound());  // what it saw: nothing
+  EXPECT_TRUE(tier->Contains(k)) << "the read forgot the chunk written while it looked";
+  EXPECT_EQ(tier->Stats().chunks, 1u);
+  ASSERT_TRUE(tier->Read(k, out.span()).ok());
+  EXPECT_TRUE(VerifyChunk(k, out.span()));
+  // The capacity holds on disk: two more chunks evict the oldest, and never leave three files.
+  for (int i = 8; i < 10; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  EXPECT_LE(ChunkFilesOnDisk(tier->namespace_dir()).second, o.capacity_bytes);
+}
+
 TEST(FileTierIndexTest, AChunkOfAnotherTierIsFoundAfterTheProbe) {
   testing::StorageDir dir;
   FileTierOptions o = Options(dir.path(), 8192);
