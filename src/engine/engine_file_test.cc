@@ -44,6 +44,15 @@ struct Chunks {
   std::vector<std::vector<uint8_t>> data;
 };
 
+// After a test released its stalled storage: the threads abandoned to it finish, so that nothing
+// of theirs outlives the test.
+void ExpectAbandonedThreadsFinish() {
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+}
+
 EngineOptions Options(const std::string& dir, uint32_t l1_slots, WritePolicy policy) {
   EngineOptions o;
   o.ns.model_id = "file-test-model";
@@ -401,10 +410,7 @@ TEST(EngineFileTest, WriteBackNeverWaitsOnHungStorage) {
   EXPECT_EQ(st.memory_detail.pinned, st.memory_detail.cleaning);
   engine.reset();  // bounded: the stuck write is abandoned after the stall timeout
   env->ReleaseStalls();
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  ExpectAbandonedThreadsFinish();
 }
 
 // A load from storage that hangs in the kernel: a miss at the deadline with no L1 slot held for
@@ -448,11 +454,7 @@ TEST(EngineFileTest, HungStorageHoldsNoSlotAndShutdownIsBounded) {
   engine.reset();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
   env->ReleaseStalls();
-  // The abandoned threads finish now; wait for them, so that nothing of theirs outlives the test.
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  ExpectAbandonedThreadsFinish();
 }
 
 // Completion notification: OnDone runs once when a load ends, with nobody waiting on it: at the
@@ -534,10 +536,7 @@ TEST(EngineFileTest, OnDoneComesAtTheDeadlineOnHungStorageWithNobodyWaiting) {
   EXPECT_EQ(late->calls, 1);
   EXPECT_EQ(late->result.chunks, 0u);
   env->ReleaseStalls();
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  ExpectAbandonedThreadsFinish();
 }
 
 // Concurrent loads of one L2 chunk share one read and one promotion: a second load of a chunk
@@ -596,10 +595,7 @@ TEST(EngineFileTest, ConcurrentLoadsOfAChunkShareOneRead) {
   EXPECT_EQ(third->Wait().chunks, 0u);
   engine.reset();
   env->ReleaseStalls();
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  ExpectAbandonedThreadsFinish();
 }
 
 // A FIFO where an indexed chunk was: a miss at once (not a read thread lost to a blocking open).
