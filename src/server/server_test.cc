@@ -1,5 +1,7 @@
 // Integration tests: the real `kvtier serve` binary in its own process, clients in this process
 // and in forked child processes.
+#include "server/server.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -24,6 +26,8 @@
 #include <sstream>
 #include <thread>
 
+#include "common/task_pool.h"
+#include "io/fault_injection_env.h"
 #include "kvtier/chunk_store.h"
 #include "kvtier/client.h"
 #include "server/codec.h"
@@ -586,6 +590,72 @@ TEST_F(ServerTest, RestartedServerServesFileTierChunks) {
     ASSERT_NO_FATAL_FAILURE(ExpectLoad(**c, keys, 4));
     EXPECT_EQ((*c)->Lookup(keys).memory, 4u);  // promoted into L1 by the load
   }
+}
+
+// A prepare_load whose chunks sit on storage that hangs is answered at the load deadline, as a
+// miss, by the engine's completion callback (no thread waits on it), while the same connection
+// goes on answering; shutdown is bounded with the read still stuck. In process, so that the
+// file tier can be given a hanging Env. The Env outlives the test (the stuck open returns into
+// it after the server is gone).
+TEST_F(ServerTest, APrepareLoadOnHungStorageIsAMissAtTheDeadlineAndBlocksNothing) {
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});
+  server::ServerOptions o;
+  o.socket_path = dir_.Sub("inproc.sock");
+  o.http_port = -1;
+  o.engine.chunk_bytes = kChunkBytes;
+  o.engine.memory.capacity_bytes = 16 * kChunkBytes;
+  o.engine.write_policy = WritePolicy::kWriteThrough;
+  o.engine.load_deadline = 300ms;
+  FileTierOptions f;
+  f.root = dir_.Sub("l2-hung");
+  f.env = env;
+  f.stall_timeout = 100ms;
+  o.engine.file = f;
+  ClientOptions co;
+  co.socket_path = o.socket_path;
+  co.ns.model_id = "test-model";
+  co.ns.chunk_tokens = 16;
+  co.chunk_bytes = kChunkBytes;
+  co.rpc_timeout = 5000ms;
+  auto keys = Keys(2, 9);
+  {
+    auto srv = server::Server::Start(o);
+    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+    auto c = Client::Connect(co);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+    ASSERT_TRUE((*srv)->engine().Drain());  // in L2 now
+  }
+  // A fresh server: the chunks are only in L2, whose opens now hang.
+  auto srv = server::Server::Start(o);
+  ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+  auto c = Client::Connect(co);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ((*c)->Lookup(keys).total, 2u);
+  env->StallOpens(f.root);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto op = (*c)->PrepareLoad(keys);
+  ASSERT_TRUE(op.ok()) << op.status().ToString();
+  // The connection is not held up meanwhile.
+  EXPECT_EQ((*c)->Lookup(keys).total, 2u);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 250ms);
+  OpResult r = op->Wait();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_TRUE(r.slots.empty());
+  EXPECT_GE(took, 300ms);
+  EXPECT_LT(took, 3s);
+  EXPECT_GE((*srv)->engine().Stats().deadline_misses, 1u);
+  c->reset();
+  const auto stop0 = std::chrono::steady_clock::now();
+  srv->reset();  // bounded with the read still stuck
+  EXPECT_LT(std::chrono::steady_clock::now() - stop0, 5s);
+  env->ReleaseStalls();
+  // The abandoned read's thread finishes now: nothing of it outlives the test.
+  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
 }
 
 TEST_F(ServerTest, MetricsHealthAndStatsOverHttp) {
