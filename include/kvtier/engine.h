@@ -179,7 +179,7 @@ class Engine {
     uint64_t bytes = 0;
     int fd = -1;  // the arena's memfd (owned by the engine): another process maps the same pool
     uint32_t num_slots = 0;
-    uint64_t slot_bytes = 0;  // chunk_bytes rounded up to the page size
+    uint64_t slot_bytes = 0;  // chunk_bytes rounded up to the slot alignment (4 KiB)
   };
   Pool pool() const;
   // The bytes of one L1 slot; valid while the engine lives. What they hold is only defined
