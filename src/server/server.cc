@@ -1600,7 +1600,8 @@ std::string Server::Impl::MetricsText() const {
     for (auto [name, v] :
          {std::pair{"store", st.stores}, std::pair{"load", st.loads},
           std::pair{"rejected", st.rejected_ops}, std::pair{"promotion", st.promotions},
-          std::pair{"deadline_miss", st.deadline_misses}, std::pair{"write_back", st.write_backs},
+          std::pair{"shared_read", st.shared_reads}, std::pair{"deadline_miss", st.deadline_misses},
+          std::pair{"write_back", st.write_backs},
           std::pair{"write_back_failure", st.write_back_failures},
           std::pair{"dirty_eviction", st.dirty_evictions}}) {
       ClientMetric m;
