@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "kvtier/client.h"
+#include "kvtier/io.h"
 #include "server/codec.h"
 #include "server/server.h"
 #include "testing/temp_dir.h"
@@ -420,36 +421,24 @@ Result<nlohmann::json> MeasureSteadyState(const BenchServerArgs& a, const Steady
   const uint64_t files = std::clamp<uint64_t>(l2_bytes / chunk_bytes, 16, (4ull << 30) / buf_bytes);
   threads = std::max(1, threads);
   const std::string raw_dir = fmt::format("{}/kvtier-bench-raw-{}", a.l2_dir, getpid());
-  std::error_code ec;
-  std::filesystem::create_directories(raw_dir, ec);
-  if (ec) return Status::IOError(fmt::format("cannot create {}: {}", raw_dir, ec.message()));
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir, ignored);
-    }
-  } cleanup{raw_dir};
-  std::vector<Status> failed(threads);
-  const auto t0 = Clock::now();
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) {
-    workers.emplace_back([&, t] {
-      void* p = nullptr;
-      if (posix_memalign(&p, 4096, buf_bytes) != 0) {
-        failed[t] = Status::NoSpace("allocating a write buffer");
-        return;
-      }
-      std::unique_ptr<void, decltype(&free)> buf(p, &free);
-      std::memset(p, 0x5a, buf_bytes);
-      for (uint64_t i = t; i < files && failed[t].ok(); i += threads) {
-        failed[t] =
-            RawWrite(fmt::format("{}/{}", raw_dir, i), {static_cast<const uint8_t*>(p), buf_bytes});
-      }
-    });
+  Env& env = *Env::Default();
+  if (Status s = env.CreateDirs(raw_dir); !s.ok()) {
+    return s.WithContext(fmt::format("cannot create {}", raw_dir));
   }
-  for (auto& w : workers) w.join();
-  const double raw_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  struct Cleanup {
+    Env& env;
+    std::string dir;
+    ~Cleanup() { (void)RemoveTree(env, dir); }
+  } cleanup{env, raw_dir};
+  std::vector<AlignedBuffer> bufs;  // one per thread, filled before the clock starts
+  for (int t = 0; t < threads; ++t) {
+    bufs.emplace_back(buf_bytes);
+    std::memset(bufs.back().data(), 0x5a, buf_bytes);
+  }
+  std::vector<Status> failed(threads);  // a thread stops writing at its first failure
+  const double raw_s = Parallel(threads, static_cast<uint32_t>(files), [&](int t, uint32_t i) {
+    if (failed[t].ok()) failed[t] = RawWrite(fmt::format("{}/{}", raw_dir, i), bufs[t].span());
+  });
   for (const Status& s : failed) {
     if (!s.ok()) return s.WithContext("plain O_DIRECT writes (the reference)");
   }
@@ -489,6 +478,8 @@ void PrintSteadyState(const nlohmann::json& j) {
 int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohmann::json* out) {
   const uint64_t chunk_bytes_wanted = a.chunk_mib << 20;
   const int passes = a.warmup + a.repeats;
+  // The file tier of a steady-state run, removed after it.
+  const std::string l2_root = fmt::format("{}/kvtier-bench-server-{}", a.l2_dir, getpid());
   struct Child {
     pid_t pid;
     int to_child, from_child;
@@ -557,7 +548,7 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     o.engine.memory.capacity_bytes = 2ull * a.clients * a.chunks * chunk_bytes_wanted;
     if (policy) {
       FileTierOptions f;
-      f.root = fmt::format("{}/kvtier-bench-server-{}", a.l2_dir, getpid());
+      f.root = l2_root;
       o.engine.file = f;
       o.engine.write_policy = *policy;
     }
@@ -691,8 +682,7 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
   echo.Stop();
   nlohmann::json l2;
   if (steady) {
-    std::error_code ec;
-    std::filesystem::remove_all(fmt::format("{}/kvtier-bench-server-{}", a.l2_dir, getpid()), ec);
+    (void)RemoveTree(*Env::Default(), l2_root);
     auto r = MeasureSteadyState(a, *steady, chunk_bytes, tier_write_threads);
     if (!r.ok()) {
       fmt::print(stderr, "kvtier bench server: error: {}\n", r.status().ToString());

@@ -55,21 +55,6 @@ struct Totals {
   double GBps() const { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
 };
 
-// Runs fn(i) for i in [0, n) on `threads` threads; returns the wall time.
-template <typename Fn>
-double Parallel(int threads, uint32_t n, Fn fn) {
-  std::atomic<uint32_t> next{0};
-  auto t0 = Clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      for (uint32_t i; (i = next.fetch_add(1)) < n;) fn(t, i);
-    });
-  }
-  for (auto& th : pool) th.join();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 void DropFromPageCache(const std::vector<std::string>& paths) {
   for (const auto& p : paths) {
     int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);

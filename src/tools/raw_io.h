@@ -1,13 +1,18 @@
-// Plain O_DIRECT file I/O: the reference the benchmarks hold the file tier against.
+// Plain O_DIRECT file I/O, and the threads that run it: the reference the benchmarks hold the
+// file tier against.
 #pragma once
 
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <span>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "kvtier/status.h"
 
@@ -51,6 +56,22 @@ inline Status RawRead(const std::string& path, std::span<uint8_t> buf) {
   }
   ::close(fd);
   return Status::Ok();
+}
+
+// Runs fn(thread, i) for every i in [0, n) on `threads` threads, each taking the next i; returns
+// the wall time in seconds.
+template <typename Fn>
+double Parallel(int threads, uint32_t n, Fn fn) {
+  std::atomic<uint32_t> next{0};
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (uint32_t i; (i = next.fetch_add(1)) < n;) fn(t, i);
+    });
+  }
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace kvtier::tools
