@@ -14,6 +14,7 @@
 
 #include "common/task_pool.h"
 #include "engine/engine_internals.h"
+#include "io/env_wrapper.h"
 #include "io/fault_injection_env.h"
 #include "kvtier/engine.h"
 #include "kvtier/io.h"
@@ -175,9 +176,9 @@ TEST(EngineFileTest, PrepareLoadPromotesAndPins) {
 }
 
 // An Env whose reads block while `stalled` is set: a storage server that stopped answering.
-class StallingEnv : public Env {
+class StallingEnv : public EnvWrapper {
  public:
-  explicit StallingEnv(Env* base) : base_(base) {}
+  explicit StallingEnv(Env* base) : EnvWrapper(base) {}
   void Stall(bool on) {
     std::lock_guard lock(mu_);
     stalled_ = on;
@@ -187,19 +188,10 @@ class StallingEnv : public Env {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [this] { return !stalled_; });
   }
-  std::string io_engine_name() const override { return "stalling " + base_->io_engine_name(); }
-  uint64_t direct_fallbacks() const override { return base_->direct_fallbacks(); }
+  std::string io_engine_name() const override { return "stalling " + base()->io_engine_name(); }
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override;
-  Status Rename(const std::string& a, const std::string& b) override { return base_->Rename(a, b); }
-  Status Unlink(const std::string& p) override { return base_->Unlink(p); }
-  Status CreateDirs(const std::string& p) override { return base_->CreateDirs(p); }
-  Status RemoveDir(const std::string& p) override { return base_->RemoveDir(p); }
-  Result<std::vector<DirEntry>> List(const std::string& d) override { return base_->List(d); }
-  Result<FileInfo> Stat(const std::string& p) override { return base_->Stat(p); }
-  Status SyncDir(const std::string& d) override { return base_->SyncDir(d); }
 
  private:
-  Env* base_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stalled_ = false;
@@ -223,7 +215,7 @@ class StallingFile : public File {
 };
 
 Result<std::unique_ptr<File>> StallingEnv::Open(const std::string& path, const OpenOptions& o) {
-  KVTIER_ASSIGN_OR_RETURN(auto f, base_->Open(path, o));
+  KVTIER_ASSIGN_OR_RETURN(auto f, base()->Open(path, o));
   return std::unique_ptr<File>(new StallingFile(std::move(f), this));
 }
 
@@ -578,8 +570,7 @@ TEST(EngineFileTest, ConcurrentLoadsOfAChunkShareOneRead) {
   env->StallOpens(keys[0].ToHex());
   auto first = engine->PrepareLoad(std::span(keys).first(1));
   ASSERT_TRUE(first.ok());
-  for (int i = 0; i < 200 && env->stalled_now() < 1; ++i) std::this_thread::sleep_for(5ms);
-  ASSERT_EQ(env->stalled_now(), 1u);
+  ASSERT_EQ(env->WaitForStalls(1, 1s), 1u);
   auto second = engine->PrepareLoad(std::span(keys).first(1));
   ASSERT_TRUE(second.ok());
   std::this_thread::sleep_for(100ms);
@@ -590,8 +581,7 @@ TEST(EngineFileTest, ConcurrentLoadsOfAChunkShareOneRead) {
   // The stuck read is older than the deadline now: a new load reads the chunk itself.
   auto third = engine->PrepareLoad(std::span(keys).first(1));
   ASSERT_TRUE(third.ok());
-  for (int i = 0; i < 200 && env->stalled_now() < 2; ++i) std::this_thread::sleep_for(5ms);
-  EXPECT_EQ(env->stalled_now(), 2u);
+  EXPECT_EQ(env->WaitForStalls(2, 1s), 2u);
   EXPECT_EQ(third->Wait().chunks, 0u);
   engine.reset();
   env->ReleaseStalls();

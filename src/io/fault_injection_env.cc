@@ -208,6 +208,12 @@ uint64_t FaultInjectionEnv::stalled_now() const {
   return stalled_now_;
 }
 
+uint64_t FaultInjectionEnv::WaitForStalls(uint64_t n, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  stall_cv_.wait_for(lock, timeout, [&] { return stalled_now_ >= n; });
+  return stalled_now_;
+}
+
 Result<std::unique_ptr<File>> FaultInjectionEnv::Open(const std::string& path,
                                                       const OpenOptions& options) {
   CountCall();
@@ -215,6 +221,7 @@ Result<std::unique_ptr<File>> FaultInjectionEnv::Open(const std::string& path,
     std::unique_lock<std::mutex> lock(mu_);
     if (enabled_ && !stall_fragment_.empty() && path.find(stall_fragment_) != std::string::npos) {
       ++stalled_now_;
+      stall_cv_.notify_all();  // WaitForStalls (stalled opens recheck their generation)
       const uint64_t generation = stall_generation_;
       stall_cv_.wait(lock, [&] { return stall_generation_ != generation; });
       --stalled_now_;

@@ -71,6 +71,8 @@ class FaultInjectionEnv : public Env {
   void ReleaseStalls();
   // Opens blocked by StallOpens right now.
   uint64_t stalled_now() const;
+  // Waits until at least `n` opens are blocked, or `timeout`; returns stalled_now() then.
+  uint64_t WaitForStalls(uint64_t n, std::chrono::milliseconds timeout);
   // Moves Now() forward (the base env's clock plus everything advanced so far), so that a test
   // can let a timer expire without sleeping.
   void AdvanceClock(std::chrono::nanoseconds by);

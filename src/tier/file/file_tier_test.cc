@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/task_pool.h"
+#include "io/env_wrapper.h"
 #include "io/fault_injection_env.h"
 #include "testing/storage_dir.h"
 #include "testing/temp_dir.h"
@@ -382,15 +383,14 @@ TEST(FileTierIndexTest, LookupOfAThousandChunksOnDiskMakesNoEnvCall) {
 // Forwards to the default Env; an Open of a path ending in `target` that finds nothing runs
 // `before_answer` first (once): the tier's own write can then publish the chunk while a read
 // that found it missing is on its way back.
-class RacingEnv final : public Env {
+class RacingEnv final : public EnvWrapper {
  public:
+  RacingEnv() : EnvWrapper(Env::Default()) {}
   std::string target;
   std::function<void()> before_answer;
 
-  std::string io_engine_name() const override { return base_->io_engine_name(); }
-  uint64_t direct_fallbacks() const override { return base_->direct_fallbacks(); }
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& options) override {
-    auto f = base_->Open(path, options);
+    auto f = base()->Open(path, options);
     if (!f.ok() && f.status().IsNotFound() && !target.empty() && path.ends_with(target) &&
         before_answer) {
       auto run = std::move(before_answer);
@@ -399,18 +399,6 @@ class RacingEnv final : public Env {
     }
     return f;
   }
-  Status Rename(const std::string& from, const std::string& to) override {
-    return base_->Rename(from, to);
-  }
-  Status Unlink(const std::string& path) override { return base_->Unlink(path); }
-  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
-  Status RemoveDir(const std::string& path) override { return base_->RemoveDir(path); }
-  Result<std::vector<DirEntry>> List(const std::string& dir) override { return base_->List(dir); }
-  Result<FileInfo> Stat(const std::string& path) override { return base_->Stat(path); }
-  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
-
- private:
-  Env* base_ = Env::Default();
 };
 
 // A read that found a chunk missing must not forget it if the tier published it meanwhile (its

@@ -211,8 +211,7 @@ TEST(FileTierHardeningTest, StuckReadsAreReplacedAndAbandonedAtShutdown) {
                                 })
                     .ok());
   }
-  for (int i = 0; i < 100 && env->stalled_now() < 2; ++i) std::this_thread::sleep_for(10ms);
-  ASSERT_EQ(env->stalled_now(), 2u);
+  ASSERT_EQ(env->WaitForStalls(2, 1s), 2u);
   // A healthy read still completes, on a replacement thread.
   std::promise<bool> good;
   ASSERT_TRUE(tier->ReadAsync(TestKey(2),
@@ -309,7 +308,7 @@ TEST(FileTierHardeningTest, FullWriteQueueIsCounted) {
     FillChunk(TestKey(i + 1), bufs.back().first(kChunk));
   }
   ASSERT_TRUE(tier->WriteAsync(TestKey(1), bufs[0].first(kChunk), nullptr).ok());
-  for (int i = 0; i < 100 && env->stalled_now() < 1; ++i) std::this_thread::sleep_for(10ms);
+  env->WaitForStalls(1, 1s);
   ASSERT_TRUE(tier->WriteAsync(TestKey(2), bufs[1].first(kChunk), nullptr).ok());  // queued
   Status s = tier->WriteAsync(TestKey(3), bufs[2].first(kChunk), nullptr);
   EXPECT_TRUE(s.IsRejected());
