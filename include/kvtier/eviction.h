@@ -7,8 +7,10 @@
 //  * kLru: least recently used first.
 //  * kPrefixAware: least recently used first among chunks that no resident chunk depends on. A
 //    chunk's "parent" is the chunk before it in the same prefix; a later chunk is useless
-//    without its predecessors, so a parent is never evicted while a child stays, and a
-//    conversation loses its tail before its head.
+//    without its predecessors, so a parent is not evicted while a child stays, and a
+//    conversation loses its tail before its head. Only when no such chunk may go (every leaf
+//    pinned) does the nearest evictable ancestor of the coldest leaf go: pinned leaves never
+//    make a tier with unpinned chunks refuse a store.
 //
 // Thread-safety: not thread-safe; the memory tier calls it under its own lock.
 #pragma once

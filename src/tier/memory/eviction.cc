@@ -1,8 +1,8 @@
 #include "kvtier/eviction.h"
 
-#include <vector>
-
 #include <fmt/format.h>
+
+#include <vector>
 
 namespace kvtier {
 namespace {
@@ -11,8 +11,8 @@ namespace {
 // allocation after construction. Head = most recently used.
 class SlotList {
  public:
-  explicit SlotList(uint32_t capacity) : prev_(capacity, kNoSlot), next_(capacity, kNoSlot),
-                                         linked_(capacity, false) {}
+  explicit SlotList(uint32_t capacity)
+      : prev_(capacity, kNoSlot), next_(capacity, kNoSlot), linked_(capacity, false) {}
   bool Contains(SlotId s) const { return linked_[s]; }
   void PushFront(SlotId s) {
     Remove(s);  // never link a slot twice: that would close the list into a cycle
@@ -34,8 +34,14 @@ class SlotList {
   }
   void Remove(SlotId s) {
     if (!linked_[s]) return;
-    if (prev_[s] != kNoSlot) next_[prev_[s]] = next_[s]; else head_ = next_[s];
-    if (next_[s] != kNoSlot) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
+    if (prev_[s] != kNoSlot)
+      next_[prev_[s]] = next_[s];
+    else
+      head_ = next_[s];
+    if (next_[s] != kNoSlot)
+      prev_[next_[s]] = prev_[s];
+    else
+      tail_ = prev_[s];
     linked_[s] = false;
   }
   SlotId tail() const { return tail_; }
@@ -69,11 +75,14 @@ class LruPolicy final : public EvictionPolicy {
 
 // Only leaves (slots no resident chunk points to as its parent) are candidates, kept in their
 // own LRU list so a victim is found without walking interior chunks. When a leaf goes, its
-// parent may become a leaf: it joins the cold end, so a prefix is evicted tail-first.
+// parent may become a leaf: it joins the cold end, so a prefix is evicted tail-first. Interior
+// chunks are candidates only when no leaf may go.
 class PrefixAwarePolicy final : public EvictionPolicy {
  public:
   explicit PrefixAwarePolicy(uint32_t capacity)
-      : leaves_(capacity), parent_(capacity, kNoSlot), children_(capacity, 0),
+      : leaves_(capacity),
+        parent_(capacity, kNoSlot),
+        children_(capacity, 0),
         inserted_(capacity, false) {}
 
   void OnInsert(SlotId slot, SlotId parent) override {
@@ -115,6 +124,16 @@ class PrefixAwarePolicy final : public EvictionPolicy {
   SlotId PickVictim(const std::function<bool(SlotId)>& evictable) override {
     for (SlotId s = leaves_.tail(); s != kNoSlot; s = leaves_.Prev(s)) {
       if (evictable(s)) return s;
+    }
+    // No leaf may go (each is pinned: read, or written to a lower tier). Keeping their
+    // ancestors would let a few pinned leaves fill the tier and refuse every store, so the
+    // nearest ancestor that may go does, coldest leaf first: its chain loses the least.
+    std::vector<bool> seen(parent_.size(), false);
+    for (SlotId leaf = leaves_.tail(); leaf != kNoSlot; leaf = leaves_.Prev(leaf)) {
+      for (SlotId s = parent_[leaf]; s != kNoSlot && !seen[s]; s = parent_[s]) {
+        seen[s] = true;
+        if (evictable(s)) return s;
+      }
     }
     return kNoSlot;
   }

@@ -52,15 +52,31 @@ TEST(PrefixAwarePolicyTest, FirstChunkOutlivesItsTail) {
   EXPECT_EQ(order.front(), 2u);  // A's tail is the oldest leaf
 }
 
-TEST(PrefixAwarePolicyTest, PinnedLeafProtectsItsAncestors) {
+TEST(PrefixAwarePolicyTest, PinnedLeafProtectsItsAncestorsWhileAnotherLeafCanGo) {
   auto p = MakeEvictionPolicy(EvictionPolicyKind::kPrefixAware, 4);
   p->OnInsert(0, kNoSlot);
   p->OnInsert(1, 0);
   p->OnInsert(2, kNoSlot);
-  // Leaf 1 is pinned: 0 is not a leaf, so only 2 may go.
+  // Leaf 1 is pinned: 0 is not a leaf, so 2 goes first.
   EXPECT_EQ(p->PickVictim([](SlotId s) { return s != 1; }), 2u);
-  p->OnRemove(2);
-  EXPECT_EQ(p->PickVictim([](SlotId s) { return s != 1; }), kNoSlot);
+}
+
+// Every leaf pinned (reads, or writes to a lower tier that hang): the tier still has chunks
+// that may go, and a store must get one rather than a refusal.
+TEST(PrefixAwarePolicyTest, WhenEveryLeafIsPinnedTheNearestFreeAncestorGoes) {
+  auto p = MakeEvictionPolicy(EvictionPolicyKind::kPrefixAware, 8);
+  // Prefix A: 0 -> 1 -> 2 (oldest); prefix B: 3 -> 4 -> 5. Both leaves pinned, and A's parent.
+  for (SlotId s : {0u, 3u}) p->OnInsert(s, kNoSlot);
+  for (SlotId s : {1u, 2u, 4u, 5u}) p->OnInsert(s, s - 1);
+  auto unpinned = [](SlotId s) { return s != 2 && s != 5 && s != 1; };
+  EXPECT_EQ(p->PickVictim(unpinned), 0u);  // A is the colder leaf; 1 is pinned, so its parent
+  p->OnRemove(0);
+  EXPECT_EQ(p->PickVictim(unpinned), 4u);  // A has nothing left to give: B's nearest ancestor
+  p->OnRemove(4);
+  EXPECT_EQ(p->PickVictim(unpinned), 3u);  // 3 is a leaf now
+  p->OnRemove(3);
+  EXPECT_EQ(p->PickVictim(unpinned), kNoSlot);  // only pinned chunks remain
+  EXPECT_EQ(p->PickVictim(kAll), 2u);           // unpinned, leaves go first again
 }
 
 TEST(PrefixAwarePolicyTest, SharedParentStaysWhileAnyChildStays) {

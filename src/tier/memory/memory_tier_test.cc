@@ -175,6 +175,35 @@ TEST(MemoryTierTest, FlushCandidatesFollowEvictionOrderWithinTheHeadroom) {
   EXPECT_FALSE(t->BeginClean(Key(3)).ok());  // clean: nothing to do
 }
 
+// Under the prefix-aware policy, leaves pinned by writes to a lower tier (slow or hung storage)
+// must not make their whole chains unevictable: a tier with unpinned chunks takes a store.
+TEST(MemoryTierTest, LeavesBeingCleanedDoNotMakeTheTierRefuseStores) {
+  auto t = OpenTier(6, 4096, EvictionPolicyKind::kPrefixAware);
+  ChunkKey a[3] = {Key(100), Key(101), Key(102)}, b[3] = {Key(200), Key(201), Key(202)};
+  for (int i = 0; i < 3; ++i) {
+    Put(*t, a[i], 1, /*dirty=*/true, i ? &a[i - 1] : nullptr);
+    Put(*t, b[i], 2, /*dirty=*/true, i ? &b[i - 1] : nullptr);
+  }
+  auto taken = t->TakeFlushCandidates(2, 10);  // both leaves, the writes hang
+  ASSERT_EQ(taken.size(), 2u);
+  // A client reserves a batch of four (as a store of one prefix does), then fills them.
+  std::vector<SlotId> batch;
+  for (uint32_t i = 0; i < 4; ++i) {
+    auto r = t->Reserve(Key(300 + i), nullptr);
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status().ToString();
+    batch.push_back(r->slot);
+  }
+  for (SlotId slot : batch) t->Commit(slot, false);
+  EXPECT_EQ(t->Stats().rejections, 0u);
+  // The two leaves being written stayed, with their data.
+  for (const auto& d : taken) EXPECT_EQ(t->SlotData(d.slot)[0], d.key == a[2] ? 1 : 2);
+  for (const auto& d : taken) t->EndClean(d.slot, true);
+  // Now only pinned slots would be left: nothing else may go, and the tier says so.
+  for (uint32_t i = 0; i < 6; ++i)
+    ASSERT_TRUE(t->Pin(i < 4 ? Key(300 + i) : taken[i - 4].key).ok());
+  EXPECT_EQ(t->Reserve(Key(400), nullptr).status().code(), StatusCode::kRejected);
+}
+
 // A chunk being cleaned counts towards the headroom even where the walk no longer meets it (a
 // leaf that gained a child while its write was in flight): writes never pin more slots than
 // the headroom, so storage that hangs cannot take more of L1 than that.
