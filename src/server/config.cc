@@ -228,6 +228,8 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetInt(v, key, &c->hello_timeout_ms);
     } else if (key == "huge_pages") {
       s = GetBool(v, key, &c->huge_pages);
+    } else if (key == "isolate_clients") {
+      s = GetBool(v, key, &c->isolate_clients);
     } else {
       s = Status::InvalidArgument(fmt::format("unknown configuration key \"{}\"", k));
     }
@@ -358,6 +360,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   if (c.max_clients < 1) return Status::InvalidArgument("--max-clients must be >= 1");
   o.max_clients = c.max_clients;
   o.max_slots_per_client = c.max_client_slots;
+  o.isolate_clients = c.isolate_clients;
   if (c.max_pending_handshakes < 1) {
     return Status::InvalidArgument("--max-pending-handshakes must be >= 1");
   }

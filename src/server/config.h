@@ -49,6 +49,7 @@ struct ServeConfig {
   int worker_threads = 2;
   uint32_t max_clients = 256;
   uint32_t max_client_slots = 0;  // slots one client may hold reserved or pinned; 0 = half the pool
+  bool isolate_clients = false;   // private windows, server-side copies (ServerOptions)
   uint32_t max_pending_handshakes = 64;
   uint32_t hello_timeout_ms = 5000;
   bool huge_pages = false;

@@ -37,6 +37,7 @@
 
 #include "common/task_pool.h"
 #include "kvtier/client.h"
+#include "server/client_window.h"
 #include "server/codec.h"
 
 namespace kvtier::server {
@@ -221,7 +222,7 @@ struct Metrics {
     }
     for (const char* reason :
          {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
-          "no_thread", "hello_timeout", "too_many_pending"}) {
+          "no_thread", "hello_timeout", "too_many_pending", "no_window"}) {
       refused_by[reason] = &refused.Add({{"reason", reason}});
     }
     for (const char* reason : {"slow", "no_thread"}) {
@@ -308,9 +309,14 @@ struct Connection : std::enable_shared_from_this<Connection> {
   struct Reservation {
     ChunkKey key;
     Clock::time_point since;
+    SlotId pool = kNoSlot;  // the pool slot behind a window slot (isolated clients)
   };
+  // Keyed by the slot numbers the client uses: pool slots, or window slots when isolated.
   std::unordered_map<SlotId, Reservation> reservations;
   std::unordered_map<SlotId, uint32_t> pins;
+  // Isolated clients (ServerOptions::isolate_clients): what the client maps instead of the pool.
+  // Set at hello; its free list is guarded by `mu`. Pinned window slots hold no pool pin.
+  std::unique_ptr<ClientWindow> window;
   size_t pinned = 0;        // sum of pins
   size_t pending_pins = 0;  // keys of prepare_loads not yet answered (they may all pin)
 
@@ -1007,7 +1013,7 @@ void Server::Impl::Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> 
   std::vector<uint8_t> buf = std::move(c.in);
   size_t begin = 0, end = buf.size();
   if (buf.size() < 64 * 1024) buf.resize(64 * 1024);
-  if (Send(c, hello_reply, engine_->pool().fd)) {
+  if (Send(c, hello_reply, c.window ? c.window->fd() : engine_->pool().fd)) {
     {
       std::lock_guard lock(c.mu);
       c.handshaken = true;
@@ -1032,9 +1038,12 @@ void Server::Impl::Release(Connection& c) {
     std::lock_guard lock(c.mu);
     c.closed = true;
     was_handshaken = c.handshaken;
-    for (auto& [slot, r] : c.reservations) reserved.push_back(slot);
+    for (auto& [slot, r] : c.reservations) reserved.push_back(r.pool);
     for (auto& [slot, n] : c.pins) {
       for (uint32_t i = 0; i < n; ++i) pinned.push_back(slot);
+    }
+    if (c.window) {  // window pins hold nothing in the pool
+      for (SlotId s : pinned) c.window->Give(s);
     }
     c.reservations.clear();
     c.pins.clear();
@@ -1048,7 +1057,7 @@ void Server::Impl::Release(Connection& c) {
     c.fd = -1;
   }
   engine_->AbortSlots(reserved);
-  engine_->Unpin(pinned);
+  if (!c.window) engine_->Unpin(pinned);
   if (was_handshaken) metrics_.connected.Decrement();
   if (!reserved.empty() || !pinned.empty()) {
     metrics_.released_on_disconnect.Increment(static_cast<double>(reserved.size() + pinned.size()));
@@ -1133,6 +1142,20 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   reply.slot_bytes = pool.slot_bytes;
   reply.chunk_bytes = engine_->options().chunk_bytes;
   reply.num_slots = pool.num_slots;
+  if (options_.isolate_clients) {
+    // As many window slots as the connection may hold, so one is always free for them.
+    auto window = ClientWindow::Create(static_cast<uint32_t>(SlotQuota()), pool.slot_bytes);
+    if (!window.ok()) {
+      Refuse(c, h,
+             Status::Unavailable(fmt::format("the server cannot make this client's window: {}",
+                                             window.status().ToString())),
+             "no_window");
+      return false;
+    }
+    c.window = std::move(window).value();
+    reply.arena_bytes = c.window->bytes();
+    reply.num_slots = c.window->num_slots();
+  }
   reply.max_keys_per_request = options_.max_keys_per_request;
   reply.max_message_bytes = options_.max_message_bytes;
   reply.server_version = KVTIER_VERSION;
@@ -1235,7 +1258,10 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
       {
         std::lock_guard lock(c.mu);
         for (size_t i = 0; i < slots.size(); ++i) {
-          if (slots[i] != kNoSlot) c.reservations[slots[i]] = {derived[i], started};
+          if (slots[i] == kNoSlot) continue;
+          const SlotId pool = slots[i];
+          if (c.window) slots[i] = c.window->Take();  // free: the allowance kept it so
+          c.reservations[slots[i]] = {derived[i], started, pool};
         }
       }
       keep = reply(Status::Ok(), SlotsReplyFields(slots));
@@ -1249,7 +1275,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         return false;
       }
       std::vector<ChunkKey> keys;
-      std::vector<SlotId> valid;
+      std::vector<SlotId> valid, pool_slots;  // the client's slot numbers, and the pool's
       Status bad;
       Clock::time_point oldest = started;
       {
@@ -1265,6 +1291,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
           }
           keys.push_back(it->second.key);
           valid.push_back(s);
+          pool_slots.push_back(it->second.pool);
           oldest = std::min(oldest, it->second.since);
         }
         if (bad.ok()) {
@@ -1275,6 +1302,19 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         keep = reply(bad);
         break;
       }
+      if (c.window) {
+        // The client's bytes enter the pool here; the window slots are free once copied.
+        if (op == Opcode::kCommit) {
+          const uint64_t n = engine_->options().chunk_bytes;
+          for (size_t i = 0; i < valid.size(); ++i) {
+            std::memcpy(engine_->SlotData(pool_slots[i]).data(), c.window->Data(valid[i], n).data(),
+                        n);
+          }
+        }
+        std::lock_guard lock(c.mu);
+        for (SlotId s : valid) c.window->Give(s);
+      }
+      valid = std::move(pool_slots);
       if (op == Opcode::kCommit) {
         engine_->CommitSlots(keys, valid);
         if (!valid.empty()) {
@@ -1355,7 +1395,14 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
           }
         }
       }
-      if (bad.ok()) engine_->Unpin(*slots);
+      if (bad.ok()) {
+        if (c.window) {
+          std::lock_guard lock(c.mu);
+          for (SlotId s : *slots) c.window->Give(s);
+        } else {
+          engine_->Unpin(*slots);
+        }
+      }
       keep = reply(bad);
       break;
     }
@@ -1396,31 +1443,51 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, ui
                                      Clock::time_point started, size_t asked, const OpResult& r) {
   Connection& c = *conn;
   const uint16_t opcode = static_cast<uint16_t>(Opcode::kPrepareLoad);
+  // The slots the client is given: the pinned pool slots, or window slots they are copied into.
+  std::vector<SlotId> slots = r.slots;
+  if (c.window && !r.slots.empty()) {
+    slots.clear();
+    {
+      std::lock_guard lock(c.mu);
+      // Free: this load's keys were counted in pending_pins against the window's size.
+      for (size_t i = 0; i < r.slots.size() && !c.closed; ++i) {
+        SlotId w = c.window->Take();
+        if (w == kNoSlot) break;
+        slots.push_back(w);
+      }
+    }
+    const uint64_t n = engine_->options().chunk_bytes;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(c.window->Data(slots[i], n).data(), engine_->SlotData(r.slots[i]).data(), n);
+    }
+    engine_->Unpin(r.slots);  // the client holds its copies, never the pool's slots
+  }
   std::vector<uint8_t> frame;
-  if (r.slots.empty() && !r.status.ok() && !r.status.IsNotFound()) {
+  if (slots.empty() && !r.status.ok() && !r.status.IsNotFound()) {
     frame = EncodeReply(opcode, request_id, r.status);
   } else {
     PrepareLoadReply p;
-    p.chunks = static_cast<uint32_t>(r.slots.size());
-    p.slots = r.slots;
+    p.chunks = static_cast<uint32_t>(slots.size());
+    p.slots = slots;
     frame = EncodeReply(opcode, request_id, Status::Ok(), PrepareLoadReplyFields(p));
   }
-  bool unpin_now = false;
+  bool closed = false;
   {
     std::lock_guard lock(c.mu);
     c.pending_pins -= asked;
-    if (c.closed) {
-      unpin_now = true;  // the client is gone: nobody will release these pins
-    } else {
-      for (SlotId s : r.slots) c.pins[s]++;
-      c.pinned += r.slots.size();
+    closed = c.closed;
+    if (closed && c.window) {
+      for (SlotId s : slots) c.window->Give(s);
+    } else if (!closed) {
+      for (SlotId s : slots) c.pins[s]++;
+      c.pinned += slots.size();
     }
   }
-  if (unpin_now) {
-    engine_->Unpin(r.slots);
-  } else {
+  if (!closed) {
     // If the reply does not reach the client, the connection thread releases c.pins at close.
     Send(c, frame);
+  } else if (!c.window) {
+    engine_->Unpin(r.slots);  // the client is gone: nobody will release these pins
   }
   metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());
 }

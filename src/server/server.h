@@ -11,8 +11,9 @@
 // replies unread past send_timeout or max_output_bytes is disconnected. prepare_load requests
 // that must wait for the file tier complete on a small pool so a slow promotion never blocks a
 // connection. Every connection's reservations and pins are tracked and released when it closes,
-// however it closes, and are capped per connection (max_slots_per_client). An HTTP listener
-// serves /metrics (Prometheus text), /healthz and /stats.
+// however it closes, and are capped per connection (max_slots_per_client). With
+// isolate_clients no client maps the pool: each gets a private window and the server copies
+// chunks through it. An HTTP listener serves /metrics (Prometheus text), /healthz and /stats.
 //
 // Thread-safety: Start, Stop and Wait may be called from any thread; StatsJson and MetricsText
 // are thread-safe.
@@ -44,6 +45,10 @@ struct ServerOptions {
   uint32_t max_keys_per_request = 4096;
   // Slots one connection may hold reserved or pinned at once; 0 = half the pool.
   uint32_t max_slots_per_client = 0;
+  // No client maps the pool: each gets a private window of max_slots_per_client slots, and the
+  // server copies chunks in at commit and out at load (docs/protocol.md, "Isolated clients").
+  // Costs one copy per chunk each way; keeps tenants from reading or writing each other's bytes.
+  bool isolate_clients = false;
   int http_threads = 8;  // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
   uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it

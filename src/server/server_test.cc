@@ -1297,5 +1297,79 @@ TEST_F(ServerTest, PerClientSlotLimitIsConfigurable) {
   EXPECT_EQ(r.status.code(), StatusCode::kRejected);
 }
 
+// Issue 13, item 7: with --isolate-clients a client maps a window of its own, never the pool, so
+// a tenant can neither read nor overwrite another's chunks in memory; what it stores and loads
+// still arrives byte for byte, and with write-back the file tier gets the stored bytes only.
+TEST_F(ServerTest, IsolatedClientsCanNeitherReadNorOverwriteOtherTenantsChunks) {
+  const std::string l2 = R"({"type":"fs","path":")" + dir_.Sub("l2") + R"(","max_size_gb":1})";
+  ServerProcess server(dir_, {"--isolate-clients", "--max-client-slots", "32", "--l2", l2,
+                              "--write-policy", "write_back"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto a = server.Connect();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->num_slots(), 32u) << "the window is the client's slot limit";
+  auto keys = Keys(12, 70);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**a, keys));
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**a, keys, 12));
+
+  // Tenant B scans everything it can map: none of A's chunks is there. Then it scribbles over
+  // all of it, with a load of its own pinned.
+  ClientOptions ob = server.Options();
+  ob.ns.tenant_salt = "tenant-b";
+  auto b = Client::Connect(ob);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  {
+    std::vector<std::vector<uint8_t>> own(4, std::vector<uint8_t>(kChunkBytes, 0x5A));
+    std::vector<std::span<const uint8_t>> src(own.begin(), own.end());
+    auto op = (*b)->Store(Keys(4, 71), src);
+    ASSERT_TRUE(op.ok());
+    ASSERT_EQ(op->Wait().chunks, 4u);
+  }
+  auto pinned = (*b)->PrepareLoad(Keys(4, 71));
+  ASSERT_TRUE(pinned.ok());
+  OpResult held = pinned->Wait();
+  ASSERT_EQ(held.slots.size(), 4u);
+  for (uint32_t s = 0; s < (*b)->num_slots(); ++s) {
+    auto data = (*b)->SlotData(s);
+    for (uint32_t i = 0; i < keys.size(); ++i) {
+      ASSERT_FALSE(std::equal(data.begin(), data.end(), Chunk(i).begin()))
+          << "tenant B's slot " << s << " holds tenant A's chunk " << i;
+    }
+    std::memset(data.data(), 0xEE, data.size());
+  }
+  EXPECT_EQ(Stats(**b)["pool"]["pinned"], 0) << "a window pin holds no pool slot";
+  EXPECT_TRUE((*b)->Unpin(held.slots).ok());
+
+  // A's chunks are intact, for A and for another client of A's namespace.
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**a, keys, 12));
+  auto a2 = server.Connect();
+  ASSERT_TRUE(a2.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**a2, keys, 12));
+
+  // A client killed holding reservations and window pins leaves nothing held in the pool.
+  pid_t killed = Spawn([&] {
+    auto c = server.Connect();
+    if (!c.ok()) return 2;
+    auto r = (*c)->ReserveSlots(Keys(6, 72));
+    auto l = (*c)->PrepareLoad(keys);
+    if (!r.ok() || r->size() != 6 || !l.ok() || l->Wait().slots.size() != 12) return 3;
+    ::kill(::getpid(), SIGKILL);
+    return 4;
+  });
+  EXPECT_EQ(WaitExit(killed), 128 + SIGKILL);
+  for (int i = 0; i < 100 && Stats(**a)["clients"].size() > 3; ++i)
+    std::this_thread::sleep_for(20ms);
+  auto st = Stats(**a);
+  EXPECT_EQ(st["pool"]["pinned"], 0);
+  EXPECT_EQ(st["pool"]["resident"], 16);  // 12 of A's and 4 of B's; the 6 reservations are gone
+
+  // Restarted on the same file tier, the server serves A's bytes, not B's scribbles.
+  server.Kill(SIGTERM);
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto again = server.Connect();
+  ASSERT_TRUE(again.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**again, keys, 12));
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -71,7 +71,22 @@ for r in runs:
         assert s["write_backs"] + s["dirty_evictions"] > 0 or s["write_policy"] == "write_through"
 PY
 [ -z "$(ls -A "$T/l2")" ] || fail "bench server --l2 left files behind: $(ls -A "$T/l2")"
-for bad in "--l2 $T/missing" "--write-policy write_back" "--l2 $T/l2 --write-policy sometimes"; do
+# Isolated clients: the shared pool and private windows, same chunks, both moved in full.
+"$KVTIER" bench server --clients 2 --chunk-mib 1 --chunks 4 --repeats 1 --rpc-rounds 20 \
+    --isolate-clients --json > "$T/isolated.json" 2> "$T/isolated.err" \
+    || { cat "$T/isolated.err" >&2; fail "bench server --isolate-clients"; }
+python3 - "$T/isolated.json" <<'PY' || fail "bench server --isolate-clients --json"
+import json, sys
+doc = json.load(open(sys.argv[1]))
+runs = doc["runs"]
+assert [r["isolate_clients"] for r in runs] == [False, True]
+for r in runs:
+    assert r["store_refused_chunks"] == 0 and r["load_missed_chunks"] == 0, r
+    assert r["store_GBps"] > 0 and r["load_GBps"] > 0
+assert doc["isolation_cost"]["store_isolated_vs_shared"] > 0
+PY
+for bad in "--l2 $T/missing" "--write-policy write_back" "--l2 $T/l2 --write-policy sometimes" \
+           "--isolate-clients --socket $T/none.sock" "--isolate-clients --l2 $T/l2"; do
   # shellcheck disable=SC2086
   if "$KVTIER" bench server --clients 1 --repeats 1 $bad > "$T/bad.txt" 2>&1; then
     fail "bench server $bad was accepted"

@@ -55,6 +55,7 @@ struct BenchServerArgs {
   std::string l2_dir;                       // steady state: the in-process server's file tier
   std::vector<std::string> write_policies;  // with l2_dir; empty: all three
   int warmup = -1;                          // unmeasured passes; -1: 2 with l2_dir, else 0
+  bool isolate_clients = false;  // also run the in-process server with private client windows
 };
 
 double Now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
@@ -475,7 +476,8 @@ void PrintSteadyState(const nlohmann::json& j) {
       j["write_through_dropped"].get<uint64_t>(), j["l2_errors"].get<uint64_t>());
 }
 
-int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohmann::json* out) {
+int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, bool isolate,
+            nlohmann::json* out) {
   const uint64_t chunk_bytes_wanted = a.chunk_mib << 20;
   const int passes = a.warmup + a.repeats;
   // The file tier of a steady-state run, removed after it.
@@ -546,6 +548,12 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     o.engine.chunk_bytes = chunk_bytes_wanted;
     // Two generations of every client's chunks, so loads find the chunks just stored.
     o.engine.memory.capacity_bytes = 2ull * a.clients * a.chunks * chunk_bytes_wanted;
+    if (isolate) {
+      // Windows as large as the pool, so each client moves as many chunks as with the shared
+      // pool (a client sizes its passes from the slots it maps).
+      o.isolate_clients = true;
+      o.max_slots_per_client = 2 * a.clients * a.chunks;
+    }
     if (policy) {
       FileTierOptions f;
       f.root = l2_root;
@@ -558,6 +566,7 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     where = policy ? fmt::format("in-process server, L1 + file tier on {}, {}", a.l2_dir,
                                  WritePolicyName(*policy))
                    : "in-process server (L1 only)";
+    if (isolate) where += ", isolated clients (private windows, server-side copies)";
     for (auto& k : kids) send_path(k.to_child, o.socket_path);
   }
   char go = 'g';
@@ -730,6 +739,7 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     }
     if (chunk_bytes) j["chunk_bytes"] = chunk_bytes;
     j["warmup_passes"] = a.warmup;
+    j["isolate_clients"] = isolate;
     if (steady) j["steady_state"] = l2;
     *out = std::move(j);
   } else {
@@ -766,9 +776,11 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
     fmt::print("goal (paced p50 of every operation <= {:.1f} x floor): {}\n", kGoalVsFloor,
                goal_met ? "met" : "NOT met");
     fmt::print("{:<38} {:>8.2f} GB/s (limit)\n", "memcpy, same processes", mem);
-    fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n", "store into the shared pool", st,
+    fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n",
+               isolate ? "store through a private window" : "store into the shared pool", st,
                st / mem);
-    fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n", "load from the shared pool", ld,
+    fmt::print("{:<38} {:>8.2f} GB/s  {:.2f} x memcpy\n",
+               isolate ? "load through a private window" : "load from the shared pool", ld,
                ld / mem);
     if (store_refused + load_missed > 0) {
       fmt::print(
@@ -783,15 +795,50 @@ int RunOnce(const BenchServerArgs& a, std::optional<WritePolicy> policy, nlohman
 
 int RunBenchServer(BenchServerArgs a) {
   if (a.warmup < 0) a.warmup = a.l2_dir.empty() ? 0 : 2;
+  if (a.isolate_clients && !a.socket.empty()) {
+    fmt::print(stderr,
+               "kvtier bench server: error: --isolate-clients configures the server started "
+               "here; a running server (--socket) has its own mode\n");
+    return 2;
+  }
   if (a.l2_dir.empty()) {
     if (!a.write_policies.empty()) {
       fmt::print(stderr, "kvtier bench server: error: --write-policy needs --l2 DIR\n");
       return 2;
     }
-    nlohmann::json j;
-    int rc = RunOnce(a, std::nullopt, &j);
-    if (rc == 0 && a.json) fmt::print("{}\n", j.dump(2));
-    return rc;
+    if (!a.isolate_clients) {
+      nlohmann::json j;
+      int rc = RunOnce(a, std::nullopt, false, &j);
+      if (rc == 0 && a.json) fmt::print("{}\n", j.dump(2));
+      return rc;
+    }
+    // The shared pool and isolated clients, same chunks, processes and passes, one after the
+    // other.
+    nlohmann::json runs = nlohmann::json::array();
+    double rate[2][2] = {};  // [isolated][store, load]
+    for (bool isolate : {false, true}) {
+      if (!a.json) fmt::print("== {} ==\n", isolate ? "isolated clients" : "shared pool");
+      nlohmann::json j;
+      if (int rc = RunOnce(a, std::nullopt, isolate, &j); rc != 0) return rc;
+      if (a.json) {
+        rate[isolate][0] = j["store_GBps"].get<double>();
+        rate[isolate][1] = j["load_GBps"].get<double>();
+        runs.push_back(std::move(j));
+      } else {
+        fmt::print("\n");
+      }
+    }
+    if (a.json) {
+      nlohmann::json cost = {
+          {"store_isolated_vs_shared", rate[0][0] > 0 ? rate[1][0] / rate[0][0] : 0},
+          {"load_isolated_vs_shared", rate[0][1] > 0 ? rate[1][1] / rate[0][1] : 0}};
+      fmt::print("{}\n", nlohmann::json{{"runs", runs}, {"isolation_cost", cost}}.dump(2));
+    }
+    return 0;
+  }
+  if (a.isolate_clients) {
+    fmt::print(stderr, "kvtier bench server: error: --isolate-clients runs without --l2\n");
+    return 2;
   }
   if (!a.socket.empty()) {
     fmt::print(stderr,
@@ -817,7 +864,7 @@ int RunBenchServer(BenchServerArgs a) {
   for (WritePolicy p : policies) {
     if (!a.json) fmt::print("== write policy {} ==\n", WritePolicyName(p));
     nlohmann::json j;
-    if (int rc = RunOnce(a, p, &j); rc != 0) return rc;
+    if (int rc = RunOnce(a, p, false, &j); rc != 0) return rc;
     runs.push_back(std::move(j));
     if (!a.json) fmt::print("\n");
   }
@@ -869,6 +916,10 @@ void AddBenchServer(CLI::App& parent, CommandContext& ctx) {
   cmd->add_option("--warmup", args->warmup,
                   "Unmeasured passes before the measured ones (default: 2 with --l2, else 0)")
       ->check(CLI::Range(0, 1000));
+  cmd->add_flag("--isolate-clients", args->isolate_clients,
+                "Run twice, with the shared pool and with isolated clients (kvtier serve "
+                "--isolate-clients: private windows, server-side copies), to measure what "
+                "isolation costs");
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->callback([args, &ctx] { ctx.exit_code = RunBenchServer(*args); });
 }

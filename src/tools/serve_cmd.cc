@@ -223,6 +223,11 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
       [a](ServeConfig& c) { c.hello_timeout_ms = a->flags.hello_timeout_ms; });
   add(cmd->add_flag("--huge-pages", f.huge_pages, "Try 2 MiB pages for the pool"),
       [a](ServeConfig& c) { c.huge_pages = a->flags.huge_pages; });
+  add(cmd->add_flag("--isolate-clients", f.isolate_clients,
+                    "No client maps the shared pool: each gets a private window of "
+                    "--max-client-slots slots and the server copies chunks in and out (one copy "
+                    "per chunk each way), so clients cannot read or write each other's chunks"),
+      [a](ServeConfig& c) { c.isolate_clients = a->flags.isolate_clients; });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")
       ->type_name("FILE");
   cmd->add_option("--log-level", args->log_level, "trace, debug, info, warn, error or off")
