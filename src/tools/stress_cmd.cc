@@ -66,6 +66,9 @@ struct StressArgs {
   double l2_mb = 24;         // small: L2 evicts too
   double fault_rate = 0.02;  // per file-tier operation, in the fault-injecting server
   bool kill_server = true, kill_clients = true, adversary = true;
+  // Servers isolate clients (private windows); the adversary then also scribbles over all the
+  // memory it maps, which must never reach another tenant.
+  bool isolate_clients = false;
   // Role arguments.
   std::string socket;
   std::string write_policy = "write_back";
@@ -264,6 +267,45 @@ void Drain(int fd, std::chrono::milliseconds wait) {
   }
 }
 
+// Another tenant with a real client: stores and pins chunks of its own, overwriting every byte
+// it maps meanwhile. Under --isolate-clients that is its own window only; with the shared pool
+// it would be everyone's chunks (docs/security.md), so this runs only with isolation.
+void ScribbleAsAnotherTenant(const StressArgs& a, std::mt19937_64& rng) {
+  ClientOptions o;
+  o.socket_path = a.socket;
+  o.ns = StressNamespace();
+  o.ns.tenant_salt = "stress-adversary";
+  o.chunk_bytes = a.chunk_bytes;
+  o.client_name = "stress-adversary-tenant";
+  o.connect_timeout = 1000ms;
+  o.rpc_timeout = 2000ms;
+  auto c = Client::Connect(o);
+  if (!c.ok()) return;
+  auto scribble = [&] {
+    const uint8_t junk = static_cast<uint8_t>(rng());
+    for (uint32_t s = 0; s < (*c)->num_slots(); ++s) {
+      auto d = (*c)->SlotData(s);
+      std::memset(d.data(), junk, d.size());
+    }
+  };
+  std::vector<ChunkKey> keys;
+  for (int i = 0; i < 4; ++i) {
+    keys.push_back(ConversationKeys(rng() % kConversations)[rng() % kMaxChunks]);
+  }
+  auto reserved = (*c)->ReserveSlots(keys);
+  scribble();
+  if (reserved.ok()) {
+    (void)(*c)->CommitSlots(std::span(keys).first(reserved->size()), *reserved);
+  }
+  auto load = (*c)->PrepareLoad(keys);
+  if (load.ok()) {
+    OpResult r = load->Wait();
+    scribble();
+    (void)(*c)->Unpin(r.slots);
+  }
+  scribble();
+}
+
 int RunAdversary(const StressArgs& a) {
   namespace codec = server;
   std::mt19937_64 rng(a.seed * 7919 + 17);
@@ -294,6 +336,11 @@ int RunAdversary(const StressArgs& a) {
       continue;
     }
     ++attacks;
+    if (a.isolate_clients && rng() % 10 == 0) {
+      ::close(fd);
+      ScribbleAsAnotherTenant(a, rng);
+      continue;
+    }
     switch (rng() % 9) {
       case 0: {  // garbage
         std::vector<uint8_t> junk(1 + rng() % 512);
@@ -380,6 +427,7 @@ server::ServeConfig ServerConfig(const StressArgs& a) {
   c.socket = a.socket;
   c.http_port = -1;
   c.write_policy = a.write_policy;
+  c.isolate_clients = a.isolate_clients;
   return c;
 }
 
@@ -474,6 +522,11 @@ class Driver {
             "--chunk-bytes", std::to_string(a_.chunk_bytes),
             "--until-unix",  fmt::format("{:.3f}", until_unix_)};
   }
+  // RoleArgs with what the server and the adversary must know of the run.
+  std::vector<std::string> WithIsolation(std::vector<std::string> argv) const {
+    if (a_.isolate_clients) argv.push_back("--isolate-clients");
+    return argv;
+  }
   void StartServer();
   bool StopServer(bool kill);  // false (with failure_ set) on an unclean or slow exit
   void StartClient(int id);
@@ -534,6 +587,7 @@ void Driver::StartServer() {
             "--log-level",
             "warn"};
   }
+  argv = WithIsolation(std::move(argv));
   server_ = {Spawn(argv, a_.dir + "/server.log"),
              !faulty          ? "kvtier serve"
              : fault_rate > 0 ? "fault-injecting server"
@@ -597,7 +651,7 @@ void Driver::StartClient(int id) {
 }
 
 void Driver::StartAdversary() {
-  pid_t pid = Spawn(RoleArgs("adversary"), a_.dir + "/adversary.log");
+  pid_t pid = Spawn(WithIsolation(RoleArgs("adversary")), a_.dir + "/adversary.log");
   clients_[pid] = {pid, "adversary", false};
   client_ids_[pid] = -1;
 }
@@ -815,6 +869,9 @@ void AddStress(CLI::App& parent, CommandContext& ctx) {
   cmd->add_flag("!--no-server-kills", a->kill_server, "Never kill or restart the server");
   cmd->add_flag("!--no-client-kills", a->kill_clients, "Never kill clients");
   cmd->add_flag("!--no-adversary", a->adversary, "No adversarial client");
+  cmd->add_flag("--isolate-clients", a->isolate_clients,
+                "Servers isolate clients (kvtier serve --isolate-clients); the adversary also "
+                "overwrites every byte it can map, as another tenant");
   // Internal: the roles the driver starts.
   cmd->add_option("--role", a->role)->group("");
   cmd->add_option("--socket", a->socket)->group("");
