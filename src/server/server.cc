@@ -1255,15 +1255,28 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
       keys->resize(allowed);  // a short reply, as when the pool is full
       auto derived = derive(*keys);
       std::vector<SlotId> slots = engine_->ReserveSlots(derived);
+      std::vector<SlotId> unused;  // pool slots with no window slot to hand out (see below)
       {
         std::lock_guard lock(c.mu);
         for (size_t i = 0; i < slots.size(); ++i) {
           if (slots[i] == kNoSlot) continue;
           const SlotId pool = slots[i];
-          if (c.window) slots[i] = c.window->Take();  // free: the allowance kept it so
+          if (c.window) {
+            // Always free (the allowance counts window slots); were it not, a shorter reply.
+            const SlotId w = c.window->Take();
+            if (w == kNoSlot) {
+              for (size_t j = i; j < slots.size(); ++j) {
+                if (slots[j] != kNoSlot) unused.push_back(slots[j]);
+              }
+              slots.resize(i);
+              break;
+            }
+            slots[i] = w;
+          }
           c.reservations[slots[i]] = {derived[i], started, pool};
         }
       }
+      if (!unused.empty()) engine_->AbortSlots(unused);
       keep = reply(Status::Ok(), SlotsReplyFields(slots));
       break;
     }
