@@ -251,10 +251,16 @@ def test_dropping_never_blocks_on_a_stalled_server(serve, ns):
         op = c.prepare_load(keys)
         st = c.store(keys_for(ns, 2, seed=5), chunks(2))
         assert op.wait(timeout=0.05) is None and st.wait(timeout=0.05) is None
+        # A full collection alone takes a quarter of a second or more once vLLM is imported
+        # into this process: it is not the drop's time, so measure it first and allow it.
+        gc.collect()
+        start = time.monotonic()
+        gc.collect()
+        collection = time.monotonic() - start
         start = time.monotonic()
         del op, st, c
         gc.collect()
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 0.5 + collection
     finally:
         server.proc.send_signal(signal.SIGCONT)
 
