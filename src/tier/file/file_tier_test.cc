@@ -378,8 +378,6 @@ TEST(FileTierIndexTest, LookupOfAThousandChunksOnDiskMakesNoEnvCall) {
   EXPECT_EQ(no_probes->Stats().probes, 0u);
 }
 
-// A chunk another tier wrote: the first lookup misses (the index does not have it) and queues a
-// probe; once the probe has found the file, lookups hit.
 // Forwards to the default Env; an Open of a path ending in `target` that finds nothing runs
 // `before_answer` first (once): the tier's own write can then publish the chunk while a read
 // that found it missing is on its way back.
@@ -434,6 +432,8 @@ TEST(FileTierIndexTest, AReadThatFoundAChunkMissingDoesNotForgetItsNewerWrite) {
   EXPECT_LE(ChunkFilesOnDisk(tier->namespace_dir()).second, o.capacity_bytes);
 }
 
+// A chunk another tier wrote: the first lookup misses (the index does not have it) and queues a
+// probe; once the probe has found the file, lookups hit.
 TEST(FileTierIndexTest, AChunkOfAnotherTierIsFoundAfterTheProbe) {
   testing::StorageDir dir;
   FileTierOptions o = Options(dir.path(), 8192);
