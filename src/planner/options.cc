@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -57,9 +58,23 @@ const std::vector<FlagInfo>& Flags() {
        "before its last answer is done)",
        &F::qps},
       {"load",
-       "Instead of --qps: fraction of the no-offload engine's capacity, measured per context by "
-       "a saturating probe (0.65 = the honest-measurement rule)",
+       "Instead of --qps: fraction of each arm's own capacity at each context, measured as "
+       "--capacity-method says; the --qps chosen sends this fraction (0.65 = the "
+       "honest-measurement rule, as `kvtier bench qa --find-capacity` recommends)",
        &F::load},
+      {"capacity-method",
+       "How --load's capacity is measured: paced (the published method, as bench qa's default: "
+       "the paced workload overloaded in stages, --qps doubling, until the engine falls behind) "
+       "or closed-loop (users asking back to back)",
+       &F::capacity_method},
+      {"capacity-stage-time",
+       "Length of each paced capacity stage (bench qa's --capacity-stage-time; give both the same "
+       "value; a stage shorter than a few question gaps measures its own start)",
+       &F::capacity_stage_time},
+      {"capacity-start-qps",
+       "The --qps of the first paced capacity stage (as bench qa's --qps with --find-capacity); "
+       "default: a fifth of what an idle engine finishes back to back",
+       &F::capacity_start_qps},
       {"system-prompt", "Tokens of system prompt shared by all users", &F::system_prompt},
       {"context",
        "Per-user context at the first round, tokens; a comma list is a sweep (k = x1024, e.g. "
@@ -80,6 +95,17 @@ const std::vector<FlagInfo>& Flags() {
       {"step-overhead-ms",
        "Fixed cost of every engine step (scheduling, launches, sampling), milliseconds",
        &F::step_overhead_ms},
+      {"request-overhead-ms",
+       "Time every request spends outside the engine's steps before its first token arrives "
+       "(HTTP, tokenization, scheduling, streaming), milliseconds; measure it as the idle TTFT of "
+       "a prompt the engine holds entirely in its prefix cache. It is already inside measured "
+       "--prefill-table TTFTs, so it is taken out of them",
+       &F::request_overhead_ms},
+      {"decode-step-ms",
+       "Measured duration of one decode step (the idle time between answer tokens), "
+       "milliseconds; default: weights and KV read at the GPU's HBM bandwidth plus "
+       "--step-overhead-ms",
+       &F::decode_step_ms},
       {"calibrate",
        "CONTEXT:SECONDS: a measured mean TTFT without offload at that context, for this "
        "workload; fits --step-overhead-ms to it",
@@ -151,6 +177,11 @@ const char* TypeName(std::string_view flag) {
       {"tier", "NAME:SIZE:BW[:BW]"},
       {"write-policy", "POLICY"},
       {"step-overhead-ms", "MS"},
+      {"request-overhead-ms", "MS"},
+      {"decode-step-ms", "MS"},
+      {"capacity-method", "METHOD"},
+      {"capacity-stage-time", "TIME"},
+      {"capacity-start-qps", "REQ/S"},
       {"calibrate", "TOKENS:S"},
       {"max-batched-tokens", "TOKENS"},
       {"block-tokens", "TOKENS"},
@@ -276,8 +307,21 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   e.kv_bytes_per_token = in.model.kv_bytes_per_token();
   const bool measured_pair = in.model.name == "qwen3-8b" && gpu.name == "h200" && tp == 1 &&
                              in.model.kv_dtype == DType::kBFloat16;
+  KVTIER_ASSIGN_OR_RETURN(double request_ms,
+                          ParseNumber(f.request_overhead_ms, "--request-overhead-ms"));
+  if (!(request_ms >= 0)) return Status::InvalidArgument("--request-overhead-ms must be >= 0");
+  e.request_overhead_s = request_ms / 1e3;
   if (!f.prefill_table.empty()) {
     KVTIER_ASSIGN_OR_RETURN(auto table, ParseTokenSecondsTable(f.prefill_table));
+    // Measured TTFTs hold the per-request overhead once; the engine's share is the rest.
+    for (auto& [tokens, seconds] : table) {
+      if (!(seconds > e.request_overhead_s)) {
+        return Status::InvalidArgument(fmt::format(
+            "--prefill-table: {} tokens in {} s is not above --request-overhead-ms {}", tokens,
+            seconds, request_ms));
+      }
+      seconds -= e.request_overhead_s;
+    }
     auto cost = PrefillCost::FromTable(std::move(table));
     if (!cost.ok()) return cost.status().WithContext("--prefill-table");
     e.prefill = std::move(cost).value();
@@ -294,6 +338,13 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   const double hbm = gpu.hbm_bytes_per_s * tp;
   e.decode_weights_s = in.model.active_params * in.model.weight_bytes_per_param / hbm;
   e.decode_s_per_kv_token = static_cast<double>(e.kv_bytes_per_token) / hbm;
+  if (!f.decode_step_ms.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(double decode_ms, ParseNumber(f.decode_step_ms, "--decode-step-ms"));
+    if (!(decode_ms > 0)) return Status::InvalidArgument("--decode-step-ms must be > 0");
+    // A measured step already holds the step overhead and the reads.
+    e.decode_weights_s = std::max(0.0, decode_ms / 1e3 - e.step_overhead_s);
+    e.decode_s_per_kv_token = 0;
+  }
   KVTIER_ASSIGN_OR_RETURN(uint64_t mbt, ParseCount(f.max_batched_tokens, "max-batched-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(uint64_t bt, ParseCount(f.block_tokens, "block-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(uint64_t ct, ParseCount(f.chunk_tokens, "chunk-tokens", 1));
@@ -340,6 +391,25 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     if (cmd.count("--load") > 0) return Status::InvalidArgument("give --qps or --load, not both");
   } else {
     KVTIER_ASSIGN_OR_RETURN(in.load, ParseNumber(f.load, "--load"));
+  }
+  if (f.capacity_method == "paced") {
+    in.capacity_method = CapacityMethod::kPaced;
+  } else if (f.capacity_method == "closed-loop" || f.capacity_method == "closed_loop") {
+    in.capacity_method = CapacityMethod::kClosedLoop;
+  } else {
+    return Status::InvalidArgument(fmt::format(
+        "--capacity-method: unknown method '{}' (paced or closed-loop)", f.capacity_method));
+  }
+  auto stage = ParseDuration(f.capacity_stage_time);
+  if (!stage.ok()) return stage.status().WithContext("--capacity-stage-time");
+  if (!(*stage >= 1)) return Status::InvalidArgument("--capacity-stage-time must be >= 1 s");
+  in.capacity_stage_s = *stage;
+  if (!f.capacity_start_qps.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(in.capacity_start_qps,
+                            ParseNumber(f.capacity_start_qps, "--capacity-start-qps"));
+    if (!(in.capacity_start_qps > 0)) {
+      return Status::InvalidArgument("--capacity-start-qps must be > 0");
+    }
   }
   std::vector<std::string> tier_texts = f.tiers;
   if (tier_texts.empty()) tier_texts.push_back(kDefaultTier);

@@ -28,6 +28,9 @@ struct PlannerFlags {
   std::string rounds = "5";
   std::string qps;
   std::string load = "0.65";
+  std::string capacity_method = "paced";
+  std::string capacity_stage_time = "60s";
+  std::string capacity_start_qps;
   std::string system_prompt = "1000";
   std::string context = "4096,8192,16384,24576,32768";
   std::string question_tokens = "128";
@@ -36,6 +39,8 @@ struct PlannerFlags {
   std::vector<std::string> tiers;
   std::string write_policy = "write_through";
   std::string step_overhead_ms = "4";
+  std::string request_overhead_ms = "0";
+  std::string decode_step_ms;
   std::string calibrate;
   std::string max_batched_tokens = "8192";
   std::string block_tokens = "16";

@@ -7,12 +7,14 @@
 #include <cmath>
 #include <cstdio>
 
+#include "common/paced_capacity.h"
 #include "planner/units.h"
 
 namespace kvtier::planner {
 namespace {
 
 constexpr double kProbeMaxS = 300;  // capacity probes need not be as long as the run
+constexpr int kCapacityMaxStages = 8;  // as bench qa's --capacity-max-stages
 
 std::string WithCommas(uint64_t v) {
   std::string s = std::to_string(v);
@@ -31,12 +33,17 @@ ArmReport FromSim(const SimResult& r, const std::vector<TierSpec>& tiers) {
   a.hit_rate.assign(tiers.size() + 2, 0);
   a.bytes_written.assign(tiers.size(), 0);
   a.bytes_read.assign(tiers.size(), 0);
+  a.token_share.assign(tiers.size() + 2, 0);
+  const double prompt = std::max<double>(1, static_cast<double>(r.prompt_tokens));
   a.hit_rate.front() = r.HitRate(0);
   a.hit_rate.back() = r.HitRate(r.source_names.size() - 1);
+  a.token_share.front() = r.tokens_by_source.front() / prompt;
+  a.token_share.back() = r.tokens_by_source.back() / prompt;
   for (size_t t = 0; t < tiers.size(); ++t) {
     for (size_t s = 1; s + 1 < r.source_names.size(); ++s) {
       if (r.source_names[s] != tiers[t].name) continue;
       a.hit_rate[t + 1] = r.HitRate(s);
+      a.token_share[t + 1] = r.tokens_by_source[s] / prompt;
       a.bytes_written[t] = r.bytes_written[s - 1];
       a.bytes_read[t] = r.bytes_read[s - 1];
     }
@@ -72,18 +79,61 @@ class Planner {
     o.write_policy = in_.write_policy;
     return o;
   }
-  Result<double> Capacity(const EngineModel& engine, Workload w, bool offload) const {
-    SimOptions o = Options(engine, w, offload);
-    o.saturate = true;
-    o.workload.duration_s = std::min(w.duration_s, kProbeMaxS);
-    KVTIER_ASSIGN_OR_RETURN(SimResult r, Simulate(o));
-    return r.throughput_rps;
+  // The arm's service rate, finished requests per second, measured as --capacity-method says.
+  Result<double> Capacity(const EngineModel& engine, const Workload& w, bool offload) const {
+    if (in_.capacity_method == CapacityMethod::kClosedLoop) {
+      SimOptions o = Options(engine, w, offload);
+      o.saturate = true;
+      o.workload.duration_s = std::min(w.duration_s, kProbeMaxS);
+      KVTIER_ASSIGN_OR_RETURN(SimResult r, Simulate(o));
+      return r.throughput_rps;
+    }
+    // The published method, as `kvtier bench qa --find-capacity` runs it: the paced workload,
+    // deliberately overloaded in stages (each a fresh run), qps doubling until the engine
+    // finishes under 90 % of what the pacing sends or its finished rate stops growing by 10 %;
+    // each stage's rate is counted after its first tenth, and what is unfinished at the stage's
+    // end is not counted.
+    const double stage = in_.capacity_stage_s;
+    double qps = in_.capacity_start_qps;
+    if (!(qps > 0)) {
+      // A fifth of what an idle engine finishes back to back, in the pacing's terms, but at
+      // least two questions per user and stage (a stage with fewer measures nothing).
+      Workload probe = w;
+      probe.qps = 1;
+      qps = std::max(
+          0.2 / engine.prefill.Full(static_cast<uint64_t>(MeanPrompt(w))) / probe.SentRate(),
+          2.0 * w.users / stage);
+    }
+    double best = 0;
+    for (int n = 0; n < kCapacityMaxStages; ++n, qps *= 2) {
+      SimOptions o = Options(engine, w, offload);
+      o.workload.qps = qps;
+      o.workload.duration_s = stage;
+      o.keep_requests = true;
+      KVTIER_ASSIGN_OR_RETURN(SimResult r, Simulate(o));
+      std::vector<std::pair<double, double>> finished;
+      std::vector<double> sends;
+      for (const RequestLog& l : r.request_log) {
+        sends.push_back(l.sent_s);
+        if (l.finish_s <= stage) finished.emplace_back(l.sent_s, l.finish_s);
+      }
+      const PacedStageReading reading = ReadPacedStage(finished, sends, 0, stage);
+      if (reading.finished_rps < 1.1 * best) break;  // plateau: more load only queues
+      best = std::max(best, reading.finished_rps);
+      if (reading.fell_behind) break;  // the rate it achieves once behind is its capacity
+    }
+    return best;
   }
-  Result<double> QpsFor(const EngineModel& engine, const Workload& w) const {
+  // The --qps at which the arm's pacing sends `load` x its capacity (bench qa's recommendation).
+  Result<double> QpsFor(const EngineModel& engine, const Workload& w, bool offload,
+                        double* capacity) const {
     if (in_.qps > 0) return in_.qps;
-    KVTIER_ASSIGN_OR_RETURN(double cap, Capacity(engine, w, false));
+    KVTIER_ASSIGN_OR_RETURN(double cap, Capacity(engine, w, offload));
     if (!(cap > 0)) return Status::Internal("capacity probe completed no request");
-    return in_.load * cap;
+    if (capacity) *capacity = cap;
+    Workload unit = w;
+    unit.qps = 1;
+    return in_.load * cap / unit.SentRate();
   }
   Result<double> CalibrateStepOverhead();
   Status SimulatePoint(const EngineModel& engine, Workload w, PointReport* p);
@@ -100,7 +150,7 @@ Result<double> Planner::CalibrateStepOverhead() {
   auto mean_at = [&](double overhead) -> Result<double> {
     EngineModel e = in_.engine;
     e.step_overhead_s = overhead;
-    KVTIER_ASSIGN_OR_RETURN(double qps, QpsFor(e, w));
+    KVTIER_ASSIGN_OR_RETURN(double qps, QpsFor(e, w, false, nullptr));
     Workload wq = w;
     wq.qps = qps;
     KVTIER_ASSIGN_OR_RETURN(SimResult r, Simulate(Options(e, wq, false)));
@@ -134,16 +184,28 @@ Result<double> Planner::CalibrateStepOverhead() {
 }
 
 Status Planner::SimulatePoint(const EngineModel& engine, Workload w, PointReport* p) {
-  KVTIER_ASSIGN_OR_RETURN(w.qps, QpsFor(engine, w));
-  p->qps = w.qps;
-  KVTIER_ASSIGN_OR_RETURN(SimResult base, Simulate(Options(engine, w, false)));
-  KVTIER_ASSIGN_OR_RETURN(SimResult off, Simulate(Options(engine, w, true)));
+  // Each arm runs at its own load: with --load, a fraction of that arm's capacity at this point.
+  double cap_base = 0, cap_off = 0;
+  Workload wb = w, wo = w;
+  KVTIER_ASSIGN_OR_RETURN(wb.qps, QpsFor(engine, w, false, &cap_base));
+  KVTIER_ASSIGN_OR_RETURN(wo.qps, QpsFor(engine, w, true, &cap_off));
+  p->qps = wb.qps;
+  KVTIER_ASSIGN_OR_RETURN(SimResult base, Simulate(Options(engine, wb, false)));
+  KVTIER_ASSIGN_OR_RETURN(SimResult off, Simulate(Options(engine, wo, true)));
   p->baseline = FromSim(base, in_.tiers);
   p->offload = FromSim(off, in_.tiers);
+  p->baseline.qps = wb.qps;
+  p->offload.qps = wo.qps;
   report_.total_sim_wall_s += base.wall_s + off.wall_s;
   if (in_.service_rate) {
-    KVTIER_ASSIGN_OR_RETURN(p->baseline.service_rate_rps, Capacity(engine, w, false));
-    KVTIER_ASSIGN_OR_RETURN(p->offload.service_rate_rps, Capacity(engine, w, true));
+    if (!(cap_base > 0)) {
+      KVTIER_ASSIGN_OR_RETURN(cap_base, Capacity(engine, w, false));
+    }
+    if (!(cap_off > 0)) {
+      KVTIER_ASSIGN_OR_RETURN(cap_off, Capacity(engine, w, true));
+    }
+    p->baseline.service_rate_rps = cap_base;
+    p->offload.service_rate_rps = cap_off;
   }
   p->regime =
       ClassifyRegime(p->baseline.evicted_recompute_fraction, MeanPrompt(w), report_.payoff_tokens);
@@ -152,10 +214,10 @@ Status Planner::SimulatePoint(const EngineModel& engine, Workload w, PointReport
     EngineModel small = engine, large = engine;
     small.gpu_kv_bytes *= 0.9;
     large.gpu_kv_bytes *= 1.1;
-    auto b_small = Simulate(Options(small, w, false));
-    auto b_large = Simulate(Options(large, w, false));
-    auto o_small = Simulate(Options(small, w, true));
-    auto o_large = Simulate(Options(large, w, true));
+    auto b_small = Simulate(Options(small, wb, false));
+    auto b_large = Simulate(Options(large, wb, false));
+    auto o_small = Simulate(Options(small, wo, true));
+    auto o_large = Simulate(Options(large, wo, true));
     if (b_small.ok() && b_large.ok() && o_small.ok() && o_large.ok()) {
       p->has_sensitivity = true;
       p->baseline_gpu_hit_low = b_small->HitRate(0);
@@ -234,6 +296,7 @@ Result<PlanReport> Planner::Run() {
         a.median_ttft_s = f.median_ttft_s;
         a.p90_ttft_s = f.p90_ttft_s;
         a.hit_rate = f.hit_rate;
+        a.token_share = f.hit_rate;  // the closed forms share out tokens, not requests
         const double requests = w.users * w.rounds;  // one conversation per user, per session
         for (double b : f.bytes_written_per_request) a.bytes_written.push_back(b * requests);
         for (double b : f.bytes_read_per_request) a.bytes_read.push_back(b * requests);
@@ -371,13 +434,13 @@ std::string FormatReport(const PlanReport& r) {
 
   out += "Where prompts came from (fraction of requests), bytes moved";
   out += r.fast ? " (per session of all users)" : "";
-  out += r.fast ? "\n" : ", service rate (capacity probe)\n";
+  out += r.fast ? "\n" : ", each arm's --qps and service rate (finished req/s, capacity probe)\n";
   std::string header = fmt::format("{:>8} {:>9} {:>5}", "context", "arm", "gpu");
   for (const auto& n : r.tier_names) header += fmt::format(" {:>6}", n.substr(0, 6));
   header += fmt::format(" {:>9}", "recompute");
   for (const auto& n : r.tier_names) header += fmt::format(" {:>10}", "wr " + n.substr(0, 7));
   for (const auto& n : r.tier_names) header += fmt::format(" {:>10}", "rd " + n.substr(0, 7));
-  if (!r.fast) header += fmt::format(" {:>9}", "req/s");
+  if (!r.fast) header += fmt::format(" {:>9} {:>9}", "qps", "capacity");
   out += header + "\n";
   for (const PointReport& p : r.points) {
     for (int arm = 0; arm < 2; ++arm) {
@@ -396,7 +459,7 @@ std::string FormatReport(const PlanReport& r) {
       for (size_t t = 0; t < r.tier_names.size(); ++t) {
         line += fmt::format(" {:>10}", a.bytes_read.empty() ? "0" : FormatBytes(a.bytes_read[t]));
       }
-      if (!r.fast) line += fmt::format(" {:>9.3f}", a.service_rate_rps);
+      if (!r.fast) line += fmt::format(" {:>9.3f} {:>9.3f}", a.qps, a.service_rate_rps);
       out += line + "\n";
     }
   }
@@ -449,11 +512,14 @@ std::string FormatReport(const PlanReport& r) {
   for (const PointReport& p : r.points) {
     for (int arm = 0; arm < 2; ++arm) {
       const ArmReport& a = arm == 0 ? p.baseline : p.offload;
-      if (a.service_rate_rps > 0 && p.qps > 0.95 * a.service_rate_rps) {
+      Workload sent = r.workload;
+      sent.qps = a.qps;
+      if (a.service_rate_rps > 0 && sent.SentRate() > 0.95 * a.service_rate_rps) {
         out += fmt::format(
             "Warning: at {} tokens the {} arm is offered {:.3f} req/s but serves at most {:.3f}: "
             "its TTFT measures a growing queue, not the cache.\n",
-            p.context_tokens, arm == 0 ? "no-offload" : "offload", p.qps, a.service_rate_rps);
+            p.context_tokens, arm == 0 ? "no-offload" : "offload", sent.SentRate(),
+            a.service_rate_rps);
       }
     }
   }
@@ -473,14 +539,26 @@ nlohmann::json ReportToJson(const PlanReport& r) {
     hit["gpu"] = a.hit_rate.front();
     for (size_t t = 0; t < r.tier_names.size(); ++t) hit[r.tier_names[t]] = a.hit_rate[t + 1];
     hit["recompute"] = a.hit_rate.back();
+    json share = json::object();
+    if (!a.token_share.empty()) {
+      share["gpu"] = a.token_share.front();
+      for (size_t t = 0; t < r.tier_names.size(); ++t) share[r.tier_names[t]] = a.token_share[t + 1];
+      share["recompute"] = a.token_share.back();
+    }
     json written = json::object(), read = json::object();
     for (size_t t = 0; t < r.tier_names.size(); ++t) {
       written[r.tier_names[t]] = a.bytes_written.empty() ? 0.0 : a.bytes_written[t];
       read[r.tier_names[t]] = a.bytes_read.empty() ? 0.0 : a.bytes_read[t];
     }
-    return json{{"mean_ttft_s", a.mean_ttft_s}, {"median_ttft_s", a.median_ttft_s},
-                {"p90_ttft_s", a.p90_ttft_s},   {"hit_rate", hit},
-                {"bytes_written", written},     {"bytes_read", read}};
+    return json{{"qps", a.qps},
+                {"service_rate_rps", a.service_rate_rps},
+                {"mean_ttft_s", a.mean_ttft_s},
+                {"median_ttft_s", a.median_ttft_s},
+                {"p90_ttft_s", a.p90_ttft_s},
+                {"hit_rate", hit},
+                {"token_share", share},
+                {"bytes_written", written},
+                {"bytes_read", read}};
   };
   for (const PointReport& p : r.points) {
     points.push_back(json{{"context_tokens", p.context_tokens},

@@ -18,15 +18,24 @@
 
 namespace kvtier::planner {
 
+enum class CapacityMethod { kPaced, kClosedLoop };
+
 struct PlanInputs {
   ModelSpec model;
   std::string gpu_description;  // e.g. "h200, 19 GB KV" for titles
   EngineModel engine;           // gpu_kv_bytes, prefill, step model
   Workload workload;            // context_tokens is replaced by each entry of `contexts`
   std::vector<uint64_t> contexts;
-  // Exactly one of qps (> 0) and load (fraction of the no-offload arm's measured capacity).
+  // Exactly one of qps (> 0) and load (fraction of each arm's own capacity, at each point).
   double qps = 0;
   double load = 0.65;
+  // How capacity is measured for --load, as `kvtier bench qa --find-capacity` does it: kPaced
+  // runs the paced workload in stages of capacity_stage_s, qps doubling from capacity_start_qps
+  // (0: derived from the prefill cost), until the engine falls behind; kClosedLoop keeps `users`
+  // users asking back to back.
+  CapacityMethod capacity_method = CapacityMethod::kPaced;
+  double capacity_stage_s = 60;
+  double capacity_start_qps = 0;
   std::vector<TierSpec> tiers;
   WritePolicy write_policy = WritePolicy::kWriteThrough;
   bool fast = false;         // closed forms only
@@ -40,8 +49,10 @@ struct PlanInputs {
 };
 
 struct ArmReport {
+  double qps = 0;  // the --qps this arm ran at (with --load: from its own capacity)
   double mean_ttft_s = 0, median_ttft_s = 0, p90_ttft_s = 0;
-  std::vector<double> hit_rate;       // gpu, each tier, recompute
+  std::vector<double> hit_rate;       // gpu, each tier, recompute (requests, by majority)
+  std::vector<double> token_share;    // gpu, each tier, recompute (prompt tokens)
   std::vector<double> bytes_written;  // per tier, whole run
   std::vector<double> bytes_read;
   double service_rate_rps = 0;  // capacity probe; 0 when not measured
@@ -53,7 +64,7 @@ struct ArmReport {
 struct PointReport {
   uint64_t context_tokens = 0;
   int regime = 0;
-  double qps = 0;
+  double qps = 0;  // the no-offload arm's (ArmReport::qps has each arm's)
   double peak_working_set_bytes = 0;
   ArmReport baseline, offload;
   // Sensitivity: the same point with 0.9x and 1.1x the GPU KV memory.

@@ -94,9 +94,12 @@ TEST(PlanTest, JsonHasExactlyTheIssueFields) {
   EXPECT_EQ(p["context_tokens"], 16384);
   for (const char* arm : {"baseline", "offload"}) {
     const auto& a = p[arm];
-    EXPECT_EQ(a.size(), 6u);
-    for (const char* f : {"mean_ttft_s", "median_ttft_s", "p90_ttft_s"})
+    EXPECT_EQ(a.size(), 9u);
+    for (const char* f : {"qps", "service_rate_rps", "mean_ttft_s", "median_ttft_s", "p90_ttft_s"})
       EXPECT_TRUE(a[f].is_number());
+    double shares = 0;
+    for (const auto& [name, share] : a["token_share"].items()) shares += share.get<double>();
+    EXPECT_NEAR(shares, 1.0, 1e-9);  // every prompt token has one source
     EXPECT_EQ(a["hit_rate"].size(), 4u);  // gpu, cpu, nfs, recompute
     EXPECT_TRUE(a["hit_rate"].contains("recompute"));
     EXPECT_TRUE(a["bytes_written"].contains("cpu"));
@@ -127,6 +130,8 @@ TEST(PlanTest, CalibrationRecoversTheStepOverhead) {
 TEST(PlanTest, SensitivityFlagsTheThreshold) {
   PlanInputs in = Inputs(CpuNfs(8.0 * (1ull << 30)));
   in.contexts = {16384};
+  in.workload.users = 5;  // questions not in bursts (see EvictionIsTailFirst...)
+  in.engine.gpu_kv_bytes = 13.5e9;
   in.service_rate = false;
   auto r = RunPlan(in);
   ASSERT_TRUE(r.ok());

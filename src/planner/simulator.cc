@@ -206,7 +206,9 @@ struct Request {
 };
 
 struct Conversation {
-  uint32_t rounds_sent = 0;
+  uint32_t rounds_sent = 0;      // requests sent; also the prompt's round (its own history)
+  uint32_t rounds_allowed = 0;   // requests this conversation sends in all
+
   double last_sent = 0;
   bool busy = false;             // a request of this conversation is in the engine
   uint64_t gpu_end = 0;          // cached prefix on the GPU, in tokens (block aligned, absolute)
@@ -231,6 +233,7 @@ class Simulation {
 
  private:
   void Push(double t, EventType type, uint32_t id) { events_.push(Event{t, seq_++, type, id}); }
+  uint32_t NewConversation(uint32_t rounds);
   void StartConversation(double now);
   void Send(uint32_t conv, double now);
   void Admit(double now);
@@ -280,10 +283,13 @@ class Simulation {
   uint64_t completed_in_window_ = 0;
 };
 
-void Simulation::StartConversation(double now) {
+uint32_t Simulation::NewConversation(uint32_t rounds) {
   convs_.emplace_back();
-  Send(static_cast<uint32_t>(convs_.size() - 1), now);
+  convs_.back().rounds_allowed = rounds;
+  return static_cast<uint32_t>(convs_.size() - 1);
 }
+
+void Simulation::StartConversation(double now) { Send(NewConversation(w_.rounds), now); }
 
 void Simulation::Send(uint32_t id, double now) {
   Conversation& c = convs_[id];
@@ -515,7 +521,7 @@ void Simulation::MaybeStartStep(double now) {
 }
 
 void Simulation::FinishPrefill(Request& r, double now) {
-  r.log.ttft_s = now - r.sent;
+  r.log.ttft_s = now - r.sent + e_.request_overhead_s;
   if (!tiers_.empty() && o_.write_policy != WritePolicy::kNone) {
     // A save carries the chunks no tier holds; chunks still somewhere below are not copied
     // again (promotion on read brings them back up).
@@ -545,6 +551,7 @@ void Simulation::FinishPrefill(Request& r, double now) {
 
 void Simulation::Finish(Request& r, double now) {
   r.phase = Phase::kDone;
+  r.log.finish_s = now + e_.request_overhead_s;
   Conversation& c = convs_[r.conv];
   const uint64_t total = CeilTo(r.prompt + w_.answer_tokens, e_.block_tokens);
   reserved_tokens_ -= total;
@@ -562,8 +569,8 @@ void Simulation::Finish(Request& r, double now) {
   if (o_.saturate && now >= stop_sending_ * 0.25 && now <= stop_sending_) ++completed_in_window_;
 
   uint32_t conv_id = r.conv;
-  if (c.rounds_sent < w_.rounds) {
-    double next = std::max(now, c.last_sent + gap_s_);
+  if (c.rounds_sent < c.rounds_allowed) {
+    double next = std::max(now + e_.request_overhead_s, c.last_sent + gap_s_);
     if (next < stop_sending_) Push(next, EventType::kSend, conv_id);
   } else if (o_.saturate && now < stop_sending_) {
     Push(now, EventType::kJoin, 0);  // a new user takes the finished one's place
@@ -596,8 +603,10 @@ Result<SimResult> Simulation::Run() {
   if (e_.block_tokens == 0 || e_.chunk_tokens == 0 || e_.max_batched_tokens == 0) {
     return Status::InvalidArgument("block, chunk and batch sizes must be >= 1");
   }
-  if (!(e_.step_overhead_s >= 0) || !(e_.save_blocking >= 0) || !(e_.save_copy_bytes_per_s > 0)) {
-    return Status::InvalidArgument("step overhead, save blocking and save bandwidth must be >= 0");
+  if (!(e_.step_overhead_s >= 0) || !(e_.save_blocking >= 0) || !(e_.save_copy_bytes_per_s > 0) ||
+      !(e_.request_overhead_s >= 0)) {
+    return Status::InvalidArgument(
+        "step and request overheads, save blocking and save bandwidth must be >= 0");
   }
   if (!(e_.prefill.Full(1024) > 0)) return Status::InvalidArgument("prefill cost model is empty");
   for (const TierSpec& t : o_.tiers) {
@@ -637,8 +646,22 @@ Result<SimResult> Simulation::Run() {
     gap_s_ = 0;
     for (uint32_t u = 0; u < w_.users; ++u) Push(0, EventType::kJoin, 0);
   } else {
+    // LMCache's pacing, as `kvtier bench qa` sends it: a user asks every users/qps seconds and
+    // lives rounds - 1 gaps; a new user joins every (rounds - 1)/qps seconds. The run starts in
+    // steady state: `users` sessions already under way, spread evenly over a session's life,
+    // their question numbers advanced and their history empty (their text starts at the current
+    // question), plus one user joining at 0.
     gap_s_ = w_.users / w_.qps;
-    const double join_every = w_.rounds / w_.qps;  // session length / users
+    const double join_every = w_.JoinInterval();
+    const double life = join_every * w_.users;
+    for (uint32_t i = 0; i < w_.users; ++i) {
+      const double offset = life - i * join_every;
+      const auto passed = static_cast<uint32_t>(offset / gap_s_) + 1;
+      if (passed >= w_.rounds) continue;  // its last question is behind it
+      const uint32_t id = NewConversation(w_.rounds - passed);
+      const double next = -offset + passed * gap_s_;  // previous send + gap, >= 0
+      if (next < stop_sending_) Push(std::max(0.0, next), EventType::kSend, id);
+    }
     for (double t = 0; t < stop_sending_; t += join_every) Push(t, EventType::kJoin, 0);
   }
 

@@ -2,10 +2,12 @@
 // workload, with or without KV offload tiers below the GPU.
 //
 // What it models (docs/planner.md says why, and where it is weak):
-//  * Users: user k joins at k x rounds/qps seconds and asks `rounds` questions; each question is
-//    sent users/qps seconds after the previous one, but never before the previous answer has
-//    finished. Every prompt carries the whole conversation: system prompt (shared by all users),
-//    the user's context, then all earlier questions and answers, then the new question.
+//  * Users, paced as `kvtier bench qa` (LMCache's benchmark) paces them: a user asks a question
+//    every users/qps seconds, but never before its previous answer has finished; a new user joins
+//    every (rounds - 1)/qps seconds; the run starts in steady state, with `users` sessions already
+//    under way (docs/bench-qa.md). Every prompt carries the whole conversation: system prompt
+//    (shared by all users), the user's context, then all earlier questions and answers, then the
+//    new question.
 //  * The engine runs steps. Each step decodes one token for every running request and prefills
 //    up to `max_batched_tokens` prompt tokens (chunked prefill, first come first served); it
 //    lasts step_overhead + the decode memory traffic (weights + KV read) + the prefill compute of
@@ -68,6 +70,11 @@ struct Workload {
     return system_prompt_tokens + context_tokens + round * (question_tokens + answer_tokens) +
            question_tokens;
   }
+  // A new user joins every JoinInterval() seconds: a user lives rounds - 1 gaps of users/qps.
+  double JoinInterval() const { return (rounds > 1 ? rounds - 1 : 1) / qps; }
+  // Requests per second the pacing sends when the engine keeps up (rounds questions over
+  // rounds - 1 gaps): bench qa's "expected QPS".
+  double SentRate() const { return rounds > 1 ? qps * rounds / (rounds - 1) : qps; }
   // A conversation at its largest: the last prompt plus its answer.
   uint64_t PeakConversationTokens() const {
     return system_prompt_tokens + context_tokens + rounds * (question_tokens + answer_tokens);
@@ -90,6 +97,9 @@ struct EngineModel {
   // Host time to start one layer's load from the host tier (copy calls, events) on the thread
   // that launches the model: it lengthens a launch-bound suffix by layers x this.
   double layer_load_overhead_s = 0;
+  // Time every request spends outside the engine's steps before its first token is seen
+  // (HTTP, tokenization, scheduling, streaming the token back): added to every TTFT.
+  double request_overhead_s = 0;
 };
 
 struct SimOptions {
@@ -109,6 +119,7 @@ struct RequestLog {
   uint32_t round = 0;
   double sent_s = 0;
   double ttft_s = 0;
+  double finish_s = 0;    // when its last answer token came out
   double transfer_s = 0;  // the longest tier read of this request, at full bandwidth
   uint64_t prompt_tokens = 0;
   uint64_t gpu_tokens = 0;

@@ -2,6 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "loadgen/workload.h"
 #include "planner/plan.h"
 
 namespace kvtier::planner {
@@ -120,7 +127,10 @@ TEST(SimulatorTest, SavingKvThatIsNeverReadCostsTtft) {
 TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
   // Just above the threshold some conversations lose only their tails: a later round finds a
   // GPU prefix longer than the shared system prompt but shorter than what it had computed.
-  SimOptions o = Options(16384, 0.8, {});
+  // Five users: their questions do not all fall on the same instants (with 8 users and 5 rounds
+  // the pacing sends them in bursts, and a burst evicts whole conversations).
+  SimOptions o = Options(16384, 0.8, {}, WritePolicy::kWriteThrough, 15e9);
+  o.workload.users = 5;
   auto r = Simulate(o);
   ASSERT_TRUE(r.ok());
   int partial = 0;
@@ -129,6 +139,56 @@ TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
     if (log.round > 0 && log.gpu_tokens > 1024 && log.gpu_tokens + 256 < previous) ++partial;
   }
   EXPECT_GT(partial, 0);
+}
+
+// The simulated users send when, and what, `kvtier bench qa` sends: its own session manager,
+// answered at once, against an engine too fast to hold anyone back.
+TEST(SimulatorTest, SendsWhenAndWhatBenchQaSends) {
+  for (auto [users, rounds, qps] : {std::tuple{8, 5, 0.4}, std::tuple{5, 3, 1.3}, {3, 7, 0.2}}) {
+    const double duration = 200;
+    struct Instant : loadgen::Launcher {
+      std::vector<std::pair<double, int>> sends;  // time, round within its own history
+      double now = 0;
+      void Launch(loadgen::UserSession& s, int) override {
+        sends.emplace_back(now, static_cast<int>(s.history().size() - 1) / 2);
+        s.OnAnswer("a");
+      }
+    } launcher;
+    loadgen::WorkloadConfig config;
+    config.num_users = users;
+    config.num_rounds = rounds;
+    config.qps = qps;
+    loadgen::SessionManager manager(config);
+    // (NextEventTime can be a rounding short of the send it announces: step past it.)
+    for (double t = 0; t < duration; t = std::max(manager.NextEventTime(t), t + 1e-7)) {
+      launcher.now = t;
+      manager.Step(t, launcher);
+    }
+
+    SimOptions o = Options(4096, qps, {});
+    o.workload.users = users;
+    o.workload.rounds = rounds;
+    o.workload.answer_tokens = 1;
+    o.workload.duration_s = duration;
+    o.engine.prefill = *PrefillCost::FromTable({{100000, 1e-6}});
+    o.engine.step_overhead_s = o.engine.decode_weights_s = o.engine.decode_s_per_kv_token = 0;
+    auto r = Simulate(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::vector<std::pair<double, int>> simulated;
+    for (const RequestLog& l : r->request_log) simulated.emplace_back(l.sent_s, l.round);
+    // Sends of one instant in a canonical order (bench qa's joins drift by its loop's latency, here the 1e-7 s steps).
+    auto canonical = [](std::vector<std::pair<double, int>>& v) {
+      for (auto& [t, round] : v) t = std::round(t * 1e2) / 1e2;
+      std::sort(v.begin(), v.end());
+    };
+    canonical(simulated);
+    canonical(launcher.sends);
+    ASSERT_EQ(simulated.size(), launcher.sends.size()) << users << " users, " << rounds;
+    for (size_t i = 0; i < simulated.size(); ++i) {
+      EXPECT_NEAR(simulated[i].first, launcher.sends[i].first, 1e-3) << i;
+      EXPECT_EQ(simulated[i].second, launcher.sends[i].second) << i;
+    }
+  }
 }
 
 TEST(SimulatorTest, QueueingRaisesTtftWithLoad) {
