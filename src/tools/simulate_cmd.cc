@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <memory>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "planner/options.h"
@@ -76,7 +77,35 @@ std::string ArmText(const char* title, const SimResult& r,
   return out;
 }
 
-int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags) {
+// One row per simulated request, both arms, in the columns of bench qa's CSV where they match
+// (times in simulated seconds from the start), so the two can be compared request by request.
+Status AppendRequestLog(const std::string& path, bool first, uint64_t context,
+                        const SimResult& base, const SimResult& off,
+                        const std::vector<planner::TierSpec>& tiers) {
+  std::ofstream out(path, first ? std::ios::trunc : std::ios::app);
+  if (!out) return Status::IOError(fmt::format("--requests-csv: cannot write '{}'", path));
+  if (first) {
+    out << "context,arm,user_id,round,launch_time,ttft,finish_time,prompt_tokens,gpu_tokens";
+    for (const auto& t : tiers) out << "," << t.name << "_tokens";
+    out << ",recomputed_tokens\n";
+  }
+  for (const auto* r : {&base, &off}) {
+    for (const planner::RequestLog& l : r->request_log) {
+      out << fmt::format("{},{},{},{},{:.6f},{:.6f},{:.6f},{},{}", context,
+                         r == &base ? "no-offload" : "offload", l.conversation, l.round + 1,
+                         l.sent_s, l.ttft_s, l.finish_s, l.prompt_tokens, l.gpu_tokens);
+      for (size_t t = 0; t < tiers.size(); ++t) {
+        out << "," << (t < l.tier_tokens.size() ? l.tier_tokens[t] : 0);
+      }
+      out << "," << l.recomputed_tokens << "\n";
+    }
+  }
+  out.flush();
+  return out ? Status::Ok() : Status::IOError(fmt::format("--requests-csv: writing '{}' failed", path));
+}
+
+int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
+                       const std::string& requests_csv) {
   auto fail = [](const Status& s) {
     fmt::print(stderr, "kvtier simulate: {}\n", s.message());
     return 1;
@@ -103,30 +132,44 @@ int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags) {
     o.write_policy = in.write_policy;
     fmt::print(stderr, "simulating context {} tokens ({}/{})\n", in.contexts[i], i + 1,
                in.contexts.size());
-    if (in.qps > 0) {
-      o.workload.qps = in.qps;
-    } else {
-      planner::SimOptions probe = o;
-      probe.saturate = true;
-      probe.workload.duration_s = std::min(o.workload.duration_s, 300.0);
-      auto cap = planner::Simulate(probe);
-      if (!cap.ok()) return fail(cap.status());
-      o.workload.qps = in.load * cap->throughput_rps;
-      wall += cap->wall_s;
+    // Each arm at its own qps: --qps, or --load of that arm's capacity measured as `kvtier plan`
+    // measures it (the same code).
+    double qps_base = in.qps, qps_off = in.qps;
+    if (!(in.qps > 0)) {
+      planner::PlanInputs one = in;
+      one.contexts = {in.contexts[i]};
+      one.sensitivity = false;
+      one.service_rate = false;
+      auto plan = planner::RunPlan(one);
+      if (!plan.ok()) return fail(plan.status());
+      qps_base = plan->points[0].baseline.qps;
+      qps_off = plan->points[0].offload.qps;
+      wall += plan->total_sim_wall_s;
     }
+    o.keep_requests = !requests_csv.empty();
+    o.workload.qps = qps_base;
     auto base = planner::Simulate(o);
     if (!base.ok()) return fail(base.status());
     o.tiers = in.tiers;
+    o.workload.qps = qps_off;
     auto off = planner::Simulate(o);
     if (!off.ok()) return fail(off.status());
+    if (!requests_csv.empty()) {
+      if (Status s = AppendRequestLog(requests_csv, i == 0, in.contexts[i], *base, *off, in.tiers);
+          !s.ok()) {
+        return fail(s);
+      }
+    }
     wall += base->wall_s + off->wall_s;
-    text += fmt::format("\ncontext {} tokens, qps {:.3f} (one question per user every {})\n",
-                        in.contexts[i], o.workload.qps,
-                        FormatSeconds(o.workload.users / o.workload.qps));
+    text += fmt::format("\ncontext {} tokens, qps {:.3f} (one question per user every {}){}\n",
+                        in.contexts[i], qps_base, FormatSeconds(o.workload.users / qps_base),
+                        qps_off != qps_base ? fmt::format("; offload at qps {:.3f}", qps_off)
+                                            : std::string());
     text += ArmText("no offload", *base, in.tiers);
     text += ArmText("offload   ", *off, in.tiers);
     points.push_back({{"context_tokens", in.contexts[i]},
-                      {"qps", o.workload.qps},
+                      {"qps", qps_base},
+                      {"offload_qps", qps_off},
                       {"baseline", ArmJson(*base, in.tiers)},
                       {"offload", ArmJson(*off, in.tiers)}});
   }
@@ -152,7 +195,15 @@ void AddSimulate(CLI::App& parent, CommandContext& ctx) {
       "durations take s/m/h.");
   auto flags = std::make_shared<planner::PlannerFlags>();
   planner::AddPlannerFlags(cmd, flags.get());
-  cmd->callback([cmd, flags, &ctx] { ctx.exit_code = RunSimulateCommand(*cmd, *flags); });
+  auto requests_csv = std::make_shared<std::string>();
+  cmd->add_option("--requests-csv", *requests_csv,
+                  "Also write every simulated request (both arms, every context) to FILE: when it "
+                  "was sent, its TTFT, where its prompt came from; bench qa's CSV columns where "
+                  "they match")
+      ->type_name("FILE");
+  cmd->callback([cmd, flags, requests_csv, &ctx] {
+    ctx.exit_code = RunSimulateCommand(*cmd, *flags, *requests_csv);
+  });
 }
 
 const bool kRegistered = RegisterCommand("", &AddSimulate);

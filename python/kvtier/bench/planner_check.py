@@ -181,19 +181,22 @@ def measure_engine(vllm: Vllm, lengths, repeats: int) -> dict:
     from an empty cache, the TTFT of a prompt it holds entirely (the per-request overhead), and
     one decode step."""
     rng = random.Random(7)
-    table, overhead, decode = {}, {}, []
-    timed_completion(vllm.port, [rng.randrange(3, 4096) for _ in range(256)], 1)  # warm-up
-    for n in lengths:
-        samples = []
-        for _ in range(repeats):
+    samples, overhead, decode = {}, {}, []
+    for n in lengths:  # a first request of each length builds what that shape needs
+        timed_completion(vllm.port, [rng.randrange(3, 4096) for _ in range(n)], 1)
+    # Lengths interleaved in every repeat, so that a slow minute of this machine spreads over all
+    # of them instead of bending the table at one length.
+    for _ in range(repeats):
+        for n in lengths:
             prompt = [rng.randrange(3, 4096) for _ in range(n)]
-            samples.append(timed_completion(vllm.port, prompt, 1))
+            samples.setdefault(n, []).append(timed_completion(vllm.port, prompt, 1))
             cached = timed_completion(vllm.port, prompt, 1)  # now fully cached
             overhead.setdefault(n, []).append(cached)
             decode.append((timed_completion(vllm.port, prompt, 33) - cached) / 32)
-        table[n] = statistics.median(samples)
-        log(f"  idle TTFT of {n} new tokens: {table[n] * 1e3:.1f} ms")
-    vllm.reset_cache()
+    table = {n: statistics.median(v) for n, v in samples.items()}
+    for n in lengths:
+        log(f"  idle TTFT of {n} new tokens: {table[n] * 1e3:.1f} ms "
+            f"(samples {', '.join(f'{x * 1e3:.0f}' for x in samples[n])})")
     # The overhead is the shortest prompt's cached TTFT: a longer one still sends, parses and
     # looks up all its tokens, work its prefill-table entry holds already. That prompt stays out
     # of the table: its own prefill is within the noise of the overhead.
@@ -244,7 +247,13 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
     # user's context (and markup).
     system = args.system_prompt
     context = max(1, int(shape["first_prompt"] - shape["question"] - system))
-    table = ",".join(f"{n}:{t:.6f}" for n, t in sorted(engine["prefill_table"].items()))
+    # kvtier plan refuses a table whose time falls with length; on a noisy host a shorter point
+    # can come out above a longer one: each point is taken as at least the one before it.
+    points, floor = [], 0.0
+    for n, t in sorted((int(n), t) for n, t in engine["prefill_table"].items()):
+        floor = max(floor, t)
+        points.append(f"{n}:{floor:.6f}")
+    table = ",".join(points)
     cmd = [kvtier, "plan", "--json", "--model", str(args.model_dir / "config.json"),
            "--gpu-kv-gb", f"{args.vllm_blocks * args.block_tokens * bpt}B",
            "--prefill-table", table,
@@ -266,7 +275,9 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
     if res.returncode != 0:
         raise RuntimeError(f"kvtier plan failed: {res.stderr[-2000:]}\n{' '.join(cmd)}")
     point = json.loads(res.stdout)["points"][0]
-    return point["offload" if offload else "baseline"]
+    arm = point["offload" if offload else "baseline"]
+    arm["command"] = " ".join(cmd)
+    return arm
 
 
 def main(argv=None) -> int:
