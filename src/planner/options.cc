@@ -316,9 +316,9 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     // Measured TTFTs hold the per-request overhead once; the engine's share is the rest.
     for (auto& [tokens, seconds] : table) {
       if (!(seconds > e.request_overhead_s)) {
-        return Status::InvalidArgument(fmt::format(
-            "--prefill-table: {} tokens in {} s is not above --request-overhead-ms {}", tokens,
-            seconds, request_ms));
+        return Status::InvalidArgument(
+            fmt::format("--prefill-table: {} tokens in {} s is not above --request-overhead-ms {}",
+                        tokens, seconds, request_ms));
       }
       seconds -= e.request_overhead_s;
     }

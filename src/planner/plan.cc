@@ -13,7 +13,7 @@
 namespace kvtier::planner {
 namespace {
 
-constexpr double kProbeMaxS = 300;  // capacity probes need not be as long as the run
+constexpr double kProbeMaxS = 300;     // capacity probes need not be as long as the run
 constexpr int kCapacityMaxStages = 8;  // as bench qa's --capacity-max-stages
 
 std::string WithCommas(uint64_t v) {
@@ -473,8 +473,8 @@ std::string FormatReport(const PlanReport& r) {
         r.hit_suffix_tokens);
     std::string header = fmt::format("{:>8} {:>10} {:>10}", "context", "recompute", "suffix");
     for (const auto& n : r.tier_names) {
-      header += fmt::format(" {:>10} {:>10} {:>7}", "rd " + n.substr(0, 7),
-                            "hit " + n.substr(0, 6), "speedup");
+      header += fmt::format(" {:>10} {:>10} {:>7}", "rd " + n.substr(0, 7), "hit " + n.substr(0, 6),
+                            "speedup");
     }
     out += header + "\n";
     for (const SingleRequestHit& h : r.single_hits) {
@@ -542,7 +542,8 @@ nlohmann::json ReportToJson(const PlanReport& r) {
     json share = json::object();
     if (!a.token_share.empty()) {
       share["gpu"] = a.token_share.front();
-      for (size_t t = 0; t < r.tier_names.size(); ++t) share[r.tier_names[t]] = a.token_share[t + 1];
+      for (size_t t = 0; t < r.tier_names.size(); ++t)
+        share[r.tier_names[t]] = a.token_share[t + 1];
       share["recompute"] = a.token_share.back();
     }
     json written = json::object(), read = json::object();

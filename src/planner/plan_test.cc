@@ -99,7 +99,7 @@ TEST(PlanTest, JsonHasExactlyTheIssueFields) {
       EXPECT_TRUE(a[f].is_number());
     double shares = 0;
     for (const auto& [name, share] : a["token_share"].items()) shares += share.get<double>();
-    EXPECT_NEAR(shares, 1.0, 1e-9);  // every prompt token has one source
+    EXPECT_NEAR(shares, 1.0, 1e-9);       // every prompt token has one source
     EXPECT_EQ(a["hit_rate"].size(), 4u);  // gpu, cpu, nfs, recompute
     EXPECT_TRUE(a["hit_rate"].contains("recompute"));
     EXPECT_TRUE(a["bytes_written"].contains("cpu"));

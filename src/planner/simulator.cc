@@ -206,9 +206,8 @@ struct Request {
 };
 
 struct Conversation {
-  uint32_t rounds_sent = 0;      // requests sent; also the prompt's round (its own history)
-  uint32_t rounds_allowed = 0;   // requests this conversation sends in all
-
+  uint32_t rounds_sent = 0;     // requests sent; also the prompt's round (its own history)
+  uint32_t rounds_allowed = 0;  // requests this conversation sends in all
   double last_sent = 0;
   bool busy = false;             // a request of this conversation is in the engine
   uint64_t gpu_end = 0;          // cached prefix on the GPU, in tokens (block aligned, absolute)

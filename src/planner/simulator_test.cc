@@ -176,7 +176,8 @@ TEST(SimulatorTest, SendsWhenAndWhatBenchQaSends) {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     std::vector<std::pair<double, int>> simulated;
     for (const RequestLog& l : r->request_log) simulated.emplace_back(l.sent_s, l.round);
-    // Sends of one instant in a canonical order (bench qa's joins drift by its loop's latency, here the 1e-7 s steps).
+    // Sends of one instant in a canonical order (bench qa's joins drift by its loop's latency, here
+    // the 1e-7 s steps).
     auto canonical = [](std::vector<std::pair<double, int>>& v) {
       for (auto& [t, round] : v) t = std::round(t * 1e2) / 1e2;
       std::sort(v.begin(), v.end());

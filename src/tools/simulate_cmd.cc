@@ -3,8 +3,8 @@
 // GPU memory, engine steps, how long the simulation itself took).
 #include <fmt/format.h>
 
-#include <memory>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "planner/options.h"
@@ -101,7 +101,8 @@ Status AppendRequestLog(const std::string& path, bool first, uint64_t context,
     }
   }
   out.flush();
-  return out ? Status::Ok() : Status::IOError(fmt::format("--requests-csv: writing '{}' failed", path));
+  return out ? Status::Ok()
+             : Status::IOError(fmt::format("--requests-csv: writing '{}' failed", path));
 }
 
 int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
@@ -161,10 +162,10 @@ int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
       }
     }
     wall += base->wall_s + off->wall_s;
-    text += fmt::format("\ncontext {} tokens, qps {:.3f} (one question per user every {}){}\n",
-                        in.contexts[i], qps_base, FormatSeconds(o.workload.users / qps_base),
-                        qps_off != qps_base ? fmt::format("; offload at qps {:.3f}", qps_off)
-                                            : std::string());
+    text += fmt::format(
+        "\ncontext {} tokens, qps {:.3f} (one question per user every {}){}\n", in.contexts[i],
+        qps_base, FormatSeconds(o.workload.users / qps_base),
+        qps_off != qps_base ? fmt::format("; offload at qps {:.3f}", qps_off) : std::string());
     text += ArmText("no offload", *base, in.tiers);
     text += ArmText("offload   ", *off, in.tiers);
     points.push_back({{"context_tokens", in.contexts[i]},
