@@ -31,7 +31,6 @@ import csv
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import statistics

@@ -50,7 +50,8 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
     # and kvtier's tiers have something to serve.
     cmd = [VLLM_PYTHON, "-m", "kvtier.bench.planner_check", "--out", str(out),
            "--contexts", "300", "--time", "12", "--stage-time", "6", "--start-qps", "2",
-           "--vllm-blocks", "24", "--max-model-len", "2048", "--prefill-lengths", "128,512,1024", "--tokenizer", MODEL_DIR,
+           "--vllm-blocks", "24", "--max-model-len", "2048", "--prefill-lengths", "128,512,1024",
+           "--tokenizer", MODEL_DIR,
            "--port", str(free_port()), "--serve-http-port", str(free_port())]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
