@@ -601,10 +601,9 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
       if (Stopped(o)) break;
       if (stage.finished_rps < 1.1 * best) break;  // plateau: more load only queues
       best = std::max(best, stage.finished_rps);
-      // The paced method's reading: the rate the server achieves once it falls behind the pacing.
+      // The paced method's reading: the rate the server achieves once it falls behind what the
+      // pacing really sent (docs/bench-qa.md) is its capacity.
       if (paced) {
-        // Behind what the pacing really sent (docs/bench-qa.md): the rate it achieves then is
-        // its capacity.
         std::vector<std::pair<double, double>> finished;
         for (const auto& r : st.records) finished.emplace_back(r.launch_time, r.finish_time);
         last_fell_behind = ReadPacedStage(finished, st.launches, start, stop_time).fell_behind;

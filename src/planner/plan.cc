@@ -55,6 +55,13 @@ ArmReport FromSim(const SimResult& r, const std::vector<TierSpec>& tiers) {
   return a;
 }
 
+Status CheckLoad(const PlanInputs& in) {
+  if (in.qps <= 0 && !(in.load > 0 && in.load <= 1.5)) {
+    return Status::InvalidArgument("--load must be in (0, 1.5] (a fraction of capacity)");
+  }
+  return Status::Ok();
+}
+
 double MeanPrompt(const Workload& w) {
   double sum = 0;
   for (uint32_t r = 0; r < w.rounds; ++r) sum += static_cast<double>(w.PromptTokens(r));
@@ -66,6 +73,15 @@ class Planner {
   Planner(const PlanInputs& in, const ProgressFn& progress) : in_(in), progress_(progress) {}
 
   Result<PlanReport> Run();
+  // The --qps at which the arm's pacing sends `load` x its capacity (bench qa's recommendation).
+  Result<double> QpsFor(const EngineModel& engine, const Workload& w, bool offload,
+                        double* capacity) const {
+    if (in_.qps > 0) return in_.qps;
+    KVTIER_ASSIGN_OR_RETURN(double cap, Capacity(engine, w, offload));
+    if (!(cap > 0)) return Status::Internal("capacity probe completed no request");
+    if (capacity) *capacity = cap;
+    return in_.load * cap / w.SendsPerQps();
+  }
 
  private:
   void Say(const std::string& s) const {
@@ -89,19 +105,16 @@ class Planner {
       return r.throughput_rps;
     }
     // The published method, as `kvtier bench qa --find-capacity` runs it: the paced workload,
-    // deliberately overloaded in stages (each a fresh run), qps doubling until the engine
-    // finishes under 90 % of what the pacing sends or its finished rate stops growing by 10 %;
-    // each stage's rate is counted after its first tenth, and what is unfinished at the stage's
-    // end is not counted.
+    // deliberately overloaded in stages (each a fresh run), qps doubling until the engine falls
+    // behind (ReadPacedStage, the function bench qa judges its stages with) or its finished rate
+    // stops growing by 10 %; what is unfinished at a stage's end is not counted.
     const double stage = in_.capacity_stage_s;
     double qps = in_.capacity_start_qps;
     if (!(qps > 0)) {
       // A fifth of what an idle engine finishes back to back, in the pacing's terms, but at
       // least two questions per user and stage (a stage with fewer measures nothing).
-      Workload probe = w;
-      probe.qps = 1;
       qps = std::max(
-          0.2 / engine.prefill.Full(static_cast<uint64_t>(MeanPrompt(w))) / probe.SentRate(),
+          0.2 / engine.prefill.Full(static_cast<uint64_t>(MeanPrompt(w))) / w.SendsPerQps(),
           2.0 * w.users / stage);
     }
     double best = 0;
@@ -123,17 +136,6 @@ class Planner {
       if (reading.fell_behind) break;  // the rate it achieves once behind is its capacity
     }
     return best;
-  }
-  // The --qps at which the arm's pacing sends `load` x its capacity (bench qa's recommendation).
-  Result<double> QpsFor(const EngineModel& engine, const Workload& w, bool offload,
-                        double* capacity) const {
-    if (in_.qps > 0) return in_.qps;
-    KVTIER_ASSIGN_OR_RETURN(double cap, Capacity(engine, w, offload));
-    if (!(cap > 0)) return Status::Internal("capacity probe completed no request");
-    if (capacity) *capacity = cap;
-    Workload unit = w;
-    unit.qps = 1;
-    return in_.load * cap / unit.SentRate();
   }
   Result<double> CalibrateStepOverhead();
   Status SimulatePoint(const EngineModel& engine, Workload w, PointReport* p);
@@ -234,9 +236,7 @@ Status Planner::SimulatePoint(const EngineModel& engine, Workload w, PointReport
 Result<PlanReport> Planner::Run() {
   const EngineModel& e0 = in_.engine;
   if (in_.contexts.empty()) return Status::InvalidArgument("no --context given");
-  if (in_.qps <= 0 && !(in_.load > 0 && in_.load <= 1.5)) {
-    return Status::InvalidArgument("--load must be in (0, 1.5] (a fraction of capacity)");
-  }
+  KVTIER_RETURN_IF_ERROR(CheckLoad(in_));
   if (!(e0.gpu_kv_bytes > 0)) return Status::InvalidArgument("GPU KV memory must be > 0");
   for (const TierSpec& t : in_.tiers) {
     if (std::count_if(in_.tiers.begin(), in_.tiers.end(),
@@ -378,6 +378,18 @@ Result<PlanReport> RunPlan(const PlanInputs& inputs, const ProgressFn& progress)
   return planner.Run();
 }
 
+Result<ArmQps> QpsForEachArm(const PlanInputs& inputs, uint64_t context) {
+  KVTIER_RETURN_IF_ERROR(CheckLoad(inputs));
+  static const ProgressFn kSilent;
+  Planner planner(inputs, kSilent);
+  Workload w = inputs.workload;
+  w.context_tokens = context;
+  ArmQps q;
+  KVTIER_ASSIGN_OR_RETURN(q.baseline, planner.QpsFor(inputs.engine, w, false, nullptr));
+  KVTIER_ASSIGN_OR_RETURN(q.offload, planner.QpsFor(inputs.engine, w, true, nullptr));
+  return q;
+}
+
 std::string FormatReport(const PlanReport& r) {
   std::string out;
   const Workload& w = r.workload;
@@ -512,14 +524,12 @@ std::string FormatReport(const PlanReport& r) {
   for (const PointReport& p : r.points) {
     for (int arm = 0; arm < 2; ++arm) {
       const ArmReport& a = arm == 0 ? p.baseline : p.offload;
-      Workload sent = r.workload;
-      sent.qps = a.qps;
-      if (a.service_rate_rps > 0 && sent.SentRate() > 0.95 * a.service_rate_rps) {
+      const double sent = a.qps * r.workload.SendsPerQps();
+      if (a.service_rate_rps > 0 && sent > 0.95 * a.service_rate_rps) {
         out += fmt::format(
             "Warning: at {} tokens the {} arm is offered {:.3f} req/s but serves at most {:.3f}: "
             "its TTFT measures a growing queue, not the cache.\n",
-            p.context_tokens, arm == 0 ? "no-offload" : "offload", sent.SentRate(),
-            a.service_rate_rps);
+            p.context_tokens, arm == 0 ? "no-offload" : "offload", sent, a.service_rate_rps);
       }
     }
   }

@@ -104,6 +104,13 @@ using ProgressFn = std::function<void(const std::string&)>;
 // Fails on inputs the model cannot run (see Simulate) or an impossible calibration.
 Result<PlanReport> RunPlan(const PlanInputs& inputs, const ProgressFn& progress = {});
 
+// Each arm's --qps at one context: inputs.qps for both, or with --load that fraction of each
+// arm's own capacity, measured as RunPlan measures it (`kvtier simulate` runs at these).
+struct ArmQps {
+  double baseline = 0, offload = 0;
+};
+Result<ArmQps> QpsForEachArm(const PlanInputs& inputs, uint64_t context);
+
 // Regime of a point: 1 when the no-offload arm recomputes less than 1% of its prompt tokens
 // because of eviction; otherwise 3 when reading the mean prompt from the slowest tier is cheaper
 // than recomputing it, else 2.

@@ -72,9 +72,10 @@ struct Workload {
   }
   // A new user joins every JoinInterval() seconds: a user lives rounds - 1 gaps of users/qps.
   double JoinInterval() const { return (rounds > 1 ? rounds - 1 : 1) / qps; }
-  // Requests per second the pacing sends when the engine keeps up (rounds questions over
-  // rounds - 1 gaps): bench qa's "expected QPS".
-  double SentRate() const { return rounds > 1 ? qps * rounds / (rounds - 1) : qps; }
+  // Requests per second the pacing sends per unit of qps when the engine keeps up (rounds
+  // questions over rounds - 1 gaps), and at this qps: bench qa's "expected QPS".
+  double SendsPerQps() const { return rounds > 1 ? static_cast<double>(rounds) / (rounds - 1) : 1; }
+  double SentRate() const { return qps * SendsPerQps(); }
   // A conversation at its largest: the last prompt plus its answer.
   uint64_t PeakConversationTokens() const {
     return system_prompt_tokens + context_tokens + rounds * (question_tokens + answer_tokens);

@@ -135,18 +135,9 @@ int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
                in.contexts.size());
     // Each arm at its own qps: --qps, or --load of that arm's capacity measured as `kvtier plan`
     // measures it (the same code).
-    double qps_base = in.qps, qps_off = in.qps;
-    if (!(in.qps > 0)) {
-      planner::PlanInputs one = in;
-      one.contexts = {in.contexts[i]};
-      one.sensitivity = false;
-      one.service_rate = false;
-      auto plan = planner::RunPlan(one);
-      if (!plan.ok()) return fail(plan.status());
-      qps_base = plan->points[0].baseline.qps;
-      qps_off = plan->points[0].offload.qps;
-      wall += plan->total_sim_wall_s;
-    }
+    auto arm_qps = planner::QpsForEachArm(in, in.contexts[i]);
+    if (!arm_qps.ok()) return fail(arm_qps.status());
+    const double qps_base = arm_qps->baseline, qps_off = arm_qps->offload;
     o.keep_requests = !requests_csv.empty();
     o.workload.qps = qps_base;
     auto base = planner::Simulate(o);

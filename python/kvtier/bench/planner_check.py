@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         [args.kvtier, "bench", "engine", "--chunk-mib", str(max(1, chunk_bytes >> 20)),
          "--chunks", "32", "--threads", "1", "--json"], capture_output=True, text=True,
         check=True).stdout)
-    cpu_bw = _find_number(eng, "load_GBps") or 5.0
+    cpu_bw = eng["load_GBps"]
     tiers = [f"cpu:{args.l1_mib}MiB:{cpu_bw:.3f}GB/s",
              f"disk:64GiB:{disk_read:.3f}GB/s:{disk_write:.3f}GB/s"]
     log(f"tiers: {tiers}")
@@ -411,22 +411,6 @@ def main(argv=None) -> int:
         vllm.stop()
     print_table(results)
     return 0
-
-
-def _find_number(d, key):
-    if isinstance(d, dict):
-        for k, v in d.items():
-            if k == key and isinstance(v, (int, float)):
-                return float(v)
-            found = _find_number(v, key)
-            if found is not None:
-                return found
-    elif isinstance(d, list):
-        for v in d:
-            found = _find_number(v, key)
-            if found is not None:
-                return found
-    return None
 
 
 def describe(row: dict) -> str:
