@@ -92,6 +92,10 @@ const std::vector<FlagInfo>& Flags() {
        "write_through (every tier on save), write_back (first tier; lower ones on eviction) or "
        "none",
        &F::write_policy},
+      {"eviction-policy",
+       "The first tier's eviction, as kvtier serve's --eviction-policy (that tier is kvtier's L1): "
+       "prefix-aware or lru",
+       &F::eviction_policy},
       {"step-overhead-ms",
        "Fixed cost of every engine step (scheduling, launches, sampling), milliseconds",
        &F::step_overhead_ms},
@@ -418,6 +422,7 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     in.tiers.push_back(std::move(tier));
   }
   KVTIER_ASSIGN_OR_RETURN(in.write_policy, ParseWritePolicy(f.write_policy));
+  KVTIER_ASSIGN_OR_RETURN(in.l1_eviction, ParseEvictionPolicy(f.eviction_policy));
   if (!f.calibrate.empty()) {
     KVTIER_ASSIGN_OR_RETURN(auto table, ParseTokenSecondsTable(f.calibrate));
     if (table.size() != 1 || !(table[0].second > 0)) {

@@ -38,6 +38,7 @@ struct PlannerFlags {
   std::string duration = "20m";
   std::vector<std::string> tiers;
   std::string write_policy = "write_through";
+  std::string eviction_policy = "prefix-aware";
   std::string step_overhead_ms = "4";
   std::string request_overhead_ms = "0";
   std::string decode_step_ms;

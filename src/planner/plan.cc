@@ -93,6 +93,7 @@ class Planner {
     o.workload = w;
     if (offload) o.tiers = in_.tiers;
     o.write_policy = in_.write_policy;
+    o.l1_eviction = in_.l1_eviction;
     return o;
   }
   // The arm's service rate, finished requests per second, measured as --capacity-method says.

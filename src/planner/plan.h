@@ -38,7 +38,8 @@ struct PlanInputs {
   double capacity_start_qps = 0;
   std::vector<TierSpec> tiers;
   WritePolicy write_policy = WritePolicy::kWriteThrough;
-  bool fast = false;         // closed forms only
+  EvictionPolicyKind l1_eviction = EvictionPolicyKind::kPrefixAware;  // the first tier's
+  bool fast = false;                                                  // closed forms only
   bool sensitivity = true;   // re-simulate at 0.9x and 1.1x GPU KV memory
   bool service_rate = true;  // capacity probes for both arms
   // One measured point (context tokens, mean TTFT of the no-offload arm) to calibrate the

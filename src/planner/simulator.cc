@@ -7,9 +7,12 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <optional>
 #include <queue>
 #include <set>
+#include <unordered_map>
 
+#include "kvtier/eviction.h"
 #include "planner/units.h"
 
 namespace kvtier::planner {
@@ -95,33 +98,81 @@ double Percentile(const std::vector<double>& sorted, double p) {
 namespace {
 
 constexpr uint32_t kShared = 0;  // pseudo-conversation holding the shared system prompt
+// kvtier's flusher wakes on every store, and every 50 ms without one (Engine::FlusherLoop).
+constexpr double kFlusherPeriodS = 0.05;
 
 uint64_t FloorTo(uint64_t v, uint64_t unit) { return v / unit * unit; }
 uint64_t CeilTo(uint64_t v, uint64_t unit) { return (v + unit - 1) / unit * unit; }
 
-// One offload tier: which chunks of which conversation it holds, with LRU over conversations and
-// tail-first eviction inside one.
+// A chunk of a conversation: (owner, chunk index); owner kShared for the shared system prompt.
+using ChunkRef = std::pair<uint32_t, size_t>;
+
+// One offload tier: which chunks of which conversation it holds, and what it evicts to make room.
+// Two eviction models:
+//  * with `policy` (the first tier: kvtier's L1), one slot per chunk ordered by kvtier's own
+//    EvictionPolicy (eviction.h), fed what the server sees: a load pins and touches the chunks it
+//    reads (Access), a save or a promotion inserts chunks linked to the previous chunk of the same
+//    call (the server knows a chunk's parent only within one call), lookups touch nothing. Under
+//    write-back a saved chunk is dirty until the flusher writes it down; the flusher cleans the
+//    dirty chunks among the next `headroom` in eviction order (Flush, run between calls), and a
+//    victim is the first clean chunk in that order (MemoryTier::Reserve), a dirty one only when
+//    none is clean (its data is lost). So promoted chunks, clean, go before the dirty chains of
+//    recent saves: near the threshold the model keeps what kvtier's L1 keeps (an LRU by
+//    conversation under users taking turns always evicts the user asked next; docs/planner.md).
+//  * without (lower tiers), LRU over conversations and tail-first inside one (Touch).
 class TierState {
  public:
-  TierState(const TierSpec& spec, double chunk_bytes, size_t chunks_per_conversation)
-      : spec_(spec), chunk_bytes_(chunk_bytes), per_conv_(chunks_per_conversation) {}
+  TierState(const TierSpec& spec, double chunk_bytes, size_t chunks_per_conversation,
+            std::optional<EvictionPolicyKind> policy)
+      : spec_(spec), chunk_bytes_(chunk_bytes), per_conv_(chunks_per_conversation) {
+    if (policy) {
+      double slots = std::floor(spec.capacity_bytes / chunk_bytes);
+      slots_ = static_cast<uint32_t>(std::clamp(slots, 0.0, 1e8));
+      policy_ = MakeEvictionPolicy(*policy, std::max<uint32_t>(slots_, 1));
+      slot_chunk_.resize(slots_);
+      pinned_.assign(slots_, 0);
+      dirty_.assign(slots_, 0);
+      for (uint32_t s = slots_; s > 0; --s) free_.push_back(s - 1);
+      // EngineOptions::flush_headroom (0.125 of the slots, at least one), as the engine sets it.
+      headroom_ = std::clamp<uint32_t>(static_cast<uint32_t>(std::ceil(0.125 * slots_)), 1,
+                                       std::max<uint32_t>(slots_, 1));
+    }
+  }
 
   bool Has(uint32_t conv, size_t chunk) const {
+    if (policy_) return index_.contains(Key(conv, chunk));
     return conv < convs_.size() && chunk < convs_[conv].present.size() &&
            convs_[conv].present[chunk];
   }
+  // A load read the chunk from this tier (kvtier's L1: pinned, which touches it).
+  void Access(uint32_t conv, size_t chunk) {
+    if (!policy_) return;
+    auto it = index_.find(Key(conv, chunk));
+    if (it != index_.end()) policy_->OnAccess(it->second);
+  }
+  // Pins (or unpins) a chunk while a load of it is under way: it cannot be evicted meanwhile.
+  void SetPinned(uint32_t conv, size_t chunk, bool pinned) {
+    if (!policy_) return;
+    auto it = index_.find(Key(conv, chunk));
+    if (it != index_.end()) pinned_[it->second] = pinned;
+  }
+  // The LRU-by-conversation model's recency; kvtier's L1 learns recency from Access and Insert.
   void Touch(uint32_t conv, double now) {
+    if (policy_) return;
     Ensure(conv);
     Conv& c = convs_[conv];
     if (c.count > 0) lru_.erase({c.last_use, conv});
     c.last_use = now;
     if (c.count > 0) lru_.insert({c.last_use, conv});
   }
-  // Inserts one chunk (the caller touched `conv` first). Evicted chunks are appended to
-  // `evicted` as (conversation, chunk). Returns false when the chunk cannot be held without
-  // dropping a head chunk of the same conversation.
-  bool Insert(uint32_t conv, size_t chunk, double now,
-              std::vector<std::pair<uint32_t, size_t>>* evicted) {
+  // Inserts one chunk; `parent` is the previous chunk of the same call, if any; `dirty`: in no
+  // tier below yet (the caller touched `conv` first). Evicted chunks are appended to `evicted`,
+  // those evicted dirty (lost: kvtier's L1 only) also to `lost`. Returns false when the chunk
+  // cannot be held (LRU by conversation: not without dropping a head chunk of the same
+  // conversation).
+  bool Insert(uint32_t conv, size_t chunk, const ChunkRef* parent, bool dirty, double now,
+              std::vector<ChunkRef>* evicted, std::vector<ChunkRef>* lost) {
+    if (policy_) return InsertSlot(conv, chunk, parent, dirty, evicted, lost);
     Ensure(conv);
     if (Has(conv, chunk)) return true;
     if (chunk_bytes_ > spec_.capacity_bytes) return false;
@@ -155,6 +206,25 @@ class TierState {
     return true;
   }
 
+  // The flusher's round (MemoryTier::TakeFlushCandidates, with writes that finish at once): the
+  // dirty chunks among the next `headroom` evictable ones in eviction order become clean;
+  // returns them, for the caller to write to the tier below.
+  std::vector<ChunkRef> Flush() {
+    std::vector<ChunkRef> cleaned;
+    if (!policy_ || free_.size() >= headroom_) return cleaned;
+    size_t budget = headroom_ - free_.size();
+    policy_->PickVictim([&](SlotId s) {
+      if (pinned_[s]) return false;
+      if (dirty_[s]) {
+        dirty_[s] = 0;
+        cleaned.push_back(slot_chunk_[s]);
+      }
+      return --budget == 0;
+    });
+    return cleaned;
+  }
+
+  bool kvtier_l1() const { return policy_ != nullptr; }
   const TierSpec& spec() const { return spec_; }
   double used() const { return used_; }
   double peak() const { return peak_; }
@@ -167,6 +237,43 @@ class TierState {
     size_t top = 0;  // one past the highest chunk that may be present
     double last_use = 0;
   };
+  static uint64_t Key(uint32_t conv, size_t chunk) {
+    return (static_cast<uint64_t>(conv) << 32) | static_cast<uint32_t>(chunk);
+  }
+  // As MemoryTier::Reserve + Commit: a free slot, else the policy's victim among unpinned slots.
+  bool InsertSlot(uint32_t conv, size_t chunk, const ChunkRef* parent, bool dirty,
+                  std::vector<ChunkRef>* evicted, std::vector<ChunkRef>* lost) {
+    const uint64_t key = Key(conv, chunk);
+    if (index_.contains(key)) return true;
+    SlotId slot = kNoSlot;
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+    } else {
+      if (slots_ == 0) return false;
+      slot = policy_->PickVictim([this](SlotId s) { return !pinned_[s] && !dirty_[s]; });
+      if (slot == kNoSlot) slot = policy_->PickVictim([this](SlotId s) { return !pinned_[s]; });
+      if (slot == kNoSlot) return false;
+      policy_->OnRemove(slot);
+      index_.erase(Key(slot_chunk_[slot].first, slot_chunk_[slot].second));
+      evicted->push_back(slot_chunk_[slot]);
+      if (dirty_[slot]) lost->push_back(slot_chunk_[slot]);
+      used_ -= chunk_bytes_;
+    }
+    slot_chunk_[slot] = {conv, chunk};
+    pinned_[slot] = 0;
+    dirty_[slot] = dirty;
+    index_.emplace(key, slot);
+    used_ += chunk_bytes_;
+    peak_ = std::max(peak_, used_);
+    SlotId parent_slot = kNoSlot;
+    if (parent) {
+      auto it = index_.find(Key(parent->first, parent->second));
+      if (it != index_.end()) parent_slot = it->second;
+    }
+    policy_->OnInsert(slot, parent_slot);
+    return true;
+  }
   void Ensure(uint32_t conv) {
     if (conv >= convs_.size()) convs_.resize(conv + 1);
     if (convs_[conv].present.empty()) convs_[conv].present.assign(per_conv_, 0);
@@ -185,8 +292,18 @@ class TierState {
   TierSpec spec_;
   double chunk_bytes_;
   size_t per_conv_;
+  // LRU by conversation.
   std::vector<Conv> convs_;
   std::set<std::pair<double, uint32_t>> lru_;
+  // kvtier's L1: slots under an EvictionPolicy.
+  std::unique_ptr<EvictionPolicy> policy_;
+  uint32_t slots_ = 0;
+  std::vector<ChunkRef> slot_chunk_;
+  std::vector<uint8_t> pinned_;
+  std::vector<uint8_t> dirty_;
+  uint32_t headroom_ = 0;
+  std::vector<SlotId> free_;
+  std::unordered_map<uint64_t, SlotId> index_;
   double used_ = 0;
   double peak_ = 0;
 };
@@ -201,6 +318,7 @@ struct Request {
   uint64_t computed = 0;    // prompt tokens whose KV is on the GPU
   uint64_t generated = 0;   // answer tokens so far
   uint64_t step_chunk = 0;  // prefill tokens scheduled in the current step
+  size_t saved_chunks = 0;  // leading chunks the tiers had or were sent (the connector's `saved`)
   Phase phase = Phase::kWaiting;
   RequestLog log;
 };
@@ -252,7 +370,11 @@ class Simulation {
     }
     return false;
   }
-  void InsertTier(size_t t, uint32_t owner, size_t chunk, double now, double* bytes);
+  void InsertTier(size_t t, uint32_t owner, size_t chunk, const ChunkRef* parent, bool dirty,
+                  double now, double* bytes);
+  void FlushTier(size_t t, double now);
+  void WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, double now);
+  void SaveChunks(Request& r, size_t end_chunk, double now);
 
   const SimOptions& o_;
   const EngineModel& e_;
@@ -280,6 +402,7 @@ class Simulation {
   double gap_s_ = 0;
   double stop_sending_ = 0;
   uint64_t completed_in_window_ = 0;
+  double last_flush_s_ = 0;
 };
 
 uint32_t Simulation::NewConversation(uint32_t rounds) {
@@ -380,28 +503,31 @@ bool Simulation::TryAdmit(Request& r, double now) {
   uint64_t hit_end = gpu_hit;
   double ready = now;
   if (!tiers_.empty()) {
+    // The connector's lookup: the leading chunks some tier holds, from the first (a lookup
+    // touches nothing). It loads those past the GPU hit; it saves from the end of that run on.
     const size_t chunk = e_.chunk_tokens;
     const size_t usable = (r.prompt - 1) / chunk;  // full chunks before the last token
-    std::vector<int> from;                         // tier of each chunk from first_chunk on
-    size_t first_chunk = gpu_hit / chunk;
-    for (size_t i = first_chunk; i < usable; ++i) {
+    size_t hits = 0;
+    std::vector<int> tier_of;  // of each chunk in [0, hits)
+    for (; hits < usable; ++hits) {
       int found = -1;
       for (size_t t = 0; t < tiers_.size(); ++t) {
-        if (tiers_[t].Has(ChunkOwner(r.conv, i), i)) {
+        if (tiers_[t].Has(ChunkOwner(r.conv, hits), hits)) {
           found = static_cast<int>(t);
           break;
         }
       }
       if (found < 0) break;
-      from.push_back(found);
+      tier_of.push_back(found);
     }
+    r.saved_chunks = hits;
+    const size_t first_chunk = gpu_hit / chunk;
     std::vector<double> bytes(tiers_.size(), 0);
-    for (size_t k = 0; k < from.size(); ++k) {
-      size_t i = first_chunk + k;
+    for (size_t i = first_chunk; i < hits; ++i) {
       uint64_t lo = std::max<uint64_t>(i * chunk, gpu_hit);
       uint64_t tokens = (i + 1) * chunk - lo;
-      r.log.tier_tokens[from[k]] += tokens;
-      bytes[from[k]] += static_cast<double>(tokens) * e_.kv_bytes_per_token;
+      r.log.tier_tokens[tier_of[i]] += tokens;
+      bytes[tier_of[i]] += static_cast<double>(tokens) * e_.kv_bytes_per_token;
       hit_end = (i + 1) * chunk;
     }
     for (size_t t = 0; t < tiers_.size(); ++t) {
@@ -416,16 +542,28 @@ bool Simulation::TryAdmit(Request& r, double now) {
       r.log.transfer_s = std::max(r.log.transfer_s, duration);
       res_.bytes_read[t] += bytes[t];
     }
-    // Promote chunks read from a lower tier into the tiers above (they pass through host
-    // memory on their way to the GPU, so this costs no extra transfer).
+    // One load call over [first_chunk, hits): it pins what the tiers above hold (touching it)
+    // and promotes what comes from below into them (it passes through host memory on its way to
+    // the GPU, so this costs no extra transfer), each chunk linked to the one before it.
+    for (size_t i = first_chunk; i < hits; ++i) {
+      for (int t = 0; t <= tier_of[i]; ++t) tiers_[t].SetPinned(ChunkOwner(r.conv, i), i, true);
+      tiers_[tier_of[i]].Access(ChunkOwner(r.conv, i), i);
+    }
     if (o_.write_policy != WritePolicy::kNone) {
-      for (size_t k = 0; k < from.size(); ++k) {
-        size_t i = first_chunk + k;
-        for (int t = 0; t < from[k]; ++t) {
+      // kvtier's flusher is woken by stores, not by promotions, and else every 50 ms.
+      if (now - last_flush_s_ >= kFlusherPeriodS) FlushTier(0, now);
+      for (size_t i = first_chunk; i < hits; ++i) {
+        const ChunkRef parent{ChunkOwner(r.conv, i - 1), i - 1};
+        for (int t = 0; t < tier_of[i]; ++t) {
           double unused = 0;
-          InsertTier(t, ChunkOwner(r.conv, i), i, now, &unused);
+          InsertTier(t, ChunkOwner(r.conv, i), i, i > first_chunk ? &parent : nullptr, false, now,
+                     &unused);
+          tiers_[t].SetPinned(ChunkOwner(r.conv, i), i, true);
         }
       }
+    }
+    for (size_t i = first_chunk; i < hits; ++i) {
+      for (TierState& t : tiers_) t.SetPinned(ChunkOwner(r.conv, i), i, false);
     }
   }
   r.computed = hit_end;
@@ -440,22 +578,71 @@ bool Simulation::TryAdmit(Request& r, double now) {
   return true;
 }
 
-void Simulation::InsertTier(size_t t, uint32_t owner, size_t chunk, double now, double* bytes) {
+void Simulation::InsertTier(size_t t, uint32_t owner, size_t chunk, const ChunkRef* parent,
+                            bool dirty, double now, double* bytes) {
   if (tiers_[t].Has(owner, chunk)) return;
-  std::vector<std::pair<uint32_t, size_t>> evicted;
+  std::vector<ChunkRef> evicted, lost;
   tiers_[t].Touch(owner, now);
-  if (!tiers_[t].Insert(owner, chunk, now, &evicted)) return;
+  if (!tiers_[t].Insert(owner, chunk, parent, dirty, now, &evicted, &lost)) return;
   *bytes += chunk_bytes_;
   res_.tier_peak_bytes[t] = std::max(res_.tier_peak_bytes[t], tiers_[t].used());
-  if (o_.write_policy == WritePolicy::kWriteBack && t + 1 < tiers_.size()) {
-    double below = 0;
-    for (const auto& [conv, idx] : evicted) InsertTier(t + 1, conv, idx, now, &below);
-    if (below > 0) {
-      TierState& next = tiers_[t + 1];
-      next.busy_until = std::max(now, next.busy_until) + below / next.spec().write_bytes_per_s;
-      res_.bytes_written[t + 1] += below;
+  res_.dirty_evictions += lost.size();
+  // Under write-back kvtier's L1 wrote its clean victims down before (FlushTier) and loses its
+  // dirty ones; a lower tier writes down what it evicts.
+  if (o_.write_policy == WritePolicy::kWriteBack && !tiers_[t].kvtier_l1()) {
+    WriteBelow(t, evicted, now);
+  }
+}
+
+// kvtier's flusher after a call: the chunks it cleans are written to the tier below.
+void Simulation::FlushTier(size_t t, double now) {
+  if (o_.write_policy != WritePolicy::kWriteBack) return;
+  last_flush_s_ = now;
+  WriteBelow(t, tiers_[t].Flush(), now);
+}
+
+void Simulation::WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, double now) {
+  if (t + 1 >= tiers_.size() || chunks.empty()) return;
+  double below = 0;
+  for (const auto& [conv, idx] : chunks) InsertTier(t + 1, conv, idx, nullptr, false, now, &below);
+  if (below > 0) {
+    TierState& next = tiers_[t + 1];
+    next.busy_until = std::max(now, next.busy_until) + below / next.spec().write_bytes_per_s;
+    res_.bytes_written[t + 1] += below;
+  }
+}
+
+// The connector's save after a step: one call with the prompt's chunks completed since the last
+// one, [saved_chunks, end_chunk), those that no tier holds yet (a chunk some tier holds is not
+// copied again: promotion on read brings it back up).
+void Simulation::SaveChunks(Request& r, size_t end_chunk, double now) {
+  if (end_chunk <= r.saved_chunks) return;
+  const size_t begin = r.saved_chunks;
+  r.saved_chunks = end_chunk;
+  if (tiers_.empty() || o_.write_policy == WritePolicy::kNone) return;
+  std::vector<uint8_t> fresh(end_chunk - begin, 0);
+  for (size_t i = begin; i < end_chunk; ++i) {
+    fresh[i - begin] = !InAnyTier(ChunkOwner(r.conv, i), i);
+  }
+  const bool write_back = o_.write_policy == WritePolicy::kWriteBack;
+  const size_t last_tier = write_back ? 1 : tiers_.size();
+  for (size_t t = 0; t < last_tier; ++t) {
+    double bytes = 0;
+    tiers_[t].Touch(kShared, now);
+    tiers_[t].Touch(r.conv, now);
+    for (size_t i = begin; i < end_chunk; ++i) {
+      if (!fresh[i - begin]) continue;
+      const ChunkRef parent{ChunkOwner(r.conv, i - 1), i - 1};
+      InsertTier(t, ChunkOwner(r.conv, i), i, i > begin ? &parent : nullptr,
+                 write_back && tiers_.size() > 1, now, &bytes);
+    }
+    if (bytes > 0) {
+      TierState& tier = tiers_[t];
+      tier.busy_until = std::max(now, tier.busy_until) + bytes / tier.spec().write_bytes_per_s;
+      res_.bytes_written[t] += bytes;
     }
   }
+  FlushTier(0, now);
 }
 
 void Simulation::Admit(double now) {
@@ -500,12 +687,10 @@ void Simulation::MaybeStartStep(double now) {
     budget -= chunk;
     any = true;
     duration += e_.prefill.Suffix(r.computed, chunk);
-    if (r.computed + chunk == r.prompt && !tiers_.empty() &&
-        o_.write_policy != WritePolicy::kNone) {
-      // KV of the prompt's full chunks the first tier lacks is copied out at the end of the step.
-      // Only KV that no tier holds yet is copied out.
-      size_t full = r.prompt / e_.chunk_tokens;
-      for (size_t i = 0; i < full; ++i) {
+    if (!tiers_.empty() && o_.write_policy != WritePolicy::kNone) {
+      // KV of the chunks this step completes and no tier holds yet is copied out at its end.
+      const size_t end = (r.computed + chunk) / e_.chunk_tokens;
+      for (size_t i = r.saved_chunks; i < end; ++i) {
         if (!InAnyTier(ChunkOwner(r.conv, i), i)) saved_bytes += chunk_bytes_;
       }
     }
@@ -521,28 +706,6 @@ void Simulation::MaybeStartStep(double now) {
 
 void Simulation::FinishPrefill(Request& r, double now) {
   r.log.ttft_s = now - r.sent + e_.request_overhead_s;
-  if (!tiers_.empty() && o_.write_policy != WritePolicy::kNone) {
-    // A save carries the chunks no tier holds; chunks still somewhere below are not copied
-    // again (promotion on read brings them back up).
-    size_t full = r.prompt / e_.chunk_tokens;
-    std::vector<uint8_t> fresh(full, 0);
-    for (size_t i = 0; i < full; ++i) fresh[i] = !InAnyTier(ChunkOwner(r.conv, i), i);
-    size_t last_tier = o_.write_policy == WritePolicy::kWriteThrough ? tiers_.size() : 1;
-    for (size_t t = 0; t < last_tier; ++t) {
-      double bytes = 0;
-      tiers_[t].Touch(kShared, now);
-      tiers_[t].Touch(r.conv, now);
-      for (size_t i = 0; i < full; ++i) {
-        if (!fresh[i]) continue;
-        InsertTier(t, ChunkOwner(r.conv, i), i, now, &bytes);
-      }
-      if (bytes > 0) {
-        TierState& tier = tiers_[t];
-        tier.busy_until = std::max(now, tier.busy_until) + bytes / tier.spec().write_bytes_per_s;
-        res_.bytes_written[t] += bytes;
-      }
-    }
-  }
   r.generated = 1;  // the first token comes out of the step that finishes the prefill
   r.phase = Phase::kDecode;
   if (r.generated >= w_.answer_tokens) Finish(r, now);
@@ -588,6 +751,7 @@ void Simulation::EndStep(double now) {
     } else if (r.phase == Phase::kPrefill && r.step_chunk > 0) {
       r.computed += r.step_chunk;
       r.step_chunk = 0;
+      SaveChunks(r, r.computed / e_.chunk_tokens, now);
       if (r.computed == r.prompt) FinishPrefill(r, now);
     }
     if (r.phase != Phase::kDone) still.push_back(id);
@@ -627,7 +791,12 @@ Result<SimResult> Simulation::Run() {
   chunk_bytes_ = static_cast<double>(e_.chunk_tokens) * e_.kv_bytes_per_token;
   shared_chunks_ = w_.system_prompt_tokens / e_.chunk_tokens;
   const size_t chunks_per_conv = peak / e_.chunk_tokens + 1;
-  for (const TierSpec& t : o_.tiers) tiers_.emplace_back(t, chunk_bytes_, chunks_per_conv);
+  for (const TierSpec& t : o_.tiers) {
+    // The first tier is kvtier's L1, evicted by its own policy; lower tiers LRU by conversation.
+    std::optional<EvictionPolicyKind> policy;
+    if (tiers_.empty()) policy = o_.l1_eviction;
+    tiers_.emplace_back(t, chunk_bytes_, chunks_per_conv, policy);
+  }
 
   res_.source_names.push_back("gpu");
   for (const TierSpec& t : o_.tiers) res_.source_names.push_back(t.name);

@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtier/eviction.h"
 #include "kvtier/status.h"
 #include "planner/prefill.h"
 
@@ -108,6 +109,8 @@ struct SimOptions {
   Workload workload;
   std::vector<TierSpec> tiers;  // empty: the no-offload baseline
   WritePolicy write_policy = WritePolicy::kWriteThrough;
+  // The first tier's eviction, as `kvtier serve --eviction-policy` (kvtier's L1 runs it).
+  EvictionPolicyKind l1_eviction = EvictionPolicyKind::kPrefixAware;
   // Capacity probe: `users` users ask back to back (no think time) for `duration_s`; throughput
   // is measured over the last three quarters.
   bool saturate = false;
@@ -147,6 +150,8 @@ struct SimResult {
   uint64_t prompt_tokens = 0;
   // Tokens recomputed although this conversation had computed them before (evicted).
   uint64_t evicted_recompute_tokens = 0;
+  // Chunks the first tier evicted before they were written below (write-back): lost.
+  uint64_t dirty_evictions = 0;
   uint64_t admission_waits = 0;  // times the head request found no room
   uint64_t steps = 0;
   double engine_busy_s = 0;

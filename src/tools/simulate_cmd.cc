@@ -131,6 +131,7 @@ int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
     o.workload = in.workload;
     o.workload.context_tokens = in.contexts[i];
     o.write_policy = in.write_policy;
+    o.l1_eviction = in.l1_eviction;
     fmt::print(stderr, "simulating context {} tokens ({}/{})\n", in.contexts[i], i + 1,
                in.contexts.size());
     // Each arm at its own qps: --qps, or --load of that arm's capacity measured as `kvtier plan`
