@@ -125,7 +125,21 @@ def test_every_arm_runs_and_verifies(tiny_config, tmp_path, capsys):
         assert p["layer_load_overhead_us"] > 0
     assert "plan_within_10pct" in result["targets"]
     assert result["targets"]["all_hits_verified"]
-    assert result["disk"]["read_GBps"] > 0
+    assert result["plan"]["prefill_table_complete"] is True
+    # The disk was probed before each context's repeats; that context's floor and plan take the
+    # probe's figure at the tier's reader count (--read-threads, 4 by default).
+    for r, p, cmd in zip(result["rows"], plan, result["plan"]["commands"]):
+        d = r["disk"]
+        assert d["readers"] == 4 and set(d["read_GBps_by_readers"]) == {"1", "4", "16"}
+        assert d["read_GBps"] == d["read_GBps_by_readers"]["4"] > 0
+        assert d["read_GBps_max"] == max(d["read_GBps_by_readers"].values())
+        assert r["file_floor_s"] == r["prefix_bytes"] / (d["read_GBps"] * 1e9) + r["gpu_s"]
+        assert r["file_floor_best_s"] <= r["file_floor_s"]
+        assert p["disk_GBps"] == d["read_GBps"]
+        assert f"--tier disk:1TiB:{d['read_GBps']:.3f}GB/s --context {r['context']} " in cmd
+        assert len(r["file_raw_samples"]) == 2 and r["file_open_s"] > 0
+    # Saved after every context, so a run cut short keeps its plan comparison too.
+    assert saved["plan"]["prefill_table_complete"] is True
     svg = out_svg.read_text()
     assert svg.startswith("<svg") and "recompute" in svg and "kvtier file tier" in svg
 
@@ -145,6 +159,18 @@ def test_a_lost_chunk_is_reported_not_served(tiny_config, tmp_path, capsys, monk
     assert rc == 1
     assert "l1: lookup found 1 of 2 chunks" in out
     assert "all_hits_verified: NOT MET" in out
+
+
+def test_a_failed_disk_probe_ends_the_run(tiny_config, tmp_path):
+    """No figure for the disk of that minute, no file floor and no plan: the run stops."""
+    fake = tmp_path / "kvtier"
+    fake.write_text("#!/bin/sh\necho 'storage unreachable' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="context 384: measuring the disk .*exit 3.*unreachable"):
+        ttft.main(["--model", tiny_config, "--contexts", "384", "--suffix", "128",
+                   "--chunk-tokens", "128", "--warmup", "0", "--repeats", "1",
+                   "--arms", "recompute,file", "--kvtier-bin", str(fake),
+                   "--dir", str(tmp_path / "l2")])
 
 
 @pytest.mark.parametrize("args,message", [
