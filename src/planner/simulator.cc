@@ -612,8 +612,8 @@ void Simulation::WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, doubl
   }
 }
 
-// The connector's save after a step: one call with the prompt's chunks completed since the last
-// one, [saved_chunks, end_chunk), those that no tier holds yet (a chunk some tier holds is not
+// The connector's save after a step: one call with the chunks completed since the last one,
+// [saved_chunks, end_chunk), those that no tier holds yet (a chunk some tier holds is not
 // copied again: promotion on read brings it back up).
 void Simulation::SaveChunks(Request& r, size_t end_chunk, double now) {
   if (end_chunk <= r.saved_chunks) return;
@@ -714,6 +714,9 @@ void Simulation::FinishPrefill(Request& r, double now) {
 void Simulation::Finish(Request& r, double now) {
   r.phase = Phase::kDone;
   r.log.finish_s = now + e_.request_overhead_s;
+  // The connector saves the chunks the answer completes too (its save_decode_tokens): the next
+  // turn's prompt starts with them.
+  SaveChunks(r, (r.prompt + w_.answer_tokens) / e_.chunk_tokens, now);
   Conversation& c = convs_[r.conv];
   const uint64_t total = CeilTo(r.prompt + w_.answer_tokens, e_.block_tokens);
   reserved_tokens_ -= total;
