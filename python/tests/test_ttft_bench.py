@@ -116,6 +116,8 @@ def test_every_arm_runs_and_verifies(tiny_config, tmp_path, capsys):
     # The suffix's own prefill first, then one point per context.
     table = [p.split(":") for p in result["prefill_table"].split(",")]
     assert [int(t) for t, _ in table] == [128, 384, 640]
+    assert abs(float(table[0][1]) - result["suffix_prefill_s"]) <= 0.51e-4  # the end's figure
+    assert result["suffix_prefill_start_s"] > 0
     # kvtier plan predicted both hits of every context from this run's table and bandwidths.
     plan = result["plan"]["rows"]
     assert [p["context"] for p in plan] == [384, 640]
