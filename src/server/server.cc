@@ -5,7 +5,7 @@
 #include <grp.h>
 #include <httplib.h>
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
+#include <openssl/sha.h>
 #include <poll.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
@@ -53,14 +53,15 @@ KeyNamespace ServerNamespace(uint64_t chunk_bytes) {
 }
 
 // SHA-256(ns_root || tag padded to 32 bytes || client key). The first 64 bytes are one SHA-256
-// block, so its state is computed once per connection and copied for every key.
+// block, so its state is computed once per connection and copied for every key. The copy is a
+// struct assignment: EVP_MD_CTX_copy_ex allocates and frees a context per key (OpenSSL 3.0), which
+// doubled the cost of a derivation (128 against 60 ns) and is paid 16 times per 16-key lookup.
+// SHA256_Init/Update/Final are deprecated in OpenSSL 3 in favour of EVP, but only they let a hash
+// state be copied as a plain struct.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 struct KeyDeriver::State {
-  EVP_MD_CTX* prefix = EVP_MD_CTX_new();
-  EVP_MD_CTX* work = EVP_MD_CTX_new();
-  ~State() {
-    EVP_MD_CTX_free(prefix);
-    EVP_MD_CTX_free(work);
-  }
+  SHA256_CTX prefix;
 };
 
 KeyDeriver::KeyDeriver(const KeyNamespace& ns) : state_(std::make_unique<State>()) {
@@ -68,20 +69,20 @@ KeyDeriver::KeyDeriver(const KeyNamespace& ns) : state_(std::make_unique<State>(
   std::memcpy(block, ns.Root().data(), 32);
   static constexpr char kTag[] = "kvtier/server-key/v1";
   std::memcpy(block + 32, kTag, sizeof(kTag) - 1);
-  EVP_DigestInit_ex(state_->prefix, EVP_sha256(), nullptr);
-  EVP_DigestUpdate(state_->prefix, block, sizeof(block));
+  SHA256_Init(&state_->prefix);
+  SHA256_Update(&state_->prefix, block, sizeof(block));
 }
 
 KeyDeriver::~KeyDeriver() = default;
 
 ChunkKey KeyDeriver::Derive(const ChunkKey& client_key) {
-  EVP_MD_CTX_copy_ex(state_->work, state_->prefix);
-  EVP_DigestUpdate(state_->work, client_key.data(), ChunkKey::kSize);
+  SHA256_CTX work = state_->prefix;
+  SHA256_Update(&work, client_key.data(), ChunkKey::kSize);
   std::array<uint8_t, 32> out;
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(state_->work, out.data(), &len);
+  SHA256_Final(out.data(), &work);
   return ChunkKey(out);
 }
+#pragma GCC diagnostic pop
 
 namespace {
 

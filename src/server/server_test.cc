@@ -26,6 +26,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/sha256.h"
 #include "common/task_pool.h"
 #include "io/fault_injection_env.h"
 #include "kvtier/chunk_store.h"
@@ -205,6 +206,31 @@ int WaitExit(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The server's key is SHA-256(ns_root || "kvtier/server-key/v1" padded to 32 bytes || client key):
+// chunks a server stored in a file tier stay reachable only while this derivation holds.
+TEST(KeyDeriverTest, DerivesTheDocumentedHash) {
+  KeyNamespace ns;
+  ns.model_id = "m";
+  ns.chunk_tokens = 16;
+  server::KeyDeriver deriver(ns);
+  for (uint8_t seed : {0, 1, 200}) {
+    std::array<uint8_t, 32> raw;
+    for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(seed * 31 + i);
+    const ChunkKey client_key(raw);
+    uint8_t tag[32] = {};
+    std::memcpy(tag, "kvtier/server-key/v1", 20);
+    Sha256 h;
+    h.Update(ns.Root().data(), 32);
+    h.Update(tag, sizeof(tag));
+    h.Update(client_key.data(), 32);
+    EXPECT_EQ(deriver.Derive(client_key), ChunkKey(h.Final())) << int{seed};
+  }
+  // A second deriver of the same namespace, and the first one again: no state carries over.
+  server::KeyDeriver other(ns);
+  const ChunkKey k(std::array<uint8_t, 32>{7});
+  EXPECT_EQ(other.Derive(k), deriver.Derive(k));
 }
 
 class ServerTest : public ::testing::Test {
