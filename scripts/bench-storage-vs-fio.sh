@@ -5,6 +5,8 @@
 #
 #   scripts/bench-storage-vs-fio.sh DIR [REPEATS]     (needs a built kvtier: $KVTIER or build/release)
 #   FILES_PER_READER=2 CONTROL_FILES=16 scripts/bench-storage-vs-fio.sh DIR 5   (more data per phase)
+#   FIO=/path/to/fio TIME_LIMIT=240 scripts/bench-storage-vs-fio.sh DIR 20   (a fio not on PATH;
+#       start no repeat that would end after 240 s: as many repeats as fit, at most 20)
 # Reader counts must divide max(readers) x FILES_PER_READER (each reader reads the same count).
 #
 # Both sides follow the probe's access pattern on files of their own: one write phase lays out a
@@ -19,7 +21,8 @@
 # beyond the probe's one-request-per-reader pattern.
 #
 # Each repeat runs the probe once and fio once per workload, alternating which goes first, so
-# drift on a shared machine hits both alike; the table shows the medians and every run.
+# drift on a shared machine hits both alike; the table shows the medians and every run. Every
+# figure is also printed to stderr as it is measured.
 set -euo pipefail
 dir=${1:?usage: $0 DIR [REPEATS]}
 repeats=${2:-3}
@@ -32,7 +35,10 @@ files_per_reader=${FILES_PER_READER:-1}
 writers=${WRITERS:-4}
 deep_iodepth=${DEEP_IODEPTH:-16}
 deep_jobs=${DEEP_JOBS:-1}
-command -v fio >/dev/null || { echo "fio is not installed (scripts/install-deps.sh installs it)"; exit 1; }
+fio=${FIO:-fio}
+time_limit=${TIME_LIMIT:-0}  # seconds; 0: run every repeat
+command -v "$fio" >/dev/null ||
+  { echo "no fio at \"$fio\" (scripts/install-deps.sh installs it; or set FIO=...)"; exit 1; }
 [ -x "$kvtier" ] || { echo "no kvtier binary at $kvtier (set KVTIER=...)"; exit 1; }
 [ -d "$dir" ] || { echo "$dir is not a directory"; exit 1; }
 
@@ -42,6 +48,7 @@ IFS=, read -r -a reader_counts <<< "$readers"
 max_readers=0
 for r in "${reader_counts[@]}"; do (( r > max_readers )) && max_readers=$r; done
 results="$work/results.txt"
+record() { tee -a "$results" | sed "s/^/  repeat $i: /" >&2; }  # a figure to the table and stderr
 
 fio_json_bw() {  # fio_json_bw <read|write>: GB/s of the last fio run (all jobs together)
   python3 -c "import json,sys; j=json.load(open(sys.argv[1]))['jobs'][0]; \
@@ -54,7 +61,7 @@ fio_common=(--bs="$block" --direct=1 --filesize="$file_size" --file_service_type
 fio_layout() {  # writes pool and control files, as the probe's write phase does: prints GB/s
   rm -rf "$work/fio"
   mkdir -p "$work/fio"
-  fio --name=cmp --directory="$work/fio" --rw=write --ioengine=psync --numjobs="$writers" \
+  "$fio" --name=cmp --directory="$work/fio" --rw=write --ioengine=psync --numjobs="$writers" \
       --nrfiles=$((total_files / writers)) --fsync_on_close=1 --fallocate=native \
       "${fio_common[@]}" > "$work/fio.json"
   fio_json_bw write
@@ -71,7 +78,7 @@ fio_read() {  # fio_read <jobs> <first file> <files> <ioengine> <iodepth>: print
     for ((k = j; k < count; k += jobs)); do mine+=("${files[k]//:/\\:}"); done
     args+=(--name="r$j" --filename="$(IFS=:; echo "${mine[*]}")")
   done
-  fio --rw=read --ioengine="$engine" --iodepth="$depth" "${fio_common[@]}" "${args[@]}" \
+  "$fio" --rw=read --ioengine="$engine" --iodepth="$depth" "${fio_common[@]}" "${args[@]}" \
       > "$work/fio.json"
   fio_json_bw read
 }
@@ -82,7 +89,7 @@ run_kvtier() {
       --readers "$readers" --control-files "$control_files" --writers "$writers" \
       --files-per-reader "$files_per_reader" 2>/dev/null \
       > "$work/kvtier.json"
-  python3 - "$work/kvtier.json" >> "$results" <<'PY'
+  python3 - "$work/kvtier.json" <<'PY' | record
 import json, sys
 j = json.load(open(sys.argv[1]))
 for r in j["readers"]:
@@ -98,19 +105,31 @@ total_files=$((pool_files + control_files))
 
 run_fio() {
   echo "repeat $i/$repeats: fio" >&2
-  echo "fio write $(fio_layout)" >> "$results"
+  echo "fio write $(fio_layout)" | record
   for r in "${reader_counts[@]}"; do
-    echo "fio read$r $(fio_read "$r" 0 "$pool_files" psync 1)" >> "$results"
+    echo "fio read$r $(fio_read "$r" 0 "$pool_files" psync 1)" | record
   done
-  echo "fio control $(fio_read 1 "$pool_files" "$control_files" psync 1)" >> "$results"
-  echo "fio deep $(fio_read "$deep_jobs" 0 "$pool_files" io_uring "$deep_iodepth")" >> "$results"
+  echo "fio control $(fio_read 1 "$pool_files" "$control_files" psync 1)" | record
+  echo "fio deep $(fio_read "$deep_jobs" 0 "$pool_files" io_uring "$deep_iodepth")" | record
   rm -rf "$work/fio"
 }
 
-# Alternate which tool goes first, so drift on a shared machine hits both alike.
+# Alternate which tool goes first, so drift on a shared machine hits both alike. With a time
+# limit, a repeat starts only if one more of the longest so far would still end inside it.
+start=$SECONDS
+longest=0
+done_repeats=0
 for ((i = 1; i <= repeats; i++)); do
+  if ((time_limit > 0 && i > 1 && SECONDS - start + longest > time_limit)); then
+    echo "time limit of ${time_limit} s: stopping after $done_repeats of $repeats repeats" >&2
+    break
+  fi
+  t=$SECONDS
   if ((i % 2)); then run_kvtier; run_fio; else run_fio; run_kvtier; fi
+  ((SECONDS - t > longest)) && longest=$((SECONDS - t))
+  done_repeats=$i
 done
+echo "$done_repeats repeats in $((SECONDS - start)) s"
 
 python3 - "$results" "$readers" "$deep_jobs" "$deep_iodepth" <<'PY'
 import statistics, sys
