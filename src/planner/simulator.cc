@@ -339,7 +339,14 @@ struct Event {
   uint64_t seq;
   EventType type;
   uint32_t id;
-  bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+  // At one instant a joining user sends after the users already there, as bench qa's session
+  // manager launches them (it walks its sessions oldest first and appends the new one).
+  bool operator>(const Event& o) const {
+    if (t != o.t) return t > o.t;
+    const bool join = type == EventType::kJoin, other_join = o.type == EventType::kJoin;
+    if (join != other_join) return join;
+    return seq > o.seq;
+  }
 };
 
 class Simulation {
