@@ -379,6 +379,9 @@ def main(argv=None) -> int:
                                                             str(args.time)], name, out)
                 after = prometheus(args.port)
                 served = serve.metrics() if serve else {}
+                if serve:  # evictions, promotions, write-backs: what the L1 did, for the record
+                    (out / f"serve-{name}-stats.json").write_bytes(
+                        http(serve.http_port, "/stats"))
                 if serve:
                     serve.stop()
                 rows = list(csv.DictReader(open(out / f"{name}.csv")))
