@@ -128,18 +128,44 @@ def test_every_arm_runs_and_verifies(tiny_config, tmp_path, capsys):
     assert "plan_within_10pct" in result["targets"]
     assert result["targets"]["all_hits_verified"]
     assert result["plan"]["prefill_table_complete"] is True
-    # The disk was probed before each context's repeats; that context's floor and plan take the
-    # probe's figure at the tier's reader count (--read-threads, 4 by default).
-    for r, p, cmd in zip(result["rows"], plan, result["plan"]["commands"]):
+    # The disk was probed before each context's repeats; that context's floor takes the probe's
+    # figure at the tier's reader count (--read-threads, 4 by default).
+    assert len(result["plan"]["commands"]) == len(result["plan"]["probe_commands"]) == 2
+    for r, p, cmd, probe_cmd in zip(result["rows"], plan, result["plan"]["commands"],
+                                    result["plan"]["probe_commands"]):
         d = r["disk"]
         assert d["readers"] == 4 and set(d["read_GBps_by_readers"]) == {"1", "4", "16"}
         assert d["read_GBps"] == d["read_GBps_by_readers"]["4"] > 0
         assert d["read_GBps_max"] == max(d["read_GBps_by_readers"].values())
         assert r["file_floor_s"] == r["prefix_bytes"] / (d["read_GBps"] * 1e9) + r["gpu_s"]
         assert r["file_floor_best_s"] <= r["file_floor_s"]
-        assert p["disk_GBps"] == d["read_GBps"]
-        assert f"--tier disk:1TiB:{d['read_GBps']:.3f}GB/s --context {r['context']} " in cmd
         assert len(r["file_raw_samples"]) == 2 and r["file_open_s"] > 0
+        # Then `kvtier bench tier` measured the file tier itself, with the run's chunk size in
+        # whole MiB (the tiny model's 96 KiB chunks: 1), the tier's read threads and queue depth,
+        # cold: the plan's disk figure is its tier read.
+        t = r["tier"]
+        assert (t["readers"], t["io_depth"], t["chunk_mib"]) == (4, 8, 1)
+        assert (t["chunks"], t["repeats"]) == (ttft.TIER_PROBE_CHUNKS, ttft.TIER_PROBE_REPEATS)
+        assert t["chunk_bytes_exact"] is False
+        assert t["o_direct"] is True and t["read_GBps"] > 0 and t["raw_read_GBps"] > 0
+        assert t["read_ratio"] == t["read_GBps"] / t["raw_read_GBps"]
+        assert p["disk_GBps"] == t["read_GBps"] and p["disk_source"] == "kvtier bench tier"
+        assert f"--tier disk:1TiB:{t['read_GBps']:.3f}GB/s --context {r['context']} " in cmd
+        assert p["file_error"] == p["plan_file_s"] / p["file_s"] - 1
+        # The file hit predicted again from the probe's figure, for comparison.
+        assert p["probe_GBps"] == d["read_GBps"]
+        assert f"--tier disk:1TiB:{d['read_GBps']:.3f}GB/s --context {r['context']} " in probe_cmd
+        assert p["file_error_probe"] == p["plan_file_probe_s"] / p["file_s"] - 1
+        # Both are bytes / the figure given + the suffix.
+        for key, gbps in (("plan_file_s", t["read_GBps"]), ("plan_file_probe_s", d["read_GBps"])):
+            want = r["prefix_bytes"] / (float(f"{gbps:.3f}") * 1e9) + p["plan_suffix_s"]
+            assert p[key] == pytest.approx(want, rel=1e-3), key
+    assert {"plan_file_within_10pct", "plan_file_within_10pct_with_probe"} <= set(
+        result["targets"])
+    ttft.print_table(result)
+    table_out = capsys.readouterr().out
+    assert "file tier (kvtier bench tier" in table_out
+    assert "(bench tier)  with the probe's" in table_out
     # Saved after every context, so a run cut short keeps its plan comparison too.
     assert saved["plan"]["prefill_table_complete"] is True
     svg = out_svg.read_text()
@@ -169,6 +195,31 @@ def test_a_failed_disk_probe_ends_the_run(tiny_config, tmp_path):
     fake.write_text("#!/bin/sh\necho 'storage unreachable' >&2\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="context 384: measuring the disk .*exit 3.*unreachable"):
+        ttft.main(["--model", tiny_config, "--contexts", "384", "--suffix", "128",
+                   "--chunk-tokens", "128", "--warmup", "0", "--repeats", "1",
+                   "--arms", "recompute,file", "--kvtier-bin", str(fake),
+                   "--dir", str(tmp_path / "l2")])
+
+
+STORAGE_JSON = ('{"readers": [{"readers": 1, "read_GBps": 1.0}, {"readers": 4, "read_GBps": 1.5}, '
+                '{"readers": 16, "read_GBps": 1.2}], "write_GBps": 2.0, "o_direct": true}')
+
+
+@pytest.mark.parametrize("tier_script,message", [
+    ("echo 'tier read failed: no space' >&2\nexit 4\n", "exit 4.*no space"),
+    # exit status 0 but the reads came from the page cache: refused all the same
+    ("echo '{\"read_GBps\": 9.0, \"raw_read_GBps\": 9.0, \"write_GBps\": 3.0, "
+     "\"raw_write_GBps\": 3.0, \"o_direct\": false, \"page_cache_resident_bytes\": 4096}'\n",
+     "did not read cold .*4096 bytes"),
+])
+def test_a_failed_tier_benchmark_ends_the_run(tiny_config, tmp_path, tier_script, message):
+    """The disk probe passes, `kvtier bench tier` does not: no figure for the plan, so the run
+    stops."""
+    fake = tmp_path / "kvtier"
+    fake.write_text(f"#!/bin/sh\nif [ \"$2\" = storage ]; then echo '{STORAGE_JSON}'; exit 0; fi\n"
+                    f"[ \"$2\" = tier ] || exit 9\n{tier_script}")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=f"context 384: measuring the file tier .*{message}"):
         ttft.main(["--model", tiny_config, "--contexts", "384", "--suffix", "128",
                    "--chunk-tokens", "128", "--warmup", "0", "--repeats", "1",
                    "--arms", "recompute,file", "--kvtier-bin", str(fake),

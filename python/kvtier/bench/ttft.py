@@ -35,13 +35,20 @@ disk was seen to read anywhere from 1.0 to 2.0 GB/s from minute to minute: ``kvt
 storage`` on the file tier's directory right before that context's repeats (chunk-sized files,
 1, ``--read-threads`` and 16 readers, 1.2 GB read per reader count at 36 MiB). Its figure at
 ``--read-threads`` readers, what a user measures for the tier's concurrency, sets that context's
-file floor (``prefix bytes / disk + GPU hit``) and the ``--tier disk:`` bandwidth given to
-``kvtier plan``; the best reader count and every count's figure are kept beside it. Before every
-timed file hit the same bytes of chunk files are also read raw (O_DIRECT, as many requests in
-flight as the tier keeps): the disk as it is when the hit runs. A probe that fails ends the run.
+file floor (``prefix bytes / disk + GPU hit``); the best reader count and every count's figure are
+kept beside it. Then ``kvtier bench tier`` on the same directory measures the file tier itself:
+chunks of the run's chunk size (in whole MiB) written and read, cold, through a file tier with
+``--read-threads`` read threads and the tier's queue depth (8), and plain O_DIRECT reads of the
+same files in the same run. Its tier read figure is the ``--tier disk:`` bandwidth given to
+``kvtier plan`` for that context: on the H200 machine's disk the probe's plain reads (one 1 MiB
+request in flight per reader) read 9 % faster than the tier on average and moved from context to
+context while the tier's own rate held. Before every timed file hit the same bytes of chunk files
+are also read raw (O_DIRECT, as many requests in flight as the tier keeps): the disk as it is when
+the hit runs. A probe or tier benchmark that fails ends the run.
 
 ``kvtier plan --fast`` predicts each hit from this run's prefill table (the suffix's own prefill
-first, measured at the end of the run), PCIe and that context's disk figure; the comparison is
+first, measured at the end of the run), PCIe and that context's ``bench tier`` read figure, and
+the file hit a second time with the probe's figure instead, for comparison; the comparison is
 rewritten after every context with the table so far and the suffix's prefill measured at the start
 (``"prefill_table_complete": false``), and once more at the end with the whole table.
 On a machine without CUDA it runs on the CPU (float32, host copier): for tests, not for figures.
@@ -142,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kvtier-bin", default=None,
-                   help="the kvtier command (for `serve` and `bench storage`); default: "
+                   help="the kvtier command (for `serve`, `bench storage`, `bench tier` and "
+                   "`plan`); default: "
                    "$KVTIER_BIN, then PATH, then this Python's bin folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--output", default=None, metavar="FILE.json",
@@ -710,6 +718,60 @@ def storage_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_th
             "bytes_per_phase": bytes_per_phase, "probe_s": probe_s}
 
 
+# The per-context file-tier benchmark: 24 chunks written and read per round, two rounds (raw and
+# tier alternate going first), so 1.8 GB read through the tier at 36 MiB, as much as a 12k prefix;
+# about 5 s on a 1-2 GB/s disk, write phases included.
+TIER_PROBE_CHUNKS = 24
+TIER_PROBE_REPEATS = 2
+
+
+def tier_chunk_mib(chunk_bytes: int) -> int:
+    """The run's chunk size in whole MiB (`kvtier bench tier --chunk-mib`), at least 1."""
+    return max(1, round(chunk_bytes / (1 << 20)))
+
+
+def tier_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_threads: int) -> dict:
+    """`kvtier bench tier` on the file tier's directory: chunks of the run's size written and read
+    through a file tier with `read_threads` read threads and the tier's queue depth, the page cache
+    dropped before the reads and checked empty after, and plain O_DIRECT reads of the same files in
+    the same run. ``read_GBps`` is the tier's read figure, ``raw_read_GBps`` the plain reads'.
+    Raises RuntimeError if it fails (a page cache that served the reads makes it exit 1), reports
+    no cold reads or gives no usable figure."""
+    chunk_mib = tier_chunk_mib(chunk_bytes)
+    cmd = [kvtier_bin, "bench", "tier", "--dir", directory, "--chunk-mib", str(chunk_mib),
+           "--chunks", str(TIER_PROBE_CHUNKS), "--readers", str(read_threads),
+           "--io-depth", str(FILE_TIER_QUEUE_DEPTH), "--repeats", str(TIER_PROBE_REPEATS),
+           "--json"]
+    log("+ " + " ".join(cmd))
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    bench_s = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"kvtier bench tier failed (exit {out.returncode}): "
+                           f"{out.stderr.strip()[-500:]}")
+    try:
+        j = json.loads(out.stdout)
+        read, raw = float(j["read_GBps"]), float(j["raw_read_GBps"])
+        write, raw_write = float(j["write_GBps"]), float(j["raw_write_GBps"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"kvtier bench tier printed no usable JSON ({e}): "
+                           f"{out.stdout.strip()[-300:]}")
+    if j.get("o_direct") is not True:
+        raise RuntimeError(f"kvtier bench tier did not read cold (o_direct {j.get('o_direct')}, "
+                           f"{j.get('page_cache_resident_bytes')} bytes left in the page cache): "
+                           f"{j.get('warnings')}")
+    if not (read > 0 and raw > 0):
+        raise RuntimeError(f"kvtier bench tier gave no read figure: tier {read}, raw {raw}")
+    return {"read_GBps": read, "raw_read_GBps": raw, "read_ratio": read / raw,
+            "write_GBps": write, "raw_write_GBps": raw_write,
+            "readers": read_threads, "io_depth": FILE_TIER_QUEUE_DEPTH, "chunk_mib": chunk_mib,
+            "chunk_bytes_exact": chunk_mib << 20 == chunk_bytes,
+            "chunks": TIER_PROBE_CHUNKS, "repeats": TIER_PROBE_REPEATS,
+            "read_bytes": TIER_PROBE_CHUNKS * TIER_PROBE_REPEATS * (chunk_mib << 20),
+            "io_engine": j.get("io_engine"), "o_direct": True,
+            "page_cache_resident_bytes": j.get("page_cache_resident_bytes"), "bench_s": bench_s}
+
+
 def copy_bandwidth(env: Env, nbytes: int = GiB, repeats: int = 5) -> dict:
     """Host->GPU and GPU->host over PCIe from pinned memory, median of repeats (GB/s). On a CPU
     "device" the KV cache is host memory and the copy is a memcpy: that is measured instead."""
@@ -815,7 +877,15 @@ def measure(args) -> dict:
             "file_bytes": chunk_bytes, "readers": sorted({1, args.read_threads,
                                                           DISK_PROBE_MAX_READERS}),
             "files_per_reader": DISK_PROBE_FILES_PER_READER,
-            "used": f"read_GBps at {args.read_threads} readers (--read-threads)"}
+            "used": f"read_GBps at {args.read_threads} readers (--read-threads), for the "
+                    "file floor"}
+        result["tier_probe"] = {
+            "when": "before each context's repeats, after the disk probe",
+            "command": "kvtier bench tier", "directory": "the file tier's",
+            "chunk_mib": tier_chunk_mib(chunk_bytes), "chunks": TIER_PROBE_CHUNKS,
+            "repeats": TIER_PROBE_REPEATS, "readers": args.read_threads,
+            "io_depth": FILE_TIER_QUEUE_DEPTH,
+            "used": "read_GBps (the tier's reads), for kvtier plan's --tier disk:"}
 
     workdir = tempfile.mkdtemp(prefix="kvtier-ttft-")
     file_dir = args.dir or tempfile.mkdtemp(prefix="kvtier-ttft-", dir="/var/tmp")
@@ -902,6 +972,19 @@ def measure(args) -> dict:
                     f"{d['readers']} readers, best {d['read_GBps_max']:.2f} ("
                     + ", ".join(f"{n}: {v:.2f}" for n, v in d["read_GBps_by_readers"].items())
                     + f"; probe {d['probe_s']:.1f} s)")
+                # The tier itself, as a user would measure it for `kvtier plan`: the plan's
+                # figure for this context. Measured last, right before the hits.
+                try:
+                    run.extra["tier"] = tier_bandwidth(kvtier_bin, file_dir, chunk_bytes,
+                                                       args.read_threads)
+                except RuntimeError as e:
+                    raise RuntimeError(f"context {ctx}: measuring the file tier before its "
+                                       f"repeats: {e}") from e
+                tb = run.extra["tier"]
+                log(f"context {ctx}: bench tier read {tb['read_GBps']:.2f} GB/s, raw O_DIRECT "
+                    f"{tb['raw_read_GBps']:.2f} (ratio {tb['read_ratio']:.2f}); "
+                    f"{tb['readers']} readers, {tb['chunks']} x {tb['chunk_mib']} MiB x "
+                    f"{tb['repeats']}; {tb['bench_s']:.1f} s")
             for rep in range(args.warmup + args.repeats):
                 timed = rep >= args.warmup
                 # Every other repeat runs the arms in reverse: an arm that always follows the
@@ -1000,7 +1083,9 @@ def short_prefill(env: Env, model, cache, cfg: ModelConfig, args, suffix_pass: s
 
 def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
     """`kvtier plan`'s single-request hit prediction from this run's prefill table, PCIe and disk
-    bandwidths, against the measured hits (the L1 arm for the host tier, the file arm for disk)."""
+    bandwidths, against the measured hits (the L1 arm for the host tier, the file arm for disk).
+    The disk's figure is `kvtier bench tier`'s read through the file tier; the file hit is
+    predicted a second time from `kvtier bench storage`'s figure (``plan_file_probe_s``)."""
     model_path = args.model if os.path.exists(args.model) else \
         os.path.join(model_mod.CONFIG_DIR, args.model + ".json")
     layers = result["num_layers"]
@@ -1015,41 +1100,62 @@ def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
               "--dtype", str(dtype).split(".")[-1], "--prefill-table", ",".join(points),
               "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
               "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
-    rows, commands = [], []
+    rows, commands, probe_commands = [], [], []
+
+    def plan(cmd: list[str]) -> dict | None:
+        log("+ " + " ".join(cmd))
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
+        singles = json.loads(out.stdout)["single_request"]["rows"]
+        return singles[0] if singles else None
+
     for r in result["rows"]:
-        # The disk as a user measures it beforehand: `kvtier bench storage` at the tier's reader
-        # count, run right before this context's repeats (the raw reads interleaved with the
-        # file arm keep fewer requests in flight than the tier's io_uring and read slower).
-        tiers = ["--tier", f"disk:1TiB:{r['disk']['read_GBps']:.3f}GB/s"] if "disk" in r else []
+        # The disk as a user measures it for the tier beforehand: `kvtier bench tier` (reads
+        # through a file tier with the same read threads and queue depth), run right before this
+        # context's repeats. `kvtier bench storage`'s plain reads at the tier's reader count, run
+        # just before it, read 9 % faster than the tier on average on the H200 machine's disk and
+        # moved from context to context while the tier's rate held: its prediction is kept
+        # beside, for comparison.
+        tier_GBps = r["tier"]["read_GBps"] if "tier" in r else None
+        probe_GBps = r["disk"]["read_GBps"] if "disk" in r else None
         # The host time the L1 arm spent starting its layer loads, per layer, measured in the
         # same run. It lengthens the suffix only where the launching thread is the bottleneck:
         # the eager pass. With the suffix in CUDA graphs that thread queues each layer's copy and
         # two graph launches well ahead of the GPU, so the loads cost the GPU no time (0).
         measured_us = r.get("l1_issue_s", 0.0) / layers * 1e6
         issue_us = measured_us if result.get("suffix_pass", "eager") == "eager" else 0.0
-        cmd = common + tiers + ["--context", str(r["context"]),
-                        "--layer-load-overhead-us", f"{issue_us:.1f}"]
-        log("+ " + " ".join(cmd))
+        tail = ["--context", str(r["context"]), "--layer-load-overhead-us", f"{issue_us:.1f}"]
+
+        def disk(gbps):
+            return ["--tier", f"disk:1TiB:{gbps:.3f}GB/s"] if gbps is not None else []
+
+        cmd = common + disk(tier_GBps) + tail
         commands.append(" ".join(cmd))
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
-        singles = json.loads(out.stdout)["single_request"]["rows"]
-        if not singles:
+        p = plan(cmd)
+        if p is None:
             continue
-        p = singles[0]
         row = {"context": r["context"], "plan_recompute_s": p["recompute_s"],
                "plan_suffix_s": p["suffix_s"], "layer_load_overhead_us": issue_us,
                "layer_issue_us_measured": measured_us}
-        if "disk" in r:
-            row["disk_GBps"] = r["disk"]["read_GBps"]
+        if tier_GBps is not None:
+            row["disk_GBps"] = tier_GBps
+            row["disk_source"] = "kvtier bench tier"
         for arm, tier in (("l1", "cpu"), ("file", "disk")):
             if f"{arm}_s" in r and tier in p["hit_ttft_s"]:
                 row[f"plan_{arm}_s"] = p["hit_ttft_s"][tier]
                 row[f"{arm}_s"] = r[f"{arm}_s"]
                 row[f"{arm}_error"] = p["hit_ttft_s"][tier] / r[f"{arm}_s"] - 1
+        if probe_GBps is not None and "file_s" in r:
+            cmd = common + disk(probe_GBps) + tail
+            probe_commands.append(" ".join(cmd))
+            q = plan(cmd)
+            if q is not None and "disk" in q["hit_ttft_s"]:
+                row["probe_GBps"] = probe_GBps
+                row["plan_file_probe_s"] = q["hit_ttft_s"]["disk"]
+                row["file_error_probe"] = q["hit_ttft_s"]["disk"] / r["file_s"] - 1
         rows.append(row)
-    return {"commands": commands, "rows": rows}
+    return {"commands": commands, "probe_commands": probe_commands, "rows": rows}
 
 
 def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
@@ -1083,10 +1189,12 @@ def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
     disk = run.extra.get("disk")
     if disk is not None:
         row["disk"] = disk
+    if "tier" in run.extra:
+        row["tier"] = run.extra["tier"]
     if gpu is not None and disk is not None:
         # `kvtier bench storage` right before this context's repeats: at the tier's reader count
-        # (the floor of the issue, and the plan's figure), and at the best of its reader counts
-        # (a lower floor, so a stricter ratio).
+        # (the floor of the issue; the plan takes bench tier's figure), and at the best of its
+        # reader counts (a lower floor, so a stricter ratio).
         row["file_floor_s"] = prefix_bytes / (disk["read_GBps"] * 1e9) + gpu
         row["file_floor_best_s"] = prefix_bytes / (disk["read_GBps_max"] * 1e9) + gpu
     if "file_raw" in s:
@@ -1146,6 +1254,11 @@ def targets(result: dict) -> dict:
             for k in ("l1_error", "file_error") if k in p]
     if errs:
         t["plan_within_10pct"] = max(errs) <= 0.10
+    for name, k in (("plan_file_within_10pct", "file_error"),
+                    ("plan_file_within_10pct_with_probe", "file_error_probe")):
+        fe = [abs(p[k]) for p in result.get("plan", {}).get("rows", []) if k in p]
+        if fe:
+            t[name] = max(fe) <= 0.10
     t["all_hits_verified"] = not any(r["errors"] for r in rows.values())
     return t
 
@@ -1170,8 +1283,8 @@ def print_table(result: dict) -> None:
           f"{result.get('h2d_GBps_end', float('nan')):.1f}), GPU->host {result['d2h_GBps']:.1f}")
     disks = [r for r in result["rows"] if "disk" in r]
     if disks:
-        print("disk (kvtier bench storage before each context's repeats; the file floor and the "
-              "plan take the figure at the tier's reader count):")
+        print("disk (kvtier bench storage before each context's repeats; the file floor takes "
+              "the figure at the tier's reader count):")
         for r in disks:
             d = r["disk"]
             by = ", ".join(f"{n}: {v:.2f}" for n, v in d["read_GBps_by_readers"].items())
@@ -1180,6 +1293,17 @@ def print_table(result: dict) -> None:
             print(f"{r['context']:>7}: O_DIRECT {d['o_direct']}, read {d['read_GBps']:.2f} GB/s at "
                   f"{d['readers']} readers, best {d['read_GBps_max']:.2f} (readers {by}), "
                   f"write {write}; probe {d['probe_s']:.1f} s")
+    tiers = [r for r in result["rows"] if "tier" in r]
+    if tiers:
+        print("file tier (kvtier bench tier before each context's repeats, after the probe; the "
+              "plan takes its tier read figure):")
+        for r in tiers:
+            t = r["tier"]
+            print(f"{r['context']:>7}: tier read {t['read_GBps']:.2f} GB/s, raw O_DIRECT "
+                  f"{t['raw_read_GBps']:.2f} (tier / raw {t['read_ratio']:.2f}); write "
+                  f"{t['write_GBps']:.2f}, raw {t['raw_write_GBps']:.2f}; {t['readers']} "
+                  f"readers, io depth {t['io_depth']}, {t['chunks']} x {t['chunk_mib']} MiB x "
+                  f"{t['repeats']}, o_direct {t['o_direct']}; {t['bench_s']:.1f} s")
     print("TTFT in ms:")
     print(f"{'context':>7} {'recompute':>9} {'gpu-hit':>9} {'l1':>9} {'l1-serial':>9} "
           f"{'server':>9} {'file':>9} {'save':>9} {'copy-flr':>9} {'l1-floor':>9} "
@@ -1223,7 +1347,11 @@ def print_table(result: dict) -> None:
                 if f"plan_{arm}_s" in p:
                     parts.append(f"{arm} {p[f'plan_{arm}_s'] * 1e3:.1f} predicted, "
                                  f"{p[f'{arm}_s'] * 1e3:.1f} measured ({p[f'{arm}_error']:+.1%})"
-                                 + (f" at {p['disk_GBps']:.3f} GB/s" if arm == "file" else ""))
+                                 + (f" at {p['disk_GBps']:.3f} GB/s (bench tier)"
+                                    if arm == "file" and "disk_GBps" in p else ""))
+            if "plan_file_probe_s" in p:
+                parts.append(f"with the probe's {p['probe_GBps']:.3f} GB/s "
+                             f"{p['plan_file_probe_s'] * 1e3:.1f} ({p['file_error_probe']:+.1%})")
             print("  ".join(parts))
     for k, v in result["targets"].items():
         print(f"target {k}: {'met' if v else 'NOT MET'}")
