@@ -239,12 +239,41 @@ def prompt_shape(csv_path: Path, args) -> dict:
     return {"first_prompt": first, "question": question}
 
 
+def bench_qa_first_message(user: int, system_words: int, context_words: int) -> str:
+    """A user's first message as `kvtier bench qa` writes it (BuildContext and BuildQuestion in
+    src/loadgen/workload.cc); shared_prefix checks it against what the server counted."""
+    def hi(n: int) -> str:
+        return " ".join(["hi"] * n)
+    return (f"This is the shared system prompt for every user: {hi(system_words)}. User {user} "
+            f"brings this history of their own: {hi(context_words)}. Here's question #1: please "
+            "tell me a new long story with a happy ending.")
+
+
+def shared_prefix(port: int, args, context_words: int, first_prompt: float) -> int:
+    """Tokens that every user's first prompt shares (the chat template's start, the system part
+    and the sentence around it), as the server tokenizes them. `kvtier plan --system-prompt`
+    takes this rather than the word count: which blocks and chunks are shared decides what vLLM's
+    cache and kvtier's tiers hold (500 words are 520 tokens here: two shared 256-token chunks,
+    where 500 would make the second one private to every user)."""
+    tokens = []
+    for user in (1, 2):
+        text = bench_qa_first_message(user, args.system_prompt, context_words)
+        body = {"model": "bench", "messages": [{"role": "user", "content": text}]}
+        tokens.append(json.loads(http(port, "/tokenize", body))["tokens"])
+    if abs(len(tokens[0]) - first_prompt) > 4:
+        raise RuntimeError(
+            f"bench qa's first prompt is {first_prompt:.0f} tokens on the server, this harness's "
+            f"copy of its text {len(tokens[0])}: update bench_qa_first_message to the text of "
+            "src/loadgen/workload.cc")
+    return next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), min(map(len, tokens)))
+
+
 def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict,
          qps: float | None, offload: bool) -> dict:
     bpt = kv_bytes_per_token(MODEL_CONFIG)
-    # Words of the system part count about one token each; the rest of the first prompt is the
-    # user's context (and markup).
-    system = args.system_prompt
+    # The shared part as the server tokenizes it; the rest of the first prompt is the user's
+    # context (and markup) and the question.
+    system = shape["shared"]
     context = max(1, int(shape["first_prompt"] - shape["question"] - system))
     # kvtier plan refuses a table whose time falls with length; on a noisy host a shorter point
     # can come out above a longer one: each point is taken as at least the one before it.
@@ -400,6 +429,7 @@ def main(argv=None) -> int:
                                     "disk": file_tokens / max(prompt, 1)}}
                 measured["token_share"]["recompute"] = 1 - sum(measured["token_share"].values())
                 shape = prompt_shape(out / f"{name}.csv", args)
+                shape["shared"] = shared_prefix(args.port, args, context, shape["first_prompt"])
                 offload = arm == "kvtier"
                 same_qps = plan(args.kvtier, args, engine, tiers, context, shape, qps, offload)
                 own_load = plan(args.kvtier, args, engine, tiers, context, shape, None, offload)
