@@ -686,6 +686,24 @@ DISK_PROBE_MAX_READERS = 16
 DISK_PROBE_FILES_PER_READER = 2
 
 
+def run_json(cmd: list[str], what: str) -> tuple[dict, float]:
+    """Runs a `kvtier` command that prints JSON: (its JSON, seconds it took). Raises RuntimeError
+    if it fails or prints no JSON object."""
+    log("+ " + " ".join(cmd))
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
+    try:
+        j = json.loads(out.stdout)
+    except ValueError as e:
+        raise RuntimeError(f"{what} printed no usable JSON ({e}): {out.stdout.strip()[-300:]}")
+    if not isinstance(j, dict):
+        raise RuntimeError(f"{what} printed no usable JSON (not an object): {out.stdout[-300:]}")
+    return j, seconds
+
+
 def storage_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_threads: int) -> dict:
     """`kvtier bench storage` on the file tier's directory: O_DIRECT reads of chunk-sized files
     with 1, `read_threads` and 16 readers. ``read_GBps`` is the figure at `read_threads` readers,
@@ -695,19 +713,11 @@ def storage_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_th
     cmd = [kvtier_bin, "bench", "storage", directory, "--file-size", str(chunk_bytes),
            "--readers", ",".join(map(str, reader_counts)),
            "--files-per-reader", str(DISK_PROBE_FILES_PER_READER), "--json"]
-    log("+ " + " ".join(cmd))
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    probe_s = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"kvtier bench storage failed (exit {out.returncode}): "
-                           f"{out.stderr.strip()[-500:]}")
+    j, probe_s = run_json(cmd, "kvtier bench storage")
     try:
-        j = json.loads(out.stdout)
         reads = {int(r["readers"]): float(r["read_GBps"]) for r in j["readers"]}
     except (ValueError, KeyError, TypeError) as e:
-        raise RuntimeError(f"kvtier bench storage printed no usable JSON ({e}): "
-                           f"{out.stdout.strip()[-300:]}")
+        raise RuntimeError(f"kvtier bench storage printed no usable JSON ({e}): {j}")
     if not reads.get(read_threads, 0) > 0:
         raise RuntimeError(f"kvtier bench storage gave no read figure at {read_threads} readers: "
                            f"{reads}")
@@ -742,20 +752,12 @@ def tier_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_threa
            "--chunks", str(TIER_PROBE_CHUNKS), "--readers", str(read_threads),
            "--io-depth", str(FILE_TIER_QUEUE_DEPTH), "--repeats", str(TIER_PROBE_REPEATS),
            "--json"]
-    log("+ " + " ".join(cmd))
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    bench_s = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"kvtier bench tier failed (exit {out.returncode}): "
-                           f"{out.stderr.strip()[-500:]}")
+    j, bench_s = run_json(cmd, "kvtier bench tier")
     try:
-        j = json.loads(out.stdout)
         read, raw = float(j["read_GBps"]), float(j["raw_read_GBps"])
         write, raw_write = float(j["write_GBps"]), float(j["raw_write_GBps"])
     except (ValueError, KeyError, TypeError) as e:
-        raise RuntimeError(f"kvtier bench tier printed no usable JSON ({e}): "
-                           f"{out.stdout.strip()[-300:]}")
+        raise RuntimeError(f"kvtier bench tier printed no usable JSON ({e}): {j}")
     if j.get("o_direct") is not True:
         raise RuntimeError(f"kvtier bench tier did not read cold (o_direct {j.get('o_direct')}, "
                            f"{j.get('page_cache_resident_bytes')} bytes left in the page cache): "
