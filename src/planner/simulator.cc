@@ -381,6 +381,7 @@ class Simulation {
                   double now, double* bytes);
   void FlushTier(size_t t, double now);
   void WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, double now);
+  void ChargeWrite(size_t t, double bytes, double now);
   void SaveChunks(Request& r, size_t end_chunk, double now);
 
   const SimOptions& o_;
@@ -553,7 +554,7 @@ bool Simulation::TryAdmit(Request& r, double now) {
     // and promotes what comes from below into them (it passes through host memory on its way to
     // the GPU, so this costs no extra transfer), each chunk linked to the one before it.
     for (size_t i = first_chunk; i < hits; ++i) {
-      for (int t = 0; t <= tier_of[i]; ++t) tiers_[t].SetPinned(ChunkOwner(r.conv, i), i, true);
+      tiers_[tier_of[i]].SetPinned(ChunkOwner(r.conv, i), i, true);
       tiers_[tier_of[i]].Access(ChunkOwner(r.conv, i), i);
     }
     if (o_.write_policy != WritePolicy::kNone) {
@@ -612,11 +613,15 @@ void Simulation::WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, doubl
   if (t + 1 >= tiers_.size() || chunks.empty()) return;
   double below = 0;
   for (const auto& [conv, idx] : chunks) InsertTier(t + 1, conv, idx, nullptr, false, now, &below);
-  if (below > 0) {
-    TierState& next = tiers_[t + 1];
-    next.busy_until = std::max(now, next.busy_until) + below / next.spec().write_bytes_per_s;
-    res_.bytes_written[t + 1] += below;
-  }
+  ChargeWrite(t + 1, below, now);
+}
+
+// Writes of `bytes` into tier t take its one channel after what it is doing.
+void Simulation::ChargeWrite(size_t t, double bytes, double now) {
+  if (bytes <= 0) return;
+  TierState& tier = tiers_[t];
+  tier.busy_until = std::max(now, tier.busy_until) + bytes / tier.spec().write_bytes_per_s;
+  res_.bytes_written[t] += bytes;
 }
 
 // The connector's save after a step: one call with the chunks completed since the last one,
@@ -643,11 +648,7 @@ void Simulation::SaveChunks(Request& r, size_t end_chunk, double now) {
       InsertTier(t, ChunkOwner(r.conv, i), i, i > begin ? &parent : nullptr,
                  write_back && tiers_.size() > 1, now, &bytes);
     }
-    if (bytes > 0) {
-      TierState& tier = tiers_[t];
-      tier.busy_until = std::max(now, tier.busy_until) + bytes / tier.spec().write_bytes_per_s;
-      res_.bytes_written[t] += bytes;
-    }
+    ChargeWrite(t, bytes, now);
   }
   FlushTier(0, now);
 }
