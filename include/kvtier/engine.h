@@ -159,6 +159,12 @@ class Engine {
   // first if needed. Asynchronous: the result's `slots` lists the pinned slots; each must be
   // released with Unpin.
   Result<OpHandle> PrepareLoad(std::span<const ChunkKey> keys);
+  // PrepareLoad's answer when L1 alone gives it, taken at once without an operation: if L1 holds
+  // every key, or the first key it lacks is in no lower tier, the leading chunks are pinned and
+  // their slots returned (possibly none), counted as PrepareLoad counts them. Otherwise nullopt,
+  // nothing pinned or counted: the prefix goes on in a lower tier, and PrepareLoad must fetch it.
+  // Never blocks on I/O.
+  std::optional<std::vector<SlotId>> PrepareLoadFromMemory(std::span<const ChunkKey> keys);
   void Unpin(std::span<const SlotId> slots);
 
   // Blocks until every queued operation, and every write to L2 already started or deferred, has

@@ -773,6 +773,29 @@ Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
 
 Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) { return StartLoad(keys, {}); }
 
+// The common case of a server's prepare_load (a prefix L1 holds whole) without StartLoad's
+// operation state, callbacks and result copies: a walk, its pins and its stats.
+std::optional<std::vector<SlotId>> Engine::PrepareLoadFromMemory(std::span<const ChunkKey> keys) {
+  std::vector<SlotId> pinned;
+  pinned.reserve(keys.size());
+  for (const ChunkKey& key : keys) {
+    auto slot = impl_->l1->Pin(key);
+    if (!slot.ok()) break;
+    pinned.push_back(*slot);
+  }
+  const size_t rest = keys.size() - pinned.size();
+  if (rest > 0 && impl_->l2) {
+    if (impl_->l2->LookupPrefix(keys.subspan(pinned.size(), 1)) == 1) {
+      for (SlotId s : pinned) impl_->l1->Unpin(s);
+      return std::nullopt;
+    }
+    impl_->file.CountLookup(rest, 0);
+  }
+  impl_->memory.CountLookup(keys.size(), pinned.size());
+  impl_->loads++;
+  return pinned;
+}
+
 // Shared by Load (copy into dst) and PrepareLoad (dst empty: leave chunks pinned in L1).
 Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
                                    std::span<const std::span<uint8_t>> dst) {

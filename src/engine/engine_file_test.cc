@@ -175,6 +175,56 @@ TEST(EngineFileTest, PrepareLoadPromotesAndPins) {
   EXPECT_EQ(engine->Stats().memory_detail.pinned, 0u);
 }
 
+// The synchronous answer takes only prefixes L1 ends: one that goes on in the file tier is left
+// to PrepareLoad, with nothing pinned or counted by the attempt.
+TEST(EngineFileTest, PrepareLoadFromMemoryOnlyWhenL1EndsThePrefix) {
+  testing::TempDir dir;
+  auto keys = Keys(3);
+  Chunks in(3, 6);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+    auto src = in.In();
+    ASSERT_TRUE(
+        writer->Store(std::span(keys).first(2), std::span(src).first(2))->Wait().status.ok());
+  }
+  auto engine = OpenEngine(Options(dir.path(), 4, WritePolicy::kWriteThrough));
+  // Chunk 0 in L2 only: the prefix needs a read.
+  EXPECT_FALSE(engine->PrepareLoadFromMemory(keys).has_value());
+  EngineStats before = engine->Stats();
+  EXPECT_EQ(before.memory_detail.pinned, 0u);
+  EXPECT_EQ(before.memory.lookups, 0u);
+  EXPECT_EQ(before.loads, 0u);
+
+  OpResult promoted = engine->PrepareLoad(keys)->Wait();  // chunks 0 and 1 now in L1 as well
+  ASSERT_EQ(promoted.slots.size(), 2u);
+  engine->Unpin(promoted.slots);
+  const EngineStats after_promotion = engine->Stats();
+
+  // L1 holds 0 and 1, and chunk 2 is nowhere: answered at once, counted as PrepareLoad counts.
+  auto pinned = engine->PrepareLoadFromMemory(keys);
+  ASSERT_TRUE(pinned.has_value());
+  ASSERT_EQ(pinned->size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    auto d = engine->SlotData((*pinned)[i]);
+    EXPECT_TRUE(std::equal(d.begin(), d.end(), in.data[i].begin()));
+  }
+  EngineStats s = engine->Stats();
+  EXPECT_EQ(s.memory_detail.pinned, 2u);
+  EXPECT_EQ(s.loads, after_promotion.loads + 1);
+  EXPECT_EQ(s.memory.lookups, after_promotion.memory.lookups + 1);
+  EXPECT_EQ(s.memory.hits, after_promotion.memory.hits + 2);
+  EXPECT_EQ(s.memory.misses, after_promotion.memory.misses + 1);
+  EXPECT_EQ(s.file.lookups, after_promotion.file.lookups + 1);
+  EXPECT_EQ(s.file.hits, after_promotion.file.hits);
+  engine->Unpin(*pinned);
+  EXPECT_EQ(engine->Stats().memory_detail.pinned, 0u);
+
+  // A prefix nobody has: an empty answer, not a read.
+  auto none = engine->PrepareLoadFromMemory(Keys(2, 7));
+  ASSERT_TRUE(none.has_value());
+  EXPECT_TRUE(none->empty());
+}
+
 // An Env whose reads block while `stalled` is set: a storage server that stopped answering.
 class StallingEnv : public EnvWrapper {
  public:

@@ -507,7 +507,8 @@ class Server::Impl {
   bool HandleHello(const std::shared_ptr<Connection>& conn, const FrameHeader& h,
                    std::span<const uint8_t> body, std::vector<uint8_t> rest);
   void FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
-                         Clock::time_point started, size_t asked, const OpResult& r);
+                         Clock::time_point started, size_t asked, const Status& status,
+                         std::vector<SlotId> pinned);
   // Writes (or queues) one frame; `pass_fd` >= 0 rides on its first byte (SCM_RIGHTS). False if
   // the connection is closed or was just dropped for not reading its replies.
   bool Send(Connection& c, const std::vector<uint8_t>& frame, int pass_fd = -1);
@@ -1360,7 +1361,15 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         break;
       }
       keys->resize(allowed);  // a partial hit beyond the limit: the client recomputes the rest
-      auto handle = engine_->PrepareLoad(derive(*keys));
+      const std::vector<ChunkKey> derived = derive(*keys);
+      // Answered here when L1 alone holds the prefix (the common case, and the latency that
+      // matters); else when the promotion from the file tier ends (or its deadline passes),
+      // without holding up this connection's other requests.
+      if (auto pinned = engine_->PrepareLoadFromMemory(derived)) {
+        FinishPrepareLoad(conn, h.request_id, started, allowed, Status::Ok(), std::move(*pinned));
+        break;
+      }
+      auto handle = engine_->PrepareLoad(derived);
       if (!handle.ok()) {
         {
           std::lock_guard lock(c.mu);
@@ -1369,13 +1378,11 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         keep = reply(handle.status());
         break;
       }
-      // Answered now if every chunk was in L1; else when the promotion from the file tier ends
-      // (or its deadline passes), without holding up this connection's other requests.
       handle->OnDone([this, gate = completion_gate_, engine = engine_.get(), conn,
                       id = h.request_id, started, allowed](const OpResult& r) {
         std::shared_lock lock(gate->mu);
         if (gate->open) {
-          FinishPrepareLoad(conn, id, started, allowed, r);
+          FinishPrepareLoad(conn, id, started, allowed, r.status, r.slots);
         } else {
           engine->Unpin(r.slots);
         }
@@ -1454,17 +1461,19 @@ size_t Server::Impl::SlotQuota() const {
 }
 
 void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
-                                     Clock::time_point started, size_t asked, const OpResult& r) {
+                                     Clock::time_point started, size_t asked,
+                                     const Status& status, std::vector<SlotId> pinned) {
   Connection& c = *conn;
   const uint16_t opcode = static_cast<uint16_t>(Opcode::kPrepareLoad);
   // The slots the client is given: the pinned pool slots, or window slots they are copied into.
-  std::vector<SlotId> slots = r.slots;
-  if (c.window && !r.slots.empty()) {
-    slots.clear();
+  std::vector<SlotId> slots;
+  if (!c.window) {
+    slots = std::move(pinned);
+  } else if (!pinned.empty()) {
     {
       std::lock_guard lock(c.mu);
       // Free: this load's keys were counted in pending_pins against the window's size.
-      for (size_t i = 0; i < r.slots.size() && !c.closed; ++i) {
+      for (size_t i = 0; i < pinned.size() && !c.closed; ++i) {
         SlotId w = c.window->Take();
         if (w == kNoSlot) break;
         slots.push_back(w);
@@ -1472,13 +1481,13 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, ui
     }
     const uint64_t n = engine_->options().chunk_bytes;
     for (size_t i = 0; i < slots.size(); ++i) {
-      std::memcpy(c.window->Data(slots[i], n).data(), engine_->SlotData(r.slots[i]).data(), n);
+      std::memcpy(c.window->Data(slots[i], n).data(), engine_->SlotData(pinned[i]).data(), n);
     }
-    engine_->Unpin(r.slots);  // the client holds its copies, never the pool's slots
+    engine_->Unpin(pinned);  // the client holds its copies, never the pool's slots
   }
   std::vector<uint8_t> frame;
-  if (slots.empty() && !r.status.ok() && !r.status.IsNotFound()) {
-    frame = EncodeReply(opcode, request_id, r.status);
+  if (slots.empty() && !status.ok() && !status.IsNotFound()) {
+    frame = EncodeReply(opcode, request_id, status);
   } else {
     PrepareLoadReply p;
     p.chunks = static_cast<uint32_t>(slots.size());
@@ -1501,7 +1510,7 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, ui
     // If the reply does not reach the client, the connection thread releases c.pins at close.
     Send(c, frame);
   } else if (!c.window) {
-    engine_->Unpin(r.slots);  // the client is gone: nobody will release these pins
+    engine_->Unpin(slots);  // the client is gone: nobody will release these pins
   }
   metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());
 }
