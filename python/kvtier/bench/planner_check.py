@@ -12,9 +12,13 @@ and arm (no offload; kvtier's CPU tier and file tier through `kvtier serve`):
    the prompt tokens came from (vLLM's prefix cache from its /metrics, kvtier's tiers from
    `kvtier serve`'s /metrics);
 3. the prediction: `kvtier plan` given only what a user measures beforehand: the model's idle
-   TTFT table, the per-request overhead and decode step on this server, the KV cache size, the
+   TTFT table, the per-request overhead and decode step on this server (measured again right
+   before each run: a shared machine's speed moves between minutes), the KV cache size, the
    tiers' sizes and bandwidths (`kvtier bench storage`, `kvtier bench engine`), the workload's
    flags; once with the run's own --qps and once with `--load 0.65` (the planner's own capacity).
+
+With `--repeats N`, step 2 and 3 run N times per point (capacity is found once) and the summary
+gives the medians of the measured and the predicted mean TTFT.
 
 The no-offload arm is the same vLLM with the connector and no kvtier server to talk to: vLLM's
 CPU build prefills about twice as fast with a connector configured than without one
@@ -321,6 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--time", type=float, default=90, help="seconds each measured run sends")
     p.add_argument("--stage-time", type=float, default=30, help="seconds per capacity stage")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measured runs per point at its recommended --qps (capacity is found "
+                   "once per point); the summary takes the medians")
     p.add_argument("--start-qps", type=float, default=0.5, help="first capacity stage's --qps")
     p.add_argument("--vllm-blocks", type=int, default=96, help="vLLM KV cache blocks")
     p.add_argument("--block-tokens", type=int, default=128)
@@ -341,6 +348,8 @@ def main(argv=None) -> int:
                    help="directory with the tokenizer files the model uses (default: "
                    "scripts/vllm-cpu-server.sh model's)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be 1 or more")
     arms = args.arms.split(",")
     if any(a not in ("none", "kvtier") for a in arms):
         p.error("--arms takes none and/or kvtier")
@@ -383,9 +392,6 @@ def main(argv=None) -> int:
         if len(lengths) < 2:
             p.error("--prefill-lengths needs two lengths or more (the shortest measures the "
                     "per-request overhead)")
-        engine = measure_engine(vllm, lengths, 5)
-        log(f"per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms, decode step "
-            f"{engine['decode_step_s'] * 1e3:.1f} ms")
         for context in [int(c) for c in args.contexts.split(",")]:
             for arm in arms:
                 name = f"c{context}-{arm}"
@@ -401,49 +407,90 @@ def main(argv=None) -> int:
                 qps = cap["capacity"]["recommended_qps"]
                 log(f"   service rate {cap['capacity']['service_rate_rps']:.3f} req/s; run at "
                     f"--qps {qps:.3f}")
-                serve = Serve(args.kvtier, args, socket, out, name) if arm == "kvtier" else None
-                vllm.reset_cache()
-                before = prometheus(args.port)
-                run = bench_qa(args.kvtier, args, context, ["--qps", f"{qps:.4f}", "--time",
-                                                            str(args.time)], name, out)
-                after = prometheus(args.port)
-                served = serve.metrics() if serve else {}
-                if serve:  # evictions, promotions, write-backs: what the L1 did, for the record
-                    (out / f"serve-{name}-stats.json").write_bytes(
-                        http(serve.http_port, "/stats"))
-                if serve:
-                    serve.stop()
-                rows = list(csv.DictReader(open(out / f"{name}.csv")))
-                prompt = sum(int(r["prompt_tokens"]) for r in rows)
-                hits = (metric(after, "vllm:prefix_cache_hits_total")
-                        - metric(before, "vllm:prefix_cache_hits_total"))
-                file_tokens = metric(served, "kvtier_bytes_read_total", tier="file") / bpt
-                kv_tokens = metric(served, "kvtier_bytes_read_total", tier="memory") / bpt
-                # A file-tier hit passes through L1 on its way out: it is counted by both.
-                measured = {
-                    "qps": qps, "service_rate_rps": cap["capacity"]["service_rate_rps"],
-                    "requests": len(rows),
-                    "mean_ttft_s": statistics.mean(float(r["ttft"]) for r in rows),
-                    "token_share": {"gpu": hits / max(prompt, 1),
-                                    "cpu": max(0.0, kv_tokens - file_tokens) / max(prompt, 1),
-                                    "disk": file_tokens / max(prompt, 1)}}
-                measured["token_share"]["recompute"] = 1 - sum(measured["token_share"].values())
-                shape = prompt_shape(out / f"{name}.csv", args)
-                shape["shared"] = shared_prefix(args.port, args, context, shape["first_prompt"])
-                offload = arm == "kvtier"
-                same_qps = plan(args.kvtier, args, engine, tiers, context, shape, qps, offload)
-                own_load = plan(args.kvtier, args, engine, tiers, context, shape, None, offload)
-                row = {"context_words": context, "arm": arm, "prompt_shape": shape,
-                       "measured": measured, "predicted_at_qps": same_qps,
-                       "predicted_at_load": own_load, "bench_qa": run["summary"]}
-                results.append(row)
-                log(describe(row))
-                (out / "planner_check.json").write_text(json.dumps(
-                    {"engine": engine, "tiers": tiers, "rows": results}, indent=1))
+                for repeat in range(1, args.repeats + 1):
+                    run_name = name if args.repeats == 1 else f"{name}-r{repeat}"
+                    row = measure_point(args, vllm, lengths, tiers, socket, out, context, arm,
+                                        run_name, qps, cap["capacity"]["service_rate_rps"])
+                    row["repeat"] = repeat
+                    results.append(row)
+                    log(describe(row))
+                    (out / "planner_check.json").write_text(json.dumps(
+                        {"tiers": tiers, "rows": results, "points": summarize(results)},
+                        indent=1))
     finally:
         vllm.stop()
     print_table(results)
+    if args.repeats > 1:
+        print_summary(summarize(results))
     return 0
+
+
+def measure_point(args, vllm: Vllm, lengths, tiers, socket: str, out: Path, context: int,
+                  arm: str, name: str, qps: float, service_rate: float) -> dict:
+    """One measured run at `qps` and its predictions. The idle server is measured first, in the
+    same minute (a shared machine's speed moves between minutes), before kvtier serve starts."""
+    vllm.reset_cache()
+    engine = measure_engine(vllm, lengths, 5)
+    log(f"   per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms, decode step "
+        f"{engine['decode_step_s'] * 1e3:.1f} ms")
+    bpt = kv_bytes_per_token(MODEL_CONFIG)
+    serve = Serve(args.kvtier, args, socket, out, name) if arm == "kvtier" else None
+    vllm.reset_cache()
+    before = prometheus(args.port)
+    run = bench_qa(args.kvtier, args, context, ["--qps", f"{qps:.4f}", "--time", str(args.time)],
+                   name, out)
+    after = prometheus(args.port)
+    served = serve.metrics() if serve else {}
+    if serve:  # evictions, promotions, write-backs: what the L1 did, for the record
+        (out / f"serve-{name}-stats.json").write_bytes(http(serve.http_port, "/stats"))
+        serve.stop()
+    rows = list(csv.DictReader(open(out / f"{name}.csv")))
+    prompt = sum(int(r["prompt_tokens"]) for r in rows)
+    hits = (metric(after, "vllm:prefix_cache_hits_total")
+            - metric(before, "vllm:prefix_cache_hits_total"))
+    file_tokens = metric(served, "kvtier_bytes_read_total", tier="file") / bpt
+    kv_tokens = metric(served, "kvtier_bytes_read_total", tier="memory") / bpt
+    # A file-tier hit passes through L1 on its way out: it is counted by both.
+    measured = {
+        "qps": qps, "service_rate_rps": service_rate, "requests": len(rows),
+        "mean_ttft_s": statistics.mean(float(r["ttft"]) for r in rows),
+        "token_share": {"gpu": hits / max(prompt, 1),
+                        "cpu": max(0.0, kv_tokens - file_tokens) / max(prompt, 1),
+                        "disk": file_tokens / max(prompt, 1)}}
+    measured["token_share"]["recompute"] = 1 - sum(measured["token_share"].values())
+    shape = prompt_shape(out / f"{name}.csv", args)
+    shape["shared"] = shared_prefix(args.port, args, context, shape["first_prompt"])
+    offload = arm == "kvtier"
+    return {"context_words": context, "arm": arm, "engine": engine, "prompt_shape": shape,
+            "measured": measured,
+            "predicted_at_qps": plan(args.kvtier, args, engine, tiers, context, shape, qps,
+                                     offload),
+            "predicted_at_load": plan(args.kvtier, args, engine, tiers, context, shape, None,
+                                      offload),
+            "bench_qa": run["summary"]}
+
+
+def summarize(rows) -> list:
+    """Per point (context and arm), the medians over its repeats: measured and predicted mean
+    TTFT (each run predicted from the idle table of its own minute) and token shares."""
+    points = {}
+    for r in rows:
+        points.setdefault((r["context_words"], r["arm"]), []).append(r)
+    out = []
+    for (context, arm), runs in points.items():
+        med = lambda f: statistics.median(f(r) for r in runs)
+        shares = {k: {"measured": med(lambda r: r["measured"]["token_share"][k]),
+                      "predicted": med(lambda r: r["predicted_at_qps"]["token_share"].get(k, 0))}
+                  for k in ("gpu", "cpu", "disk", "recompute")}
+        measured = med(lambda r: r["measured"]["mean_ttft_s"])
+        predicted = med(lambda r: r["predicted_at_qps"]["mean_ttft_s"])
+        out.append({"context_words": context, "arm": arm, "runs": len(runs),
+                    "measured_mean_ttft_s": measured, "predicted_mean_ttft_s": predicted,
+                    "error": predicted / measured - 1,
+                    "run_errors": [r["predicted_at_qps"]["mean_ttft_s"]
+                                   / r["measured"]["mean_ttft_s"] - 1 for r in runs],
+                    "token_share": shares})
+    return out
 
 
 def describe(row: dict) -> str:
@@ -469,6 +516,17 @@ def print_table(rows) -> None:
               f"{m['mean_ttft_s'] * 1e3:>8.0f}ms {p['mean_ttft_s'] * 1e3:>6.0f}ms "
               f"{p['mean_ttft_s'] / m['mean_ttft_s'] - 1:>+6.0%} {m['service_rate_rps']:>9.2f} "
               f"{q['service_rate_rps']:>7.2f} {s('gpu'):>9} {s('cpu'):>9} {s('disk'):>9}")
+
+
+def print_summary(points) -> None:
+    print(f"\nmedians over repeats: {'context':>8} {'arm':>7} {'runs':>4} {'TTFT meas':>10} "
+          f"{'pred':>8} {'err':>6}  per-run errors; token shares m/p")
+    for p in points:
+        s = " ".join(f"{k} {v['measured'] * 100:.0f}/{v['predicted'] * 100:.0f}"
+                     for k, v in p["token_share"].items())
+        print(f"{'':>21}{p['context_words']:>8} {p['arm']:>7} {p['runs']:>4} "
+              f"{p['measured_mean_ttft_s'] * 1e3:>8.0f}ms {p['predicted_mean_ttft_s'] * 1e3:>6.0f}ms "
+              f"{p['error']:>+6.0%}  {' '.join(f'{e:+.0%}' for e in p['run_errors'])}; {s}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
     # and kvtier's tiers have something to serve.
     cmd = [VLLM_PYTHON, "-m", "kvtier.bench.planner_check", "--out", str(out),
            "--contexts", "300", "--time", "12", "--stage-time", "6", "--start-qps", "2",
+           "--repeats", "2",
            "--vllm-blocks", "24", "--max-model-len", "2048", "--prefill-lengths", "128,512,1024",
            "--tokenizer", MODEL_DIR,
            "--port", str(free_port()), "--serve-http-port", str(free_port())]
@@ -57,10 +58,11 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads((out / "planner_check.json").read_text())
-    assert result["engine"]["request_overhead_s"] > 0
+    assert sorted((r["arm"], r["repeat"]) for r in result["rows"]) == [
+        ("kvtier", 1), ("kvtier", 2), ("none", 1), ("none", 2)]
     rows = {r["arm"]: r for r in result["rows"]}
-    assert set(rows) == {"none", "kvtier"}
-    for arm, r in rows.items():
+    for r in result["rows"]:
+        assert r["engine"]["request_overhead_s"] > 0  # measured before each run
         m = r["measured"]
         assert m["requests"] > 0 and m["mean_ttft_s"] > 0 and m["service_rate_rps"] > 0
         assert abs(sum(m["token_share"].values()) - 1) < 1e-9
@@ -73,3 +75,12 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
     none = rows["none"]["measured"]["token_share"]
     assert none["cpu"] == 0 and none["disk"] == 0
     assert "context" in p.stdout and "TTFT meas" in p.stdout  # the table
+    # The medians over the repeats, per point.
+    points = {pt["arm"]: pt for pt in result["points"]}
+    assert set(points) == {"none", "kvtier"}
+    for arm, point in points.items():
+        runs = [r for r in result["rows"] if r["arm"] == arm]
+        assert point["runs"] == 2 and len(point["run_errors"]) == 2
+        measured = sorted(r["measured"]["mean_ttft_s"] for r in runs)
+        assert point["measured_mean_ttft_s"] == pytest.approx(sum(measured) / 2)
+    assert "medians over repeats" in p.stdout
