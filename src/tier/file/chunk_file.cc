@@ -6,12 +6,10 @@
 #include <bit>
 #include <cctype>
 #include <cstring>
-#include <new>
 #include <random>
 
 #include <fmt/format.h>
-// Inlined, XXH3 runs at memory speed here (~10 GB/s) instead of ~7 GB/s through the shared
-// library's generic build; the checksum is on the critical path of every chunk.
+// The header's checksum (4 KiB), inlined. Payloads are hashed in payload_checksum.cc.
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -116,22 +114,6 @@ DecodedHeader DecodeHeader(std::span<const uint8_t, kHeaderBytes> in) {
   h.model_id.assign(reinterpret_cast<const char*>(p + 136), n);
   d.verdict = HeaderVerdict::kOk;
   return d;
-}
-
-uint64_t PayloadChecksum(std::span<const uint8_t> payload) {
-  return XXH3_64bits(payload.data(), payload.size());
-}
-
-PayloadHasher::PayloadHasher() : state_(XXH3_createState()) {
-  if (state_ == nullptr) throw std::bad_alloc();
-  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
-}
-PayloadHasher::~PayloadHasher() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
-void PayloadHasher::Update(std::span<const uint8_t> bytes) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), bytes.data(), bytes.size());
-}
-uint64_t PayloadHasher::Digest() const {
-  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
 }
 
 bool IsChunkName(std::string_view name) { return name.size() == 64 && IsLowerHex(name); }

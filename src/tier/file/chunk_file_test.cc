@@ -1,5 +1,8 @@
 #include "tier/file/chunk_file.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
@@ -65,6 +68,26 @@ TEST(ChunkFileTest, OtherVersionIsForeign) {
   std::memcpy(buf.data() + kHeaderBytes - 8, &sum, 8);
   DecodedHeader d = DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
   EXPECT_EQ(d.verdict, HeaderVerdict::kForeign) << d.reason;
+}
+
+// The payload checksum goes through xxHash's runtime dispatcher where the library has one: it
+// must be the format's XXH3-64 (seed 0) whatever loop the CPU runs, one-shot and streamed.
+TEST(ChunkFileTest, PayloadChecksumIsXxh3OneShotAndStreamed) {
+  std::vector<uint8_t> bytes((9u << 18) + 4096 + 7);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + (i >> 9));
+  for (size_t n : {size_t{0}, size_t{1}, size_t{240}, size_t{241}, size_t{4096}, size_t{65536},
+                   size_t{(9u << 18)}, bytes.size()}) {
+    SCOPED_TRACE(n);
+    const uint64_t want = XXH3_64bits(bytes.data(), n);
+    EXPECT_EQ(PayloadChecksum({bytes.data(), n}), want);
+    PayloadHasher hasher;
+    for (size_t at = 0; at < n;) {  // uneven pieces, as reads complete
+      size_t piece = std::min(n - at, size_t{1} << (10 + at % 11));
+      hasher.Update({bytes.data() + at, piece});
+      at += piece;
+    }
+    EXPECT_EQ(hasher.Digest(), want);
+  }
 }
 
 TEST(ChunkFileTest, Names) {
