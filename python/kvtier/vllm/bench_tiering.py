@@ -22,6 +22,7 @@ bytes are compared with what was stored, outside the timed part.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import shutil
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=16,
                    help="read threads and write threads of each tier (default 16, vLLM's)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every arm (default 3)")
+    p.add_argument("--kvtier-sync-data", action="store_true",
+                   help="kvtier's tier fdatasyncs every chunk before publishing it (its "
+                        "sync_data; default off, as vLLM's fs tier, which never syncs)")
     p.add_argument("--poll-ms", type=float, default=0.5,
                    help="scheduler poll interval in ms (default 0.5)")
     args = p.parse_args(argv)
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         build_arm("kvtier", {"type": "KvtierTier", "module_path": "kvtier.vllm.tiering",
                              "l2": {"type": "fs", "path": os.path.join(root, "kvtier"),
                                     "read_threads": args.threads,
-                                    "write_threads": args.threads}},
+                                    "write_threads": args.threads},
+                             "sync_data": args.kvtier_sync_data},
                   common, args.bytes_per_token),
     ]
     chunk_bytes = arms[0].tier.block_size_bytes
@@ -191,9 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             view[i] = chunk
 
     in_flights = [int(x) for x in args.in_flight.split(",")]
+    # As vLLM does once it has started: the objects of the start-up (vLLM's and torch's modules,
+    # millions of them) leave the collector's generations, so a collection during a timed run
+    # (of either arm) walks only what the run itself made.
+    gc.collect()
+    gc.freeze()
+    load_start = os.getloadavg()
     print(f"# {args.jobs} jobs of {args.chunks_per_job} chunks of {chunk_bytes / 2**20:.1f} MiB "
           f"({n_chunks * chunk_bytes / 1e9:.2f} GB per workload), {args.threads} read + "
-          f"{args.threads} write threads per tier, {args.repeats} repeats, arms interleaved; "
+          f"{args.threads} write threads per tier, {args.repeats} repeats, arms interleaved, "
+          f"kvtier's fdatasync per chunk {'on' if args.kvtier_sync_data else 'off'}; "
           f"directory {root}; {os.cpu_count()} CPUs")
     job_id = 0
 
@@ -226,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{a.name}: loaded chunks differ from the stored ones")
                 a.results.setdefault(f"load-{k}x", []).append(r)
 
+    load_end = os.getloadavg()
+    print("# load average (1, 5, 15 min) at the start " +
+          " ".join(f"{x:.2f}" for x in load_start) + ", at the end " +
+          " ".join(f"{x:.2f}" for x in load_end))
     kv = next(a for a in arms if a.name == "kvtier")
     stats = kv.tier.file_tier.stats()
     if not stats["o_direct"]:

@@ -147,6 +147,10 @@ class KvtierTier(SecondaryTierManager):
       model_id:   the model's name in chunk keys (default: vLLM's model name).
       max_queued_chunks: chunks waiting for an I/O thread before more are refused (default:
                   the primary's chunk count, which bounds what vLLM can have in flight).
+      sync_data:  fdatasync every chunk file before publishing it (default False, as vLLM's
+                  own fs tier: a power loss may then leave chunks that fail their checksum,
+                  which are misses, never served; docs/file-format.md). True makes published
+                  chunks survive a power loss, at a disk flush per chunk.
       locality, enable_kv_events: as for vLLM's fs tier.
 
     Methods run on vLLM's scheduler thread and do not block it, except drain_jobs and shutdown,
@@ -164,6 +168,7 @@ class KvtierTier(SecondaryTierManager):
         namespace: str = "",
         model_id: str | None = None,
         max_queued_chunks: int | None = None,
+        sync_data: bool = False,
         locality: str | None = None,
         enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
@@ -181,9 +186,11 @@ class KvtierTier(SecondaryTierManager):
         self._key_root = self.ns.root()
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.ndim else 0
         queue = max_queued_chunks or max(1024, num_chunks)
+        if not isinstance(sync_data, bool):
+            raise ValueError(f"KvtierTier: 'sync_data' must be true or false, not {sync_data!r}")
         try:
             self._tier = kvtier.open_file_tier(self.ns, chunk_bytes, settings,
-                                               max_queued_chunks=queue)
+                                               max_queued_chunks=queue, sync_data=sync_data)
         except kvtier.InvalidArgumentError as e:
             raise ValueError(f"KvtierTier: {e}") from None
         # The primary's bytes, flat: a job names chunk c by the offset c * chunk_bytes.
@@ -201,12 +208,12 @@ class KvtierTier(SecondaryTierManager):
         stats = self._tier.stats()
         logger.info(
             "kvtier tier: %d chunks of %d bytes indexed in %s (%s, O_DIRECT %s, %d read and "
-            "%d write threads, capacity %s)", stats["chunks"], chunk_bytes,
+            "%d write threads, capacity %s, fdatasync per chunk %s)", stats["chunks"], chunk_bytes,
             self._tier.namespace_dir, stats["io_engine"],
             "on" if stats["o_direct"] else "off (the filesystem refused it)",
             settings["read_threads"], settings["write_threads"],
             f"{stats['capacity_bytes'] / 2**30:.1f} GiB" if stats["capacity_bytes"]
-            else "unlimited")
+            else "unlimited", "on" if sync_data else "off")
 
     def kvtier_key(self, key: OffloadKey) -> bytes:
         """kvtier's 32-byte key of a vLLM offload key (block hash and group): bound to this

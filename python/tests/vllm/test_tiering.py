@@ -167,17 +167,36 @@ def corrupt_payload(path):
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def damage_file(path, damage):
+    """What a bad disk or, without the fdatasync (sync_data false, the default), a power loss
+    can leave at a published chunk's name: a flipped bit, a file cut short or empty, blocks that
+    never reached the disk (zeros: the preallocated size with no data), a payload torn half way,
+    or no file at all."""
+    size = os.path.getsize(path)
+    if damage == "corrupt":
+        corrupt_payload(path)
+    elif damage == "missing":
+        os.remove(path)
+    elif damage in ("truncated", "empty"):
+        os.truncate(path, size // 2 if damage == "truncated" else 0)
+    else:
+        start = {"zeroed": 0, "torn": 4096 + (size - 4096) // 2, "header-zeroed": 0}[damage]
+        end = 4096 if damage == "header-zeroed" else size
+        with open(path, "r+b") as f:
+            f.seek(start)
+            f.write(bytes(end - start))
+
+
+DAMAGES = ["corrupt", "missing", "truncated", "empty", "zeroed", "torn", "header-zeroed"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_bad_chunk_fails_its_job_and_vllm_recomputes(driver, damage):
     d = driver()
     keys = offload_keys(damage, 6)
     chunks = random_chunks(6, 3)
     d.store(keys, chunks)
-    path = d.tier.file_tier.chunk_path(d.tier.kvtier_key(keys[3]))
-    if damage == "corrupt":
-        corrupt_payload(path)
-    else:
-        os.remove(path)
+    damage_file(d.tier.file_tier.chunk_path(d.tier.kvtier_key(keys[3])), damage)
     d.drop_primary()
     results, data = d.load(keys)
     # The chunks before the bad one are delivered and right; from it on vLLM recomputes.
@@ -185,8 +204,8 @@ def test_a_bad_chunk_fails_its_job_and_vllm_recomputes(driver, damage):
     assert np.array_equal(data, chunks[:3])
     failures = d.manager.get_stats().data["data"]["vllm:kv_offload_tiering_promotion_job_failures"]
     assert sum(failures.values()) == 1
-    if damage == "corrupt":
-        assert d.tier.file_tier.stats()["corrupt"] == 1
+    if damage != "missing":
+        assert d.tier.file_tier.stats()["corrupt"] == 1  # detected, removed, never served
     # The bad chunk stays a miss (no promotion loop); storing it again heals it.
     results, _ = d.load(keys)
     assert results[3] is LookupResult.MISS
@@ -226,6 +245,19 @@ def test_shutdown_waits_for_jobs_in_flight(driver):
     assert [r[1:3] for r in tier.file_tier.finished()] == [(True, 8)]
 
 
+@pytest.mark.parametrize("sync_data", [False, True])
+def test_sync_data_either_way_round_trips(driver, tmp_path, sync_data):
+    extra = issue_config(tmp_path / "kv")
+    extra["secondary_tiers"][0]["sync_data"] = sync_data
+    d = driver(extra)
+    keys = offload_keys(f"sync-{sync_data}", 4)
+    chunks = random_chunks(4, 5)
+    d.store(keys, chunks)
+    d.drop_primary()
+    results, data = d.load(keys)
+    assert results == [LookupResult.HIT] * 4 and np.array_equal(data, chunks)
+
+
 def test_bad_config_stops_vllm_at_start(tmp_path):
     extra = issue_config(tmp_path)
     extra["secondary_tiers"][0]["l2"]["sizee_gb"] = 1
@@ -233,4 +265,8 @@ def test_bad_config_stops_vllm_at_start(tmp_path):
         Driver(extra)
     extra["secondary_tiers"][0].pop("l2")
     with pytest.raises(ValueError, match="needs 'l2'"):
+        Driver(extra)
+    extra = issue_config(tmp_path)
+    extra["secondary_tiers"][0]["sync_data"] = "yes"
+    with pytest.raises(ValueError, match="sync_data"):
         Driver(extra)
