@@ -108,8 +108,7 @@ const std::vector<FlagInfo>& Flags() {
       {"decode-step-ms",
        "Measured duration of one decode step (the idle time between answer tokens), "
        "milliseconds; default: weights and KV read at the GPU's HBM bandwidth plus "
-       "--step-overhead-ms. Measured, it is the base cost of every step (prefill steps too), and "
-       "the one step inside --request-overhead-ms is not added to a TTFT a second time",
+       "--step-overhead-ms",
        &F::decode_step_ms},
       {"calibrate",
        "CONTEXT:SECONDS: a measured mean TTFT without offload at that context, for this "
@@ -349,7 +348,6 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     // A measured step already holds the step overhead and the reads.
     e.decode_weights_s = std::max(0.0, decode_ms / 1e3 - e.step_overhead_s);
     e.decode_s_per_kv_token = 0;
-    e.measured_step = true;
   }
   KVTIER_ASSIGN_OR_RETURN(uint64_t mbt, ParseCount(f.max_batched_tokens, "max-batched-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(uint64_t bt, ParseCount(f.block_tokens, "block-tokens", 1));

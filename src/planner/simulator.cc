@@ -683,7 +683,7 @@ void Simulation::MaybeStartStep(double now) {
   if (decodes > 0) {
     any = true;
     budget = budget > decodes ? budget - decodes : 0;
-    duration += kv_tokens * e_.decode_s_per_kv_token;
+    duration += e_.decode_weights_s + kv_tokens * e_.decode_s_per_kv_token;
   }
   double saved_bytes = 0;
   for (uint32_t id : running_) {
@@ -704,8 +704,6 @@ void Simulation::MaybeStartStep(double now) {
     }
   }
   if (!any) return;
-  // The weights are read once per step that decodes; a measured step's base, once per step.
-  if (decodes > 0 || e_.measured_step) duration += e_.decode_weights_s;
   duration += e_.save_blocking * saved_bytes / e_.save_copy_bytes_per_s;
   engine_busy_ = true;
   step_started_ = now;
@@ -715,7 +713,7 @@ void Simulation::MaybeStartStep(double now) {
 }
 
 void Simulation::FinishPrefill(Request& r, double now) {
-  r.log.ttft_s = now - r.sent + e_.OutsideStepsS();
+  r.log.ttft_s = now - r.sent + e_.request_overhead_s;
   r.generated = 1;  // the first token comes out of the step that finishes the prefill
   r.phase = Phase::kDecode;
   if (r.generated >= w_.answer_tokens) Finish(r, now);
@@ -723,7 +721,7 @@ void Simulation::FinishPrefill(Request& r, double now) {
 
 void Simulation::Finish(Request& r, double now) {
   r.phase = Phase::kDone;
-  r.log.finish_s = now + e_.OutsideStepsS();
+  r.log.finish_s = now + e_.request_overhead_s;
   // The connector saves the chunks the answer completes too (its save_decode_tokens): the next
   // turn's prompt starts with them.
   SaveChunks(r, (r.prompt + w_.answer_tokens) / e_.chunk_tokens, now);
@@ -745,7 +743,7 @@ void Simulation::Finish(Request& r, double now) {
 
   uint32_t conv_id = r.conv;
   if (c.rounds_sent < c.rounds_allowed) {
-    double next = std::max(now + e_.OutsideStepsS(), c.last_sent + gap_s_);
+    double next = std::max(now + e_.request_overhead_s, c.last_sent + gap_s_);
     if (next < stop_sending_) Push(next, EventType::kSend, conv_id);
   } else if (o_.saturate && now < stop_sending_) {
     Push(now, EventType::kJoin, 0);  // a new user takes the finished one's place

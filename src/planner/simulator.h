@@ -30,7 +30,6 @@
 // Single-threaded and deterministic; Simulate is thread-safe (no shared state).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -103,16 +102,6 @@ struct EngineModel {
   // Time every request spends outside the engine's steps before its first token is seen
   // (HTTP, tokenization, scheduling, streaming the token back): added to every TTFT.
   double request_overhead_s = 0;
-  // decode_weights_s is a measured step (--decode-step-ms): the base cost of every step, which
-  // a step of prefills alone pays too. The request overhead, measured as the idle TTFT of a
-  // prompt the engine holds, holds one such step (the prompt's last token is computed), and the
-  // prefill table only what a prompt adds to it; so a request's own first step is not counted
-  // twice, the TTFT adds only the overhead's part outside it (OutsideStepsS).
-  bool measured_step = false;
-  double OutsideStepsS() const {
-    return measured_step ? std::max(0.0, request_overhead_s - step_overhead_s - decode_weights_s)
-                         : request_overhead_s;
-  }
 };
 
 struct SimOptions {

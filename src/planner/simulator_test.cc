@@ -248,50 +248,6 @@ TEST(SimulatorTest, QueueingRaisesTtftWithLoad) {
   EXPECT_GE(light->ttft_sorted_s.front(), 0.004);
 }
 
-// With a measured step (vLLM's CPU build: --decode-step-ms, and the request overhead measured
-// as a cached prompt's idle TTFT, which holds one step), a request's TTFT is its wait for the
-// step under way, then its own step (the base and its prefill) and the overhead outside the
-// steps: the base is counted once, alone or batched with others' decodes. Alone, the TTFT is the
-// idle table's.
-TEST(SimulatorTest, MeasuredStepBaseIsCountedOncePerTtft) {
-  SimOptions o = Options(1000, 4.0, {});
-  // A user joins every second and each answer decodes for ~1.9 s: most prompts arrive while
-  // another user's answer is decoding.
-  o.workload.users = 2;
-  o.workload.rounds = 2;
-  o.workload.qps = 1.0;
-  o.workload.system_prompt_tokens = 0;
-  o.workload.question_tokens = 10;
-  o.workload.answer_tokens = 200;
-  o.workload.duration_s = 5;
-  o.engine.prefill = *PrefillCost::FromTable({{512, 0.040}, {4096, 0.400}});
-  o.engine.step_overhead_s = 0;
-  o.engine.decode_weights_s = 0.0093;
-  o.engine.decode_s_per_kv_token = 0;
-  o.engine.request_overhead_s = 0.029;
-  o.engine.measured_step = true;
-  const double base = o.engine.decode_weights_s;
-  auto r = Simulate(o);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_GT(r->request_log.size(), 4u);
-  size_t waited = 0;
-  for (const RequestLog& l : r->request_log) {
-    // Prompts sent at the same instant share their prefill step: each waits for the other's.
-    auto same_instant = [&](const RequestLog& m) { return std::abs(m.sent_s - l.sent_s) < 1e-9; };
-    if (std::count_if(r->request_log.begin(), r->request_log.end(), same_instant) > 1) continue;
-    const double idle = o.engine.request_overhead_s +
-                        o.engine.prefill.Suffix(l.gpu_tokens, l.recomputed_tokens);
-    const double extra = l.ttft_s - idle;  // the wait for the step under way
-    EXPECT_GE(extra, -1e-9);
-    EXPECT_LE(extra, base + 1e-9) << "the step base counted twice, at " << l.sent_s << " s";
-    waited += extra > 1e-6;
-  }
-  EXPECT_GT(waited, 0u) << "no request met another's decode: the case is not exercised";
-  // The first request found the engine idle: exactly the idle table's TTFT.
-  const RequestLog& first = r->request_log.front();
-  EXPECT_NEAR(first.ttft_s, o.engine.request_overhead_s + o.engine.prefill.Full(1010), 1e-9);
-}
-
 TEST(SimulatorTest, DeterministicAndFast) {
   // A 20-minute, 8-user run.
   SimOptions o = Options(24576, 0.4, CpuNfs());
