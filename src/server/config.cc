@@ -97,10 +97,12 @@ Result<L2Spec> L2FromJson(const json& j) {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.read_threads));
     } else if (key == "write_threads") {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.write_threads));
+    } else if (key == "sync_data") {
+      KVTIER_RETURN_IF_ERROR(GetBool(v, key, &spec.sync_data));
     } else {
       return Status::InvalidArgument(
           fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, part_mib, "
-                      "max_size_gb, read_threads, write_threads)",
+                      "max_size_gb, read_threads, write_threads, sync_data)",
                       k));
     }
   }
@@ -334,6 +336,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.capacity_bytes = static_cast<uint64_t>(l2[0].max_size_gb * (1ull << 30));
     f.read_threads = l2[0].read_threads;
     f.write_threads = l2[0].write_threads;
+    f.sync_data = l2[0].sync_data;
     f.connections = l2[0].connections;
     f.s3_part_bytes = static_cast<size_t>(l2[0].part_mib) << 20;
     o.engine.file = f;

@@ -17,7 +17,7 @@
 namespace kvtier::server {
 
 // One lower tier: --l2 '{"type":"fs","path":...,"max_size_gb":...,"read_threads":...,
-// "write_threads":...}'.
+// "write_threads":...,"sync_data":...}'.
 struct L2Spec {
   // "fs": a local (or kernel-mounted) directory; "nfs": an nfs:// URL; "s3": an s3:// URL
   std::string type = "fs";
@@ -27,6 +27,10 @@ struct L2Spec {
   double max_size_gb = 0;  // 0 = unlimited
   int read_threads = 4;
   int write_threads = 2;
+  // fdatasync each chunk file before publishing it (FileTierOptions::sync_data). Off, a power
+  // loss may leave published chunks that fail their checksum: misses, never wrong data
+  // (docs/file-format.md, "Without step 4").
+  bool sync_data = true;
 };
 
 struct ServeConfig {

@@ -59,6 +59,48 @@ TEST(ServeConfigTest, L2SpecsAreValidated) {
   EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
 }
 
+TEST(ServeConfigTest, L2SyncDataIsABooleanThatReachesTheFileTier) {
+  // Left out: on, as in FileTierOptions, for --l2 and for the default tier alike.
+  auto plain = ParseL2Spec(R"({"type":"fs","path":"/x"})");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_TRUE(plain->sync_data);
+  auto defaults = BuildServerOptions(ServeConfig{});
+  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+  EXPECT_TRUE(defaults->engine.file->sync_data);
+
+  auto off = ParseL2Spec(R"({"type":"fs","path":"/x","sync_data":false})");
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  EXPECT_FALSE(off->sync_data);
+  auto on = ParseL2Spec(R"({"type":"fs","path":"/x","sync-data":true})");
+  ASSERT_TRUE(on.ok()) << on.status().ToString();
+  EXPECT_TRUE(on->sync_data);
+  ServeConfig c;
+  c.l2 = {*off};
+  auto options = BuildServerOptions(c);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  EXPECT_FALSE(options->engine.file->sync_data);
+
+  // The --config form takes it too.
+  ServeConfig from_json;
+  ASSERT_TRUE(
+      ApplyConfigJson(R"({"l2": [{"type": "fs", "path": "/x", "sync_data": false}]})", &from_json)
+          .ok());
+  ASSERT_EQ(from_json.l2.size(), 1u);
+  EXPECT_FALSE(from_json.l2[0].sync_data);
+
+  // Only a JSON boolean: not a number, a string or null.
+  for (const char* bad : {"0", "1", "\"false\"", "null"}) {
+    const std::string text = std::string(R"({"type":"fs","path":"/x","sync_data":)") + bad + "}";
+    Status s = ParseL2Spec(text).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(s.message().find("\"sync_data\" must be true or false"), std::string::npos)
+        << s.ToString();
+    ServeConfig bad_config;
+    Status in_config = ApplyConfigJson("{\"l2\": [" + text + "]}", &bad_config);
+    EXPECT_NE(in_config.message().find("sync_data"), std::string::npos) << in_config.ToString();
+  }
+}
+
 TEST(ServeConfigTest, S3TiersTakeAUrlConnectionsAndAPartSize) {
   if (!S3Supported()) GTEST_SKIP() << "built without the S3 client";
   auto s3 = ParseL2Spec(R"({"type":"s3","url":"s3://bucket/kv","connections":32,"part_mib":8})");
