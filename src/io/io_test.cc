@@ -1,12 +1,20 @@
 #include "kvtier/io.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "io/fault_injection_env.h"
 #include "testing/temp_dir.h"
@@ -113,6 +121,109 @@ TEST(EnvTest, MetadataOperations) {
   EXPECT_TRUE(env->List(dir.Sub("missing")).status().IsNotFound());
   EXPECT_EQ(ParseIoEngineKind("io_uring").value(), IoEngineKind::kIoUring);
   EXPECT_FALSE(ParseIoEngineKind("aio").ok());
+}
+
+TEST(EnvTest, ExclusiveDirectCreateIsDirectAndStillExclusive) {
+  testing::TempDir dir;
+  auto env = MakeEnv(IoEngineKind::kThreadPool);
+  OpenOptions o;
+  o.write = o.create = o.exclusive = o.direct = true;
+  auto f = env->Open(dir.Sub("f"), o);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_TRUE((*f)->direct()) << "the test directory must be on a filesystem with O_DIRECT";
+  // O_DIRECT is really on the descriptor (set after the create): an unaligned write is refused.
+  AlignedBuffer buf(8192);
+  IoOp unaligned = IoOp::Write(0, std::span<uint8_t>(buf.data() + 1, 4096));
+  EXPECT_EQ(WriteExact(**f, std::span<IoOp>(&unaligned, 1)).code(), StatusCode::kIOError);
+  IoOp aligned = IoOp::Write(0, buf.span());
+  EXPECT_TRUE(WriteExact(**f, std::span<IoOp>(&aligned, 1)).ok());
+  auto again = env->Open(dir.Sub("f"), o);  // the file exists: an exclusive create fails
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find(std::strerror(EEXIST)), std::string::npos)
+      << again.status().ToString();
+  EXPECT_EQ(env->direct_fallbacks(), 0u);
+}
+
+// Where a filesystem refuses O_DIRECT, Linux's open(O_CREAT|O_EXCL|O_DIRECT) creates the file
+// and then fails with EINVAL; an exclusive create must still succeed there (buffered), once,
+// and fail on a file that existed before it. ramfs has no direct I/O, and a user namespace may
+// mount one: a child process does, runs the checks and exits with the number of the first one
+// that failed. Skipped where the kernel or the sandbox allows no such mount.
+TEST(EnvTest, ExclusiveCreateWhereTheFilesystemRefusesODirect) {
+  testing::TempDir dir;
+  const std::string mnt = dir.Sub("ramfs");
+  ASSERT_EQ(::mkdir(mnt.c_str(), 0755), 0);
+  constexpr int kSkip = 77;
+  const uid_t uid = ::geteuid();
+  const gid_t gid = ::getegid();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto write_file = [](const char* path, const std::string& text) {
+      int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+      if (fd < 0) return false;
+      bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+      ::close(fd);
+      return ok;
+    };
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) ::_exit(kSkip);
+    (void)write_file("/proc/self/setgroups", "deny");
+    if (!write_file("/proc/self/uid_map", fmt::format("0 {} 1", uid)) ||
+        !write_file("/proc/self/gid_map", fmt::format("0 {} 1", gid))) {
+      ::_exit(kSkip);
+    }
+    (void)::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr);
+    if (::mount("none", mnt.c_str(), "ramfs", 0, nullptr) != 0) ::_exit(kSkip);
+    // Only where the kernel shows the behaviour under test (ramfs may one day gain direct I/O).
+    const std::string probe = mnt + "/probe";
+    int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno != EINVAL || ::access(probe.c_str(), F_OK) != 0) ::_exit(kSkip);
+
+    PosixEnvOptions eo;
+    eo.engine = IoEngineKind::kThreadPool;
+    auto env = NewPosixEnv(eo);
+    if (!env.ok()) ::_exit(1);
+    OpenOptions o;
+    o.write = o.create = o.exclusive = o.direct = true;
+    auto f = (*env)->Open(mnt + "/f", o);
+    if (!f.ok()) ::_exit(2);  // without the fix: EEXIST, on the file this very call created
+    if ((*f)->direct()) ::_exit(3);
+    if ((*env)->direct_fallbacks() != 1) ::_exit(4);
+    AlignedBuffer data(4096), back(4096);
+    FillRandom(data.span(), 7);
+    IoOp w = IoOp::Write(0, data.span());
+    if (!WriteExact(**f, std::span<IoOp>(&w, 1)).ok()) ::_exit(5);
+    IoOp r = IoOp::Read(0, back.span());
+    if (!ReadExact(**f, std::span<IoOp>(&r, 1)).ok()) ::_exit(6);
+    if (std::memcmp(data.data(), back.data(), data.size()) != 0) ::_exit(7);
+    f->reset();
+    // The file existed before these calls: EEXIST, with O_DIRECT asked for or not.
+    auto again = (*env)->Open(mnt + "/f", o);
+    if (again.ok() || again.status().message().find(std::strerror(EEXIST)) == std::string::npos) {
+      ::_exit(8);
+    }
+    o.direct = false;
+    if ((*env)->Open(mnt + "/f", o).ok()) ::_exit(9);
+    auto probe_again = (*env)->Open(probe, o);  // left by the probe's failed open
+    if (probe_again.ok()) ::_exit(10);
+    ::_exit(0);
+  }
+  // A bounded wait: a child of a process with threads could, in principle, block on a lock.
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 3000 && (done = ::waitpid(child, &status, WNOHANG)) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "the child did not finish within 30 s";
+  }
+  ASSERT_EQ(done, child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died, status " << status;
+  if (WEXITSTATUS(status) == kSkip) GTEST_SKIP() << "no ramfs mount in a user namespace here";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "check " << WEXITSTATUS(status) << " failed in the child (see the test's _exit codes)";
 }
 
 TEST(EnvTest, RejectsBadOptions) {

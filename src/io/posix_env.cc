@@ -112,14 +112,22 @@ class PosixEnv final : public Env {
     const bool fresh = o.create && o.exclusive;
     if (!fresh) flags |= O_NONBLOCK;
     flags |= O_NOCTTY;
+    // An exclusive create asks for O_DIRECT only once the file is ours, with fcntl below. Where
+    // a filesystem refuses O_DIRECT (ramfs, some FUSE filesystems, tmpfs before Linux 6.6),
+    // open(O_CREAT|O_EXCL|O_DIRECT) creates the file and only then fails with EINVAL (the kernel
+    // checks O_DIRECT after the create), and nothing says whether this call created it: a
+    // retry with O_EXCL fails with EEXIST on our own file, and one without O_EXCL, or an unlink
+    // first, could take over or remove a file that another writer created between the two
+    // attempts. Created without O_DIRECT, the file is new and ours by O_EXCL alone, and
+    // F_SETFL makes the same O_DIRECT check as open. The price: one fcntl per file created.
     bool direct = o.direct;
     int fd = -1;
     for (;;) {
-      fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
+      fd = ::open(path.c_str(), flags | (direct && !fresh ? O_DIRECT : 0), 0644);
       if (fd >= 0) break;
       if (errno == EINTR) continue;
       if (errno == EISDIR) return NotRegular(path, "a directory");
-      if (direct && errno == EINVAL) {
+      if (direct && !fresh && errno == EINVAL) {
         // Also what a FIFO or device may answer to O_DIRECT: that is no fallback to report.
         struct stat st;
         if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
@@ -131,7 +139,16 @@ class PosixEnv final : public Env {
       }
       return Status::FromErrno(errno, fmt::format("open {}", path));
     }
-    if (fresh) return std::unique_ptr<File>(new PosixFile(this, path, fd, direct));
+    if (fresh) {
+      // F_SETFL sets O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME and O_NONBLOCK together: this
+      // descriptor was opened with none of them, so O_DIRECT alone is the whole new set. A
+      // refusal (EINVAL where the filesystem has no direct I/O) leaves a usable buffered file.
+      if (direct && ::fcntl(fd, F_SETFL, O_DIRECT) != 0) {
+        ReportFallback(path, errno, "at open");
+        direct = false;
+      }
+      return std::unique_ptr<File>(new PosixFile(this, path, fd, direct));
+    }
     struct stat st;
     if (::fstat(fd, &st) != 0) {
       int err = errno;
