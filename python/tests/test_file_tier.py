@@ -207,3 +207,21 @@ def test_a_bad_s3_url_or_secret_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(kvtier.KvtierError, match="SignatureDoesNotMatch"):
         kvtier.open_file_tier(ns(), CHUNK, {"type": "s3", "url": f"{url}/py-bad"})
+
+
+@pytest.mark.parametrize("l2_sync, kwargs", [(False, {}), (True, {"sync_data": False}),
+                                             (None, {"sync_data": True})])
+def test_sync_data_from_the_l2_object_or_the_argument(tmp_path, l2_sync, kwargs):
+    # kvtier serve's L2 JSON takes "sync_data"; open_file_tier's argument, when given, wins.
+    spec = {"type": "fs", "path": str(tmp_path)}
+    if l2_sync is not None:
+        spec["sync_data"] = l2_sync
+    src, dst = region(2), region(2)
+    fill(src, 2, 5)
+    with kvtier.open_file_tier(ns(), CHUNK, spec, **kwargs) as tier:
+        tier.submit_write(1, keys(2), src, [0, CHUNK])
+        assert finish(tier)[0][:4] == (1, True, 2, "")
+        tier.submit_read(2, keys(2), dst, [0, CHUNK])
+        assert finish(tier)[0][:4] == (2, True, 2, "") and dst == src
+    with pytest.raises(kvtier.InvalidArgumentError, match="sync_data"):
+        kvtier.open_file_tier(ns(), CHUNK, dict(spec, sync_data="no"))

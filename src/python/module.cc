@@ -1350,7 +1350,7 @@ class PyFileTier {
 };
 
 PyFileTier* OpenFileTier(const KeyNamespace& ns, uint64_t chunk_bytes, nb::handle l2,
-                         int64_t max_queued_chunks, bool sync_data) {
+                         int64_t max_queued_chunks, std::optional<bool> sync_data) {
   if (chunk_bytes == 0) ThrowInvalid("open_file_tier: chunk_bytes must be positive");
   if (max_queued_chunks < 1) ThrowInvalid("open_file_tier: max_queued_chunks must be positive");
   std::string text;
@@ -1374,7 +1374,7 @@ PyFileTier* OpenFileTier(const KeyNamespace& ns, uint64_t chunk_bytes, nb::handl
   fo.ns = ns;
   fo.chunk_bytes = chunk_bytes;
   fo.max_queued_reads = fo.max_queued_writes = static_cast<size_t>(max_queued_chunks);
-  fo.sync_data = sync_data;
+  if (sync_data) fo.sync_data = *sync_data;  // else the l2 JSON's (true unless it says false)
   auto core = std::make_shared<FileTierCore>();
   core->chunk_bytes = chunk_bytes;
   {
@@ -2150,7 +2150,7 @@ void DefineFileTier(nb::module_& m) {
       });
 
   m.def("open_file_tier", &OpenFileTier, nb::arg("ns"), nb::arg("chunk_bytes"), nb::arg("l2"),
-        nb::kw_only(), nb::arg("max_queued_chunks") = 65536, nb::arg("sync_data") = true,
+        nb::kw_only(), nb::arg("max_queued_chunks") = 65536, nb::arg("sync_data") = nb::none(),
         nb::rv_policy::take_ownership,
         "Opens kvtier's file tier for ``ns`` and ``chunk_bytes``-byte chunks. ``l2`` is the JSON "
         "object `kvtier serve --l2` takes, as a string or dict: {\"type\": \"fs\", \"path\": ..., "
@@ -2158,7 +2158,8 @@ void DefineFileTier(nb::module_& m) {
         "rebuilt from the directory. ``max_queued_chunks`` bounds the chunks waiting for a "
         "read or write thread; a chunk beyond it fails its job (code \"rejected\"). ``sync_data`` "
         "False skips the fdatasync before each chunk's publication (docs/file-format.md: a "
-        "power loss may then leave chunks that fail their checksum, which read as misses).");
+        "power loss may then leave chunks that fail their checksum, which read as misses); "
+        "given, it overrides the l2 object's \"sync_data\" (default true).");
 }
 
 void InitModule(nb::module_& m) {

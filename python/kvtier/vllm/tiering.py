@@ -109,6 +109,12 @@ def _l2_settings(l2: Any) -> dict[str, Any]:
         raise ValueError("KvtierTier needs 'l2': a JSON object like "
                          '{"type": "fs", "path": "/mnt/kvcache", "max_size_gb": 2000}')
     settings = dict(l2)
+    # kvtier serve's L2 JSON takes it too; here the tier's own key decides, and two places for
+    # one setting would have one of them silently ignored.
+    for key in ("sync_data", "sync-data"):
+        if key in settings:
+            raise ValueError(f"KvtierTier: give sync_data as the tier's own key (beside 'l2'), "
+                             f"not inside 'l2' ({key!r})")
     settings.setdefault("read_threads", DEFAULT_READ_THREADS)
     settings.setdefault("write_threads", DEFAULT_WRITE_THREADS)
     return settings

@@ -270,3 +270,7 @@ def test_bad_config_stops_vllm_at_start(tmp_path):
     extra["secondary_tiers"][0]["sync_data"] = "yes"
     with pytest.raises(ValueError, match="sync_data"):
         Driver(extra)
+    extra = issue_config(tmp_path)
+    extra["secondary_tiers"][0]["l2"]["sync_data"] = True  # one setting, one place
+    with pytest.raises(ValueError, match="tier's own key"):
+        Driver(extra)
