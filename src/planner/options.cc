@@ -107,7 +107,9 @@ const std::vector<FlagInfo>& Flags() {
        &F::request_overhead_ms},
       {"decode-step-ms",
        "Measured duration of one decode step (the idle time between answer tokens), "
-       "milliseconds; default: weights and KV read at the GPU's HBM bandwidth plus "
+       "milliseconds: MS, or TOKENS:MS,... measured with one request decoding after prompts of "
+       "those lengths (the line through them gives the step's growth with the KV it reads, "
+       "summed over a batch); default: weights and KV read at the GPU's HBM bandwidth plus "
        "--step-overhead-ms",
        &F::decode_step_ms},
       {"calibrate",
@@ -157,6 +159,51 @@ Result<double> ParseGb(const std::string& text) {
 
 }  // namespace
 
+Result<DecodeStepFit> FitDecodeSteps(std::string_view text) {
+  constexpr std::string_view kWhat = "--decode-step-ms";
+  std::vector<std::pair<double, double>> points;  // (tokens, seconds)
+  if (text.find(':') == std::string_view::npos) {
+    KVTIER_ASSIGN_OR_RETURN(double ms, ParseNumber(text, kWhat));
+    points.emplace_back(0, ms / 1e3);
+  } else {
+    for (size_t start = 0; start <= text.size();) {
+      size_t comma = std::min(text.find(',', start), text.size());
+      std::string_view item = text.substr(start, comma - start);
+      size_t colon = item.find(':');
+      if (colon == std::string_view::npos) {
+        return Status::InvalidArgument(
+            fmt::format("{} entry '{}' is not TOKENS:MS (e.g. 4096:12.5)", kWhat, item));
+      }
+      auto tokens = ParseTokens(item.substr(0, colon));
+      if (!tokens.ok()) return tokens.status().WithContext(kWhat);
+      KVTIER_ASSIGN_OR_RETURN(double ms, ParseNumber(item.substr(colon + 1), kWhat));
+      points.emplace_back(static_cast<double>(*tokens), ms / 1e3);
+      start = comma + 1;
+    }
+  }
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const auto& [x, y] : points) {
+    if (!(y > 0)) return Status::InvalidArgument(fmt::format("{} must be > 0", kWhat));
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double n = static_cast<double>(points.size());
+  DecodeStepFit fit{sy / n, 0};
+  if (points.size() > 1) {
+    const double var = sxx - sx * sx / n;
+    if (!(var > 0)) {
+      return Status::InvalidArgument(
+          fmt::format("{}: a table needs two prompt lengths or more", kWhat));
+    }
+    // A step cannot get cheaper with more KV to read: a falling line is noise, taken as flat.
+    const double slope = (sxy - sx * sy / n) / var;
+    if (slope > 0) fit = {(sy - slope * sx) / n, slope};
+  }
+  return fit;
+}
+
 const char* TypeName(std::string_view flag) {
   static const std::pair<std::string_view, const char*> kTypes[] = {
       {"model", "NAME|PATH"},
@@ -182,7 +229,7 @@ const char* TypeName(std::string_view flag) {
       {"write-policy", "POLICY"},
       {"step-overhead-ms", "MS"},
       {"request-overhead-ms", "MS"},
-      {"decode-step-ms", "MS"},
+      {"decode-step-ms", "MS|TOKENS:MS,..."},
       {"capacity-method", "METHOD"},
       {"capacity-stage-time", "TIME"},
       {"capacity-start-qps", "REQ/S"},
@@ -343,11 +390,10 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   e.decode_weights_s = in.model.active_params * in.model.weight_bytes_per_param / hbm;
   e.decode_s_per_kv_token = static_cast<double>(e.kv_bytes_per_token) / hbm;
   if (!f.decode_step_ms.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(double decode_ms, ParseNumber(f.decode_step_ms, "--decode-step-ms"));
-    if (!(decode_ms > 0)) return Status::InvalidArgument("--decode-step-ms must be > 0");
+    KVTIER_ASSIGN_OR_RETURN(DecodeStepFit fit, FitDecodeSteps(f.decode_step_ms));
     // A measured step already holds the step overhead and the reads.
-    e.decode_weights_s = std::max(0.0, decode_ms / 1e3 - e.step_overhead_s);
-    e.decode_s_per_kv_token = 0;
+    e.decode_weights_s = std::max(0.0, fit.base_s - e.step_overhead_s);
+    e.decode_s_per_kv_token = fit.per_kv_token_s;
   }
   KVTIER_ASSIGN_OR_RETURN(uint64_t mbt, ParseCount(f.max_batched_tokens, "max-batched-tokens", 1));
   KVTIER_ASSIGN_OR_RETURN(uint64_t bt, ParseCount(f.block_tokens, "block-tokens", 1));

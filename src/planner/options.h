@@ -65,6 +65,16 @@ void AddPlannerFlags(CLI::App* cmd, PlannerFlags* flags);
 // flag names without dashes; '-' or '_' both work; lists as arrays or comma strings).
 Status MergeConfigFile(const CLI::App& cmd, PlannerFlags* flags);
 
+// A measured decode step as `--decode-step-ms` gives it: "MS" (one figure, no growth with the
+// KV), or "TOKENS:MS,..." (one request decoding after prompts of those lengths): the least-squares
+// line base + per_kv_token x tokens, its slope never below 0. Fails on a value <= 0, a malformed
+// entry, or a table whose lengths are all the same.
+struct DecodeStepFit {
+  double base_s = 0;
+  double per_kv_token_s = 0;
+};
+Result<DecodeStepFit> FitDecodeSteps(std::string_view text);
+
 // Parses and checks everything; `fast` selects the closed forms only.
 Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& flags, bool fast);
 

@@ -77,6 +77,31 @@ TEST(OptionsTest, BadInputIsRefusedClearly) {
   EXPECT_FALSE(ErrorOf({"--qps", "1", "--load", "0.5"}).empty());
 }
 
+TEST(OptionsTest, DecodeStepIsOneFigureOrALineOverTheKvRead) {
+  Parsed one;
+  auto in = one.Build({"--decode-step-ms", "8", "--step-overhead-ms", "1"});
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  EXPECT_NEAR(in->engine.decode_weights_s, 0.007, 1e-12);
+  EXPECT_EQ(in->engine.decode_s_per_kv_token, 0);
+  // 6 ms at 0 tokens growing 1 ms per 1000: the points lie on the line, in any order.
+  Parsed table;
+  in = table.Build(
+      {"--decode-step-ms", "4096:10.096,128:6.128,1k:7.024", "--step-overhead-ms", "0"});
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  EXPECT_NEAR(in->engine.decode_weights_s, 0.006, 1e-9);
+  EXPECT_NEAR(in->engine.decode_s_per_kv_token, 1e-6, 1e-12);
+  // Noise that makes longer prompts decode faster is no negative cost: flat at the mean.
+  auto flat = FitDecodeSteps("128:9,4096:7");
+  ASSERT_TRUE(flat.ok());
+  EXPECT_NEAR(flat->base_s, 0.008, 1e-12);
+  EXPECT_EQ(flat->per_kv_token_s, 0);
+  EXPECT_NE(ErrorOf({"--decode-step-ms", "0"}).find("must be > 0"), std::string::npos);
+  EXPECT_NE(ErrorOf({"--decode-step-ms", "128:7,abc"}).find("TOKENS:MS"), std::string::npos);
+  EXPECT_NE(ErrorOf({"--decode-step-ms", "128:7,128:8"}).find("two prompt lengths"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf({"--decode-step-ms", "128:-7,256:8"}).find("negative"), std::string::npos);
+}
+
 TEST(OptionsTest, ConfigFileFillsWhatFlagsLeaveOut) {
   kvtier::testing::TempDir dir;
   const std::string path = dir.Sub("plan.json");
