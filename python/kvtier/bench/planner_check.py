@@ -13,7 +13,8 @@ and arm (no offload; kvtier's CPU tier and file tier through `kvtier serve`):
    `kvtier serve`'s /metrics);
 3. the prediction: `kvtier plan` given only what a user measures beforehand: the model's idle
    TTFT table, the per-request overhead and decode step on this server (measured again right
-   before each run: a shared machine's speed moves between minutes), the KV cache size, the
+   before each run, as the arm runs: the offload arm's with a kvtier serve; a shared machine's
+   speed moves between minutes), the KV cache size, the
    tiers' sizes and bandwidths (`kvtier bench storage`, `kvtier bench engine`), the workload's
    flags; once with the run's own --qps and once with `--load 0.65` (the planner's own capacity).
 
@@ -31,6 +32,7 @@ and the kvtier package in the same Python; takes about 4 minutes per context and
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import json
 import os
@@ -179,35 +181,76 @@ def timed_completion(port: int, prompt, max_tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def measure_engine(vllm: Vllm, lengths, repeats: int) -> dict:
+# Decode steps timed per sample: a step is a few milliseconds and the machine's speed wanders by
+# about as much, so 64 steps keep one sample's noise well under a millisecond.
+DECODE_STEPS = 64
+
+
+def measure_engine(vllm: Vllm, lengths, repeats: int, users: int, block_tokens: int) -> dict:
     """What a user measures on an idle server before planning: the TTFT of prompts of each length
-    from an empty cache, the TTFT of a prompt it holds entirely (the per-request overhead), and
-    one decode step."""
+    from an empty cache (the prefill table), the TTFT of a prompt the server holds entirely (the
+    per-request overhead), one decode step; then `users` requests sent together (held, decoding,
+    cold), for the record."""
     rng = random.Random(7)
-    samples, overhead, decode = {}, {}, []
-    for n in lengths:  # a first request of each length builds what that shape needs
-        timed_completion(vllm.port, [rng.randrange(3, 4096) for _ in range(n)], 1)
+    fresh = lambda n: [rng.randrange(3, 4096) for _ in range(n)]
+    # vLLM computes at least a prompt's last token, and a prefix hit is whole blocks: a prompt of
+    # one block and one token, sent twice, has the second time everything but that token cached.
+    # (A prompt of whole blocks would recompute its last block: a 128-token prompt sent twice
+    # is two full prefills.)
+    held = block_tokens + 1
+    samples, cached, overhead, decode = {}, {}, [], {}
+    for n in lengths + [held]:  # a first request of each length builds what that shape needs
+        timed_completion(vllm.port, fresh(n), 1)
     # Lengths interleaved in every repeat, so that a slow minute of this machine spreads over all
     # of them instead of bending the table at one length.
     for _ in range(repeats):
         for n in lengths:
-            prompt = [rng.randrange(3, 4096) for _ in range(n)]
+            prompt = fresh(n)
             samples.setdefault(n, []).append(timed_completion(vllm.port, prompt, 1))
-            cached = timed_completion(vllm.port, prompt, 1)  # now fully cached
-            overhead.setdefault(n, []).append(cached)
-            decode.append((timed_completion(vllm.port, prompt, 33) - cached) / 32)
+            cached.setdefault(n, []).append(timed_completion(vllm.port, prompt, 1))
+            decode.setdefault(n, []).append(
+                (timed_completion(vllm.port, prompt, DECODE_STEPS + 1) - cached[n][-1])
+                / DECODE_STEPS)
+            prompt = fresh(held)
+            timed_completion(vllm.port, prompt, 1)
+            overhead.append(timed_completion(vllm.port, prompt, 1))
     table = {n: statistics.median(v) for n, v in samples.items()}
     for n in lengths:
         log(f"  idle TTFT of {n} new tokens: {table[n] * 1e3:.1f} ms "
             f"(samples {', '.join(f'{x * 1e3:.0f}' for x in samples[n])})")
-    # The overhead is the shortest prompt's cached TTFT: a longer one still sends, parses and
-    # looks up all its tokens, work its prefill-table entry holds already. That prompt stays out
-    # of the table: its own prefill is within the noise of the overhead.
-    shortest = min(lengths)
-    del table[shortest]
-    return {"prefill_table": table, "request_overhead_s": statistics.median(overhead[shortest]),
-            "cached_ttft_s": {n: statistics.median(v) for n, v in overhead.items()},
-            "decode_step_s": statistics.median(decode)}
+    log(f"  idle TTFT of {held} tokens held but the last: {statistics.median(overhead) * 1e3:.1f} "
+        f"ms (samples {', '.join(f'{x * 1e3:.0f}' for x in overhead)})")
+    # The same work for `users` requests sent together: how much of the per-request overhead and
+    # of a decode step is serial (one API server and one engine process share the cores). Kept
+    # in the JSON, for the record: the plan is given the single-request figures.
+    prompts = [fresh(held) for _ in range(users)]
+    for prompt in prompts:
+        timed_completion(vllm.port, prompt, 1)
+    together, together_decode, together_cold = [], [], []
+    cold_length = lengths[1] if len(lengths) > 1 else lengths[0]
+    for _ in range(repeats):
+        together.append(concurrent_completions(vllm.port, prompts, 1))
+        together_decode.append(
+            (concurrent_completions(vllm.port, prompts, DECODE_STEPS + 1) - together[-1])
+            / DECODE_STEPS)
+        together_cold.append(concurrent_completions(
+            vllm.port, [fresh(cold_length) for _ in range(users)], 1))
+    return {"prefill_table": table, "request_overhead_s": statistics.median(overhead),
+            "cached_ttft_s": {n: statistics.median(v) for n, v in cached.items()},
+            # One request decoding after each prompt length: the step grows with the KV read.
+            "decode_step_s": {n: statistics.median(v) for n, v in decode.items()},
+            "concurrent": {"requests": users, "held_wall_s": statistics.median(together),
+                           "decode_step_s": statistics.median(together_decode),
+                           "cold_tokens": cold_length,
+                           "cold_wall_s": statistics.median(together_cold)}}
+
+
+def concurrent_completions(port: int, prompts, max_tokens: int) -> float:
+    """Wall time for all of `prompts` sent at the same instant."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda p: timed_completion(port, p, max_tokens), prompts))
+        return time.perf_counter() - start
 
 
 def bench_qa(kvtier: str, args, context: int, extra, name: str, out: Path) -> dict:
@@ -290,7 +333,10 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
            "--gpu-kv-gb", f"{args.vllm_blocks * args.block_tokens * bpt}B",
            "--prefill-table", table,
            "--request-overhead-ms", f"{engine['request_overhead_s'] * 1e3:.3f}",
-           "--decode-step-ms", f"{engine['decode_step_s'] * 1e3:.3f}", "--step-overhead-ms", "0",
+           "--decode-step-ms", ",".join(
+               f"{n}:{t * 1e3:.3f}" for n, t in sorted((int(n), t) for n, t in
+                                                        engine["decode_step_s"].items())),
+           "--step-overhead-ms", "0",
            "--max-batched-tokens", str(args.max_batched_tokens),
            "--block-tokens", str(args.block_tokens), "--chunk-tokens", str(args.chunk_tokens),
            "--users", str(args.users), "--rounds", str(args.rounds),
@@ -339,8 +385,8 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8411)
     p.add_argument("--serve-http-port", type=int, default=9411)
     p.add_argument("--prefill-lengths", default="128,512,1024,2048,4096",
-                   help="prompt lengths of the idle TTFT table; the shortest, sent twice, "
-                   "measures the per-request overhead instead")
+                   help="prompt lengths of the idle TTFT table (the per-request overhead is "
+                   "measured on a prompt of one block and one token, sent twice)")
     p.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier",
                    help="the kvtier CLI (default: the one on PATH)")
     p.add_argument("--tokenizer", type=Path,
@@ -390,8 +436,7 @@ def main(argv=None) -> int:
     try:
         lengths = sorted({int(x) for x in args.prefill_lengths.split(",")})
         if len(lengths) < 2:
-            p.error("--prefill-lengths needs two lengths or more (the shortest measures the "
-                    "per-request overhead)")
+            p.error("--prefill-lengths needs two lengths or more")
         for context in [int(c) for c in args.contexts.split(",")]:
             for arm in arms:
                 name = f"c{context}-{arm}"
@@ -428,11 +473,20 @@ def main(argv=None) -> int:
 def measure_point(args, vllm: Vllm, lengths, tiers, socket: str, out: Path, context: int,
                   arm: str, name: str, qps: float, service_rate: float) -> dict:
     """One measured run at `qps` and its predictions. The idle server is measured first, in the
-    same minute (a shared machine's speed moves between minutes), before kvtier serve starts."""
+    same minute (a shared machine's speed moves between minutes), as the arm will run: the
+    offload arm with a kvtier serve of its own (its saves are part of a cold prefill, and the
+    connector's behaviour with a server differs from its behaviour without one), which is
+    stopped before the run gets a fresh one."""
     vllm.reset_cache()
-    engine = measure_engine(vllm, lengths, 5)
-    log(f"   per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms, decode step "
-        f"{engine['decode_step_s'] * 1e3:.1f} ms")
+    idle_serve = Serve(args.kvtier, args, socket, out, name + "-idle") if arm == "kvtier" else None
+    engine = measure_engine(vllm, lengths, 5, args.users, args.block_tokens)
+    if idle_serve:
+        idle_serve.stop()
+    steps = ", ".join(f"{t * 1e3:.1f}" for _, t in sorted(engine["decode_step_s"].items()))
+    log(f"   per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms; decode step "
+        f"{steps} ms after {', '.join(map(str, lengths))} tokens; {args.users} held requests "
+        f"together {engine['concurrent']['held_wall_s'] * 1e3:.1f} ms, decode step among them "
+        f"{engine['concurrent']['decode_step_s'] * 1e3:.1f} ms")
     bpt = kv_bytes_per_token(MODEL_CONFIG)
     serve = Serve(args.kvtier, args, socket, out, name) if arm == "kvtier" else None
     vllm.reset_cache()

@@ -63,6 +63,9 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
     rows = {r["arm"]: r for r in result["rows"]}
     for r in result["rows"]:
         assert r["engine"]["request_overhead_s"] > 0  # measured before each run
+        together = r["engine"]["concurrent"]
+        assert together["requests"] == 8 and together["held_wall_s"] > 0
+        assert together["cold_wall_s"] > 0 and together["cold_tokens"] == 512
         m = r["measured"]
         assert m["requests"] > 0 and m["mean_ttft_s"] > 0 and m["service_rate_rps"] > 0
         assert abs(sum(m["token_share"].values()) - 1) < 1e-9
