@@ -161,29 +161,20 @@ Result<double> ParseGb(const std::string& text) {
 
 Result<DecodeStepFit> FitDecodeSteps(std::string_view text) {
   constexpr std::string_view kWhat = "--decode-step-ms";
-  std::vector<std::pair<double, double>> points;  // (tokens, seconds)
+  std::vector<std::pair<uint64_t, double>> points;  // (tokens, milliseconds)
+  auto parse_ms = [&](std::string_view ms) { return ParseNumber(ms, kWhat); };
   if (text.find(':') == std::string_view::npos) {
-    KVTIER_ASSIGN_OR_RETURN(double ms, ParseNumber(text, kWhat));
-    points.emplace_back(0, ms / 1e3);
+    KVTIER_ASSIGN_OR_RETURN(double ms, parse_ms(text));
+    points.emplace_back(0, ms);
   } else {
-    for (size_t start = 0; start <= text.size();) {
-      size_t comma = std::min(text.find(',', start), text.size());
-      std::string_view item = text.substr(start, comma - start);
-      size_t colon = item.find(':');
-      if (colon == std::string_view::npos) {
-        return Status::InvalidArgument(
-            fmt::format("{} entry '{}' is not TOKENS:MS (e.g. 4096:12.5)", kWhat, item));
-      }
-      auto tokens = ParseTokens(item.substr(0, colon));
-      if (!tokens.ok()) return tokens.status().WithContext(kWhat);
-      KVTIER_ASSIGN_OR_RETURN(double ms, ParseNumber(item.substr(colon + 1), kWhat));
-      points.emplace_back(static_cast<double>(*tokens), ms / 1e3);
-      start = comma + 1;
-    }
+    auto table = ParseTokenTable(text, "MS", "4096:12.5", parse_ms);
+    if (!table.ok()) return table.status().WithContext(kWhat);
+    points = std::move(*table);
   }
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (const auto& [x, y] : points) {
-    if (!(y > 0)) return Status::InvalidArgument(fmt::format("{} must be > 0", kWhat));
+  for (const auto& [tokens, ms] : points) {
+    if (!(ms > 0)) return Status::InvalidArgument(fmt::format("{} must be > 0", kWhat));
+    const double x = static_cast<double>(tokens), y = ms / 1e3;
     sx += x;
     sy += y;
     sxx += x * x;

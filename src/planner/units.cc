@@ -98,7 +98,9 @@ Result<std::vector<uint64_t>> ParseTokenList(std::string_view text) {
   return out;
 }
 
-Result<std::vector<std::pair<uint64_t, double>>> ParseTokenSecondsTable(std::string_view text) {
+Result<std::vector<std::pair<uint64_t, double>>> ParseTokenTable(
+    std::string_view text, std::string_view value_name, std::string_view example,
+    const std::function<Result<double>(std::string_view)>& parse_value) {
   std::vector<std::pair<uint64_t, double>> out;
   size_t start = 0;
   while (start <= text.size()) {
@@ -108,14 +110,18 @@ Result<std::vector<std::pair<uint64_t, double>>> ParseTokenSecondsTable(std::str
     size_t colon = item.find(':');
     if (colon == std::string_view::npos) {
       return Status::InvalidArgument(
-          fmt::format("table entry '{}' is not TOKENS:SECONDS (e.g. 4096:0.135)", item));
+          fmt::format("table entry '{}' is not TOKENS:{} (e.g. {})", item, value_name, example));
     }
     KVTIER_ASSIGN_OR_RETURN(uint64_t tokens, ParseTokens(item.substr(0, colon)));
-    KVTIER_ASSIGN_OR_RETURN(double seconds, ParseDuration(item.substr(colon + 1)));
-    out.emplace_back(tokens, seconds);
+    KVTIER_ASSIGN_OR_RETURN(double value, parse_value(item.substr(colon + 1)));
+    out.emplace_back(tokens, value);
     start = comma + 1;
   }
   return out;
+}
+
+Result<std::vector<std::pair<uint64_t, double>>> ParseTokenSecondsTable(std::string_view text) {
+  return ParseTokenTable(text, "SECONDS", "4096:0.135", ParseDuration);
 }
 
 Result<double> ParseNumber(std::string_view text, std::string_view what) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -29,6 +30,11 @@ Result<double> ParseDuration(std::string_view text);
 Result<uint64_t> ParseTokens(std::string_view text);
 // "8192,16384,24k" -> {8192, 16384, 24576}; empty entries are refused.
 Result<std::vector<uint64_t>> ParseTokenList(std::string_view text);
+// "TOKENS:VALUE,..." -> {{tokens, value}, ...}, each value read by `parse_value`; an entry
+// without a colon is refused as not TOKENS:`value_name` (e.g. `example`).
+Result<std::vector<std::pair<uint64_t, double>>> ParseTokenTable(
+    std::string_view text, std::string_view value_name, std::string_view example,
+    const std::function<Result<double>(std::string_view)>& parse_value);
 // "4096:0.135,8192:0.280" -> {{4096, 0.135}, {8192, 0.280}}.
 Result<std::vector<std::pair<uint64_t, double>>> ParseTokenSecondsTable(std::string_view text);
 // A plain non-negative number ("0.65", "1e-3").
