@@ -68,7 +68,7 @@ pid_is() {
   stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
   # Field 3, after the parenthesised command name (which may itself contain spaces).
   [[ ${stat##*) } == Z* ]] && return 1
-  cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || return 1
+  cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || return 1
   local want
   for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
 }
@@ -219,22 +219,49 @@ EXPORT {
 EOF
 }
 
+# rpcbind reports its start-up errors only to syslog, which a container often lacks; -d sends them
+# (and a line per request) to rpcbind.log instead. A fresh machine has been seen to lose its
+# first rpcbind at start with nothing logged, so a start that dies is retried before giving up.
+readonly RPCBIND_ATTEMPTS=3
 start_rpcbind() {
   if rpcinfo -p 127.0.0.1 >/dev/null 2>&1; then
     [ -n "$(our_rpcbind)" ] || rm -f "$state/rpcbind.pid"
     return 0
   fi
+  local attempt log_offset
+  for ((attempt = 1; attempt <= RPCBIND_ATTEMPTS; attempt++)); do
+    log_offset=$(( $(stat -c %s "$state/rpcbind.log" 2>/dev/null || echo 0) + 1 ))
+    if launch_rpcbind; then return 0; fi
+    echo "nfs-server: rpcbind attempt $attempt of $RPCBIND_ATTEMPTS failed: $rpcbind_failure;" \
+         "from $state/rpcbind.log:" >&2
+    tail -c "+$log_offset" "$state/rpcbind.log" 2>/dev/null | tail -n 5 >&2 || true
+    sleep 1
+  done
+  die "rpcbind would not start; see $state/rpcbind.log"
+}
+
+# One try at starting rpcbind; on failure sets rpcbind_failure and leaves nothing running.
+launch_rpcbind() {
   # Not `-h 127.0.0.1`: Debian 12's rpcbind aborts with a double free on it.
-  launch "$state/rpcbind.log" rpcbind -f
+  launch "$state/rpcbind.log" rpcbind -f -d
   local pid=$launched_pid
   echo "$pid" > "$state/rpcbind.pid"
-  rpcbind_started_now=$pid
   local deadline=$((SECONDS + 5))
   until rpcinfo -p 127.0.0.1 >/dev/null 2>&1; do
-    pid_is "$pid" rpcbind || die "rpcbind exited at start; see $state/rpcbind.log"
-    ((SECONDS < deadline)) || die "rpcbind (pid $pid) not answering after 5 s"
+    if ! pid_is "$pid" rpcbind; then
+      rpcbind_failure="exited at start"
+      rm -f "$state/rpcbind.pid"
+      return 1
+    fi
+    if ((SECONDS >= deadline)); then
+      rpcbind_failure="pid $pid not answering after 5 s"
+      terminate "$pid" rpcbind rpcbind -f >&2 || true
+      rm -f "$state/rpcbind.pid"
+      return 1
+    fi
     sleep 0.05
   done
+  rpcbind_started_now=$pid
   echo "started rpcbind (pid $pid)"
 }
 
@@ -274,10 +301,28 @@ do_start() {
     exit 1
   fi
 
-  start_rpcbind
   write_config
+  local attempt
+  for ((attempt = 1; ; attempt++)); do
+    start_rpcbind
+    launch_ganesha && return 0
+    # ganesha that could not register with rpcbind (seen once on a machine's first start, with
+    # rpcbind answering) gets one more try with a fresh rpcbind, when that rpcbind is ours.
+    ((attempt < 2)) && [ -n "$rpcbind_started_now" ] &&
+      grep -q "Cannot register" <<<"$ganesha_errors" || exit 1
+    echo "nfs-server: retrying with a new rpcbind" >&2
+    terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
+    rm -f "$state/rpcbind.pid"
+    rpcbind_started_now=""
+  done
+}
+
+# One try at starting ganesha and waiting until the export answers. On failure prints why,
+# leaves ganesha's log lines in ganesha_errors and returns 1 with nothing of ganesha running.
+ganesha_errors=""
+launch_ganesha() {
   rm -f "$state/ganesha.pid"
-  local log=$state/ganesha.log log_offset t0
+  local log=$state/ganesha.log log_offset t0 pid
   log_offset=$(( $(stat -c %s "$log" 2>/dev/null || echo 0) + 1 ))
   t0=$(now)
   launch "$state/ganesha.stdout" \
@@ -287,19 +332,19 @@ do_start() {
   until answering; do
     if ! pid_is "$pid" ganesha.nfsd; then
       echo "nfs-server: ganesha exited at start; from $log:" >&2
-      local lines
-      lines=$(tail -c "+$log_offset" "$log" 2>/dev/null | grep -E ':(FATAL|MAJ) ' || true)
-      [ -n "$lines" ] || lines=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
-      echo "$lines" >&2
+      ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | grep -E ':(FATAL|MAJ) ' || true)
+      [ -n "$ganesha_errors" ] || ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
+      echo "$ganesha_errors" >&2
       tail -n 5 "$state/ganesha.stdout" >&2 2>/dev/null || true
-      exit 1
+      return 1
     fi
     if ((SECONDS >= deadline)); then
       echo "nfs-server: ganesha (pid $pid) not answering at $URL after ${READY_TIMEOUT_S} s;" \
            "stopping it. From $log:" >&2
-      tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20 >&2
+      ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
+      echo "$ganesha_errors" >&2
       terminate "$pid" ganesha.nfsd ganesha.nfsd -f "$state/ganesha.conf" >&2
-      exit 1
+      return 1
     fi
     sleep 0.05
   done
