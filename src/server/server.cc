@@ -152,7 +152,7 @@ struct Metrics {
       : registry(std::make_shared<prometheus::Registry>()),
         requests(prometheus::BuildCounter()
                      .Name("kvtier_rpc_requests_total")
-                     .Help("Protocol requests handled, by operation")
+                     .Help("Protocol requests received, by operation")
                      .Register(*registry)),
         rpc_latency(prometheus::BuildHistogram()
                         .Name("kvtier_rpc_latency_seconds")
@@ -160,7 +160,7 @@ struct Metrics {
                         .Register(*registry)),
         load_latency(prometheus::BuildHistogram()
                          .Name("kvtier_load_latency_seconds")
-                         .Help("prepare_load: request received to chunks pinned and answered")
+                         .Help("prepare_load: request received to chunks pinned and the reply ready")
                          .Register(*registry)
                          .Add({}, LatencyBuckets())),
         store_latency(prometheus::BuildHistogram()
@@ -1015,12 +1015,14 @@ void Server::Impl::Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> 
   std::vector<uint8_t> buf = std::move(c.in);
   size_t begin = 0, end = buf.size();
   if (buf.size() < 64 * 1024) buf.resize(64 * 1024);
+  // Counted (and listed in /stats) before the client hears its reply: a client that has
+  // connected must find itself in the metrics it reads next. A failed send undoes it in Release.
+  {
+    std::lock_guard lock(c.mu);
+    c.handshaken = true;
+  }
+  metrics_.connected.Increment();
   if (Send(c, hello_reply, c.window ? c.window->fd() : engine_->pool().fd)) {
-    {
-      std::lock_guard lock(c.mu);
-      c.handshaken = true;
-    }
-    metrics_.connected.Increment();
     spdlog::info("client {} connected: pid {}, uid {}, \"{}\", model \"{}\" rank {}/{}", c.id,
                  c.peer_pid, c.peer_uid, c.name, c.ns.model_id, c.ns.rank, c.ns.world_size);
     FrameHeader h;
@@ -1199,6 +1201,8 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
     ProtocolError(c, h, Status::InvalidArgument("hello sent twice"));
     return false;
   }
+  // Counted on arrival: a client that has its reply finds its request in the metrics.
+  metrics_.op_requests[h.opcode]->Increment();
   const uint32_t max_keys = options_.max_keys_per_request;
   auto derive = [&](const std::vector<ChunkKey>& keys) {
     std::vector<ChunkKey> out;
@@ -1448,7 +1452,6 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
     case Opcode::kHello:
       break;
   }
-  metrics_.op_requests[h.opcode]->Increment();
   metrics_.op_latency[h.opcode]->Observe(
       std::chrono::duration<double>(Clock::now() - started).count());
   return keep;
@@ -1506,13 +1509,14 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, ui
       c.pinned += slots.size();
     }
   }
+  // Observed before the reply leaves, so that a client that has it finds it counted.
+  metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());
   if (!closed) {
     // If the reply does not reach the client, the connection thread releases c.pins at close.
     Send(c, frame);
   } else if (!c.window) {
     engine_->Unpin(slots);  // the client is gone: nobody will release these pins
   }
-  metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());
 }
 
 void Server::Impl::Stop() {
