@@ -111,14 +111,16 @@ using ChunkRef = std::pair<uint32_t, size_t>;
 // Two eviction models:
 //  * with `policy` (the first tier: kvtier's L1), one slot per chunk ordered by kvtier's own
 //    EvictionPolicy (eviction.h), fed what the server sees: a load pins and touches the chunks it
-//    reads (Access), a save or a promotion inserts chunks linked to the previous chunk of the same
-//    call (the server knows a chunk's parent only within one call), lookups touch nothing. Under
-//    write-back a saved chunk is dirty until the flusher writes it down; the flusher cleans the
-//    dirty chunks among the next `headroom` in eviction order (Flush, run between calls), and a
-//    victim is the first clean chunk in that order (MemoryTier::Reserve), a dirty one only when
-//    none is clean (its data is lost). So promoted chunks, clean, go before the dirty chains of
-//    recent saves: near the threshold the model keeps what kvtier's L1 keeps (an LRU by
-//    conversation under users taking turns always evicts the user asked next; docs/planner.md).
+//    reads (Access) and holds them until its copy is done, a save or a promotion inserts chunks
+//    linked to the previous chunk of the same call (the server knows a chunk's parent only within
+//    one call), lookups touch nothing. Under write-back a saved chunk is dirty until the flusher
+//    writes it down; the flusher starts writes of the dirty chunks among the next `headroom` in
+//    eviction order (Flush, run between calls), which stay pinned and dirty until the tier below
+//    has taken them on its channel, and a victim is the first clean unpinned chunk in that order
+//    (MemoryTier::Reserve), a dirty one only when none is (its data is lost). So promoted chunks,
+//    clean, go before the dirty chains of recent saves: near the threshold the model keeps what
+//    kvtier's L1 keeps (an LRU by conversation under users taking turns always evicts the user
+//    asked next; docs/planner.md).
 //  * without (lower tiers), LRU over conversations and tail-first inside one (Touch).
 class TierState {
  public:
@@ -151,10 +153,17 @@ class TierState {
     if (it != index_.end()) policy_->OnAccess(it->second);
   }
   // Pins (or unpins) a chunk while a load of it is under way: it cannot be evicted meanwhile.
+  // Loads of the same chunk overlap (a shared prefix), so pins count.
   void SetPinned(uint32_t conv, size_t chunk, bool pinned) {
     if (!policy_) return;
     auto it = index_.find(Key(conv, chunk));
-    if (it != index_.end()) pinned_[it->second] = pinned;
+    if (it == index_.end()) return;
+    uint16_t& pins = pinned_[it->second];
+    if (pinned) {
+      ++pins;
+    } else if (pins > 0) {
+      --pins;
+    }
   }
   // The LRU-by-conversation model's recency; kvtier's L1 learns recency from Access and Insert.
   void Touch(uint32_t conv, double now) {
@@ -172,7 +181,7 @@ class TierState {
   // conversation).
   bool Insert(uint32_t conv, size_t chunk, const ChunkRef* parent, bool dirty, double now,
               std::vector<ChunkRef>* evicted, std::vector<ChunkRef>* lost) {
-    if (policy_) return InsertSlot(conv, chunk, parent, dirty, evicted, lost);
+    if (policy_) return InsertSlot(conv, chunk, parent, dirty, now, evicted, lost);
     Ensure(conv);
     if (Has(conv, chunk)) return true;
     if (chunk_bytes_ > spec_.capacity_bytes) return false;
@@ -206,22 +215,32 @@ class TierState {
     return true;
   }
 
-  // The flusher's round (MemoryTier::TakeFlushCandidates, with writes that finish at once): the
-  // dirty chunks among the next `headroom` evictable ones in eviction order become clean;
-  // returns them, for the caller to write to the tier below.
-  std::vector<ChunkRef> Flush() {
+  // The flusher's round (MemoryTier::TakeFlushCandidates): the dirty chunks among the next
+  // `headroom` evictable ones in eviction order (less the free slots and those being written)
+  // start their writes; returns them, for the caller to write to the tier below and to say
+  // when they are clean (EndCleaning). Until then they are pinned, and still dirty.
+  std::vector<ChunkRef> Flush(double now) {
     std::vector<ChunkRef> cleaned;
-    if (!policy_ || free_.size() >= headroom_) return cleaned;
-    size_t budget = headroom_ - free_.size();
+    if (!policy_) return cleaned;
+    Settle(now);
+    if (free_.size() + cleaning_.size() >= headroom_) return cleaned;
+    size_t budget = headroom_ - free_.size() - cleaning_.size();
     policy_->PickVictim([&](SlotId s) {
       if (pinned_[s]) return false;
       if (dirty_[s]) {
-        dirty_[s] = 0;
+        ++pinned_[s];
+        cleaning_.emplace_back(s, kNeverClean);
         cleaned.push_back(slot_chunk_[s]);
       }
       return --budget == 0;
     });
     return cleaned;
+  }
+  // The writes Flush started finish at `done`: those chunks become clean and evictable then.
+  void EndCleaning(double done) {
+    for (auto& [slot, at] : cleaning_) {
+      if (at == kNeverClean) at = done;
+    }
   }
 
   bool kvtier_l1() const { return policy_ != nullptr; }
@@ -240,11 +259,22 @@ class TierState {
   static uint64_t Key(uint32_t conv, size_t chunk) {
     return (static_cast<uint64_t>(conv) << 32) | static_cast<uint32_t>(chunk);
   }
+  static constexpr double kNeverClean = std::numeric_limits<double>::infinity();
+  // Writes that have finished by `now` leave their chunks clean and unpinned.
+  void Settle(double now) {
+    std::erase_if(cleaning_, [&](const std::pair<SlotId, double>& c) {
+      if (c.second > now) return false;
+      dirty_[c.first] = 0;
+      --pinned_[c.first];
+      return true;
+    });
+  }
   // As MemoryTier::Reserve + Commit: a free slot, else the policy's victim among unpinned slots.
-  bool InsertSlot(uint32_t conv, size_t chunk, const ChunkRef* parent, bool dirty,
+  bool InsertSlot(uint32_t conv, size_t chunk, const ChunkRef* parent, bool dirty, double now,
                   std::vector<ChunkRef>* evicted, std::vector<ChunkRef>* lost) {
     const uint64_t key = Key(conv, chunk);
     if (index_.contains(key)) return true;
+    Settle(now);
     SlotId slot = kNoSlot;
     if (!free_.empty()) {
       slot = free_.back();
@@ -299,8 +329,9 @@ class TierState {
   std::unique_ptr<EvictionPolicy> policy_;
   uint32_t slots_ = 0;
   std::vector<ChunkRef> slot_chunk_;
-  std::vector<uint8_t> pinned_;
+  std::vector<uint16_t> pinned_;
   std::vector<uint8_t> dirty_;
+  std::vector<std::pair<SlotId, double>> cleaning_;  // slots being written, and when they end
   uint32_t headroom_ = 0;
   std::vector<SlotId> free_;
   std::unordered_map<uint64_t, SlotId> index_;
@@ -319,6 +350,10 @@ struct Request {
   uint64_t generated = 0;   // answer tokens so far
   uint64_t step_chunk = 0;  // prefill tokens scheduled in the current step
   size_t saved_chunks = 0;  // leading chunks the tiers had or were sent (the connector's `saved`)
+  struct PinRef {
+    uint32_t tier, owner, chunk;
+  };
+  std::vector<PinRef> pins;  // tier chunks this request's load holds until it is done
   Phase phase = Phase::kWaiting;
   RequestLog log;
 };
@@ -377,6 +412,8 @@ class Simulation {
     }
     return false;
   }
+  void Pin(Request& r, size_t t, uint32_t owner, size_t chunk);
+  void ReleasePins(Request& r);
   void InsertTier(size_t t, uint32_t owner, size_t chunk, const ChunkRef* parent, bool dirty,
                   double now, double* bytes);
   void FlushTier(size_t t, double now);
@@ -554,7 +591,7 @@ bool Simulation::TryAdmit(Request& r, double now) {
     // and promotes what comes from below into them (it passes through host memory on its way to
     // the GPU, so this costs no extra transfer), each chunk linked to the one before it.
     for (size_t i = first_chunk; i < hits; ++i) {
-      tiers_[tier_of[i]].SetPinned(ChunkOwner(r.conv, i), i, true);
+      Pin(r, tier_of[i], ChunkOwner(r.conv, i), i);
       tiers_[tier_of[i]].Access(ChunkOwner(r.conv, i), i);
     }
     if (o_.write_policy != WritePolicy::kNone) {
@@ -566,12 +603,9 @@ bool Simulation::TryAdmit(Request& r, double now) {
           double unused = 0;
           InsertTier(t, ChunkOwner(r.conv, i), i, i > first_chunk ? &parent : nullptr, false, now,
                      &unused);
-          tiers_[t].SetPinned(ChunkOwner(r.conv, i), i, true);
+          Pin(r, t, ChunkOwner(r.conv, i), i);
         }
       }
-    }
-    for (size_t i = first_chunk; i < hits; ++i) {
-      for (TierState& t : tiers_) t.SetPinned(ChunkOwner(r.conv, i), i, false);
     }
   }
   r.computed = hit_end;
@@ -582,8 +616,23 @@ bool Simulation::TryAdmit(Request& r, double now) {
     Push(ready, EventType::kLoadDone, static_cast<uint32_t>(&r - requests_.data()));
   } else {
     r.phase = Phase::kPrefill;
+    ReleasePins(r);
   }
   return true;
+}
+
+// A load holds its chunks pinned in the tiers it reads and promotes into until its copy to the
+// GPU is over (the connector releases them then), so a burst of loads and saves cannot evict
+// them and may have only dirty chunks left to evict.
+void Simulation::Pin(Request& r, size_t t, uint32_t owner, size_t chunk) {
+  if (!tiers_[t].Has(owner, chunk)) return;  // a promotion that found no room
+  tiers_[t].SetPinned(owner, chunk, true);
+  r.pins.push_back({static_cast<uint32_t>(t), owner, static_cast<uint32_t>(chunk)});
+}
+
+void Simulation::ReleasePins(Request& r) {
+  for (const Request::PinRef& p : r.pins) tiers_[p.tier].SetPinned(p.owner, p.chunk, false);
+  r.pins.clear();
 }
 
 void Simulation::InsertTier(size_t t, uint32_t owner, size_t chunk, const ChunkRef* parent,
@@ -606,7 +655,9 @@ void Simulation::InsertTier(size_t t, uint32_t owner, size_t chunk, const ChunkR
 void Simulation::FlushTier(size_t t, double now) {
   if (o_.write_policy != WritePolicy::kWriteBack) return;
   last_flush_s_ = now;
-  WriteBelow(t, tiers_[t].Flush(), now);
+  WriteBelow(t, tiers_[t].Flush(now), now);
+  // The writes end when the tier below has taken them on its channel.
+  tiers_[t].EndCleaning(t + 1 < tiers_.size() ? std::max(now, tiers_[t + 1].busy_until) : now);
 }
 
 void Simulation::WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, double now) {
@@ -858,6 +909,7 @@ Result<SimResult> Simulation::Run() {
       case EventType::kLoadDone: {
         Request& r = requests_[ev.id];
         if (r.phase == Phase::kLoading) r.phase = Phase::kPrefill;
+        ReleasePins(r);
         break;
       }
       case EventType::kStepEnd:

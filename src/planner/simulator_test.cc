@@ -141,6 +141,43 @@ TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
   EXPECT_GT(partial, 0);
 }
 
+// kvtier's L1 loses a dirty chunk only when nothing clean is evictable: a load's chunks stay
+// pinned until its copy is done and the flusher's chunks until their writes end, so a tier whose
+// working set of loads and saves outgrows it loses some (the validation setup of docs/planner.md
+// at 3,000 words: kvtier serve's 64-chunk L1 lost 4-5 chunks per 90 s run, at 1,500 words
+// none), more when the tier below writes slowly, none in a tier four times the size.
+TEST(SimulatorTest, FirstTierLosesDirtyChunksOnlyWhenLoadsAndWritesHoldTheRest) {
+  SimOptions o;
+  o.engine.gpu_kv_bytes = 96 * 128 * 4096.0;
+  o.engine.kv_bytes_per_token = 4096;
+  o.engine.prefill = *PrefillCost::FromTable({{1024, 0.108}, {2048, 0.308}, {4096, 0.831}});
+  o.engine.step_overhead_s = 0;
+  o.engine.decode_weights_s = 0.008;
+  o.engine.max_batched_tokens = 2048;
+  o.engine.block_tokens = 128;
+  o.engine.save_blocking = 0;
+  o.workload = {.users = 8,
+                .rounds = 4,
+                .qps = 1.354,
+                .system_prompt_tokens = 520,
+                .context_tokens = 3008,
+                .question_tokens = 42,
+                .answer_tokens = 32,
+                .duration_s = 90};
+  o.write_policy = WritePolicy::kWriteBack;
+  auto lost = [&](double l1_mib, double disk_write) {
+    o.tiers = {{"cpu", l1_mib * (1 << 20), 10e9, 10e9},
+               {"disk", 64.0 * (1ull << 30), 1e9, disk_write}};
+    auto r = Simulate(o);
+    EXPECT_TRUE(r.ok());
+    return r.ok() ? r->dirty_evictions : 0;
+  };
+  const uint64_t small = lost(64, 2.3e9), slow = lost(64, 0.05e9), large = lost(256, 2.3e9);
+  EXPECT_GT(small, 0u);
+  EXPECT_GT(slow, small);
+  EXPECT_EQ(large, 0u);
+}
+
 // The first tier evicts as kvtier's L1 does. Users taking turns over a working set a little
 // larger than the tier (the validation setup of docs/planner.md: 8 users of about 2,300 tokens,
 // a 64-chunk L1, write-back): under write-back the chains of recent saves stay dirty, and so
@@ -173,7 +210,9 @@ TEST(SimulatorTest, FirstTierEvictsAsKvtiersL1) {
     auto r = Simulate(o);
     EXPECT_TRUE(r.ok());
     if (!r.ok()) return 0.0;
-    EXPECT_EQ(r->dirty_evictions, 0u) << "the flusher keeps up with 6 chunks a second";
+    // Saves of 6 chunks a second: the flusher keeps up but for the odd burst of loads and saves
+    // that holds every clean chunk (of some 550 written).
+    EXPECT_LT(r->dirty_evictions, 10u) << WritePolicyName(write);
     double all = 0;
     for (double t : r->tokens_by_source) all += t;
     return r->tokens_by_source[1] / all;  // "cpu"

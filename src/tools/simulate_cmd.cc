@@ -63,9 +63,14 @@ std::string ArmText(const char* title, const SimResult& r,
                        s + 1 < r.source_names.size() ? "," : "\n");
   }
   for (size_t t = 0; t < tiers.size() && !r.bytes_written.empty(); ++t) {
-    out += fmt::format("    {}: wrote {}, read {}, peak {} of {}\n", tiers[t].name,
+    out += fmt::format("    {}: wrote {}, read {}, peak {} of {}{}\n", tiers[t].name,
                        FormatBytes(r.bytes_written[t]), FormatBytes(r.bytes_read[t]),
-                       FormatBytes(r.tier_peak_bytes[t]), FormatBytes(tiers[t].capacity_bytes));
+                       FormatBytes(r.tier_peak_bytes[t]), FormatBytes(tiers[t].capacity_bytes),
+                       t == 0 && r.dirty_evictions > 0
+                           ? fmt::format(", {} chunks evicted dirty (lost before they were "
+                                         "written below)",
+                                         r.dirty_evictions)
+                           : "");
   }
   out += fmt::format(
       "    GPU: peak in-flight reservation {:.0f} of {:.0f} tokens, {} admission waits, {} "
