@@ -387,6 +387,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-lengths", default="128,512,1024,2048,4096",
                    help="prompt lengths of the idle TTFT table (the per-request overhead is "
                    "measured on a prompt of one block and one token, sent twice)")
+    p.add_argument("--idle-repeats", type=int, default=9,
+                   help="samples per length of the idle table, its lengths interleaved in each "
+                   "(the table takes the medians; on a shared host one point moves by 5-10 %% "
+                   "between minutes, and the plan near capacity moves with it)")
     p.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier",
                    help="the kvtier CLI (default: the one on PATH)")
     p.add_argument("--tokenizer", type=Path,
@@ -396,6 +400,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be 1 or more")
+    if args.idle_repeats < 1:
+        p.error("--idle-repeats must be 1 or more")
     arms = args.arms.split(",")
     if any(a not in ("none", "kvtier") for a in arms):
         p.error("--arms takes none and/or kvtier")
@@ -479,7 +485,7 @@ def measure_point(args, vllm: Vllm, lengths, tiers, socket: str, out: Path, cont
     stopped before the run gets a fresh one."""
     vllm.reset_cache()
     idle_serve = Serve(args.kvtier, args, socket, out, name + "-idle") if arm == "kvtier" else None
-    engine = measure_engine(vllm, lengths, 5, args.users, args.block_tokens)
+    engine = measure_engine(vllm, lengths, args.idle_repeats, args.users, args.block_tokens)
     if idle_serve:
         idle_serve.stop()
     steps = ", ".join(f"{t * 1e3:.1f}" for _, t in sorted(engine["decode_step_s"].items()))

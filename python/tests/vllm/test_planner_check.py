@@ -50,7 +50,7 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
     # and kvtier's tiers have something to serve.
     cmd = [VLLM_PYTHON, "-m", "kvtier.bench.planner_check", "--out", str(out),
            "--contexts", "300", "--time", "12", "--stage-time", "6", "--start-qps", "2",
-           "--repeats", "2",
+           "--repeats", "2", "--idle-repeats", "3",
            "--vllm-blocks", "24", "--max-model-len", "2048", "--prefill-lengths", "128,512,1024",
            "--tokenizer", MODEL_DIR,
            "--port", str(free_port()), "--serve-http-port", str(free_port())]
