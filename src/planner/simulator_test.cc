@@ -141,29 +141,40 @@ TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
   EXPECT_GT(partial, 0);
 }
 
+// The validation setup of docs/planner.md: vLLM's CPU build with the tiny model (4 KiB of KV per
+// token, 96 blocks of 128 tokens, 2,048-token steps), 8 users of 4 rounds with 42-token
+// questions and 32-token answers for 90 s, its idle prefill table and decode step as given.
+SimOptions ValidationSetup(std::vector<std::pair<uint64_t, double>> prefill_table,
+                           double decode_step_s, double qps, uint64_t system_prompt_tokens,
+                           uint64_t context_tokens) {
+  SimOptions o;
+  o.engine.gpu_kv_bytes = 96 * 128 * 4096.0;
+  o.engine.kv_bytes_per_token = 4096;
+  o.engine.prefill = *PrefillCost::FromTable(std::move(prefill_table));
+  o.engine.step_overhead_s = 0;
+  o.engine.decode_weights_s = decode_step_s;
+  o.engine.max_batched_tokens = 2048;
+  o.engine.block_tokens = 128;
+  o.engine.save_blocking = 0;
+  o.workload = {.users = 8,
+                .rounds = 4,
+                .qps = qps,
+                .system_prompt_tokens = system_prompt_tokens,
+                .context_tokens = context_tokens,
+                .question_tokens = 42,
+                .answer_tokens = 32,
+                .duration_s = 90};
+  return o;
+}
+
 // kvtier's L1 loses a dirty chunk only when nothing clean is evictable: a load's chunks stay
 // pinned until its copy is done and the flusher's chunks until their writes end, so a tier whose
 // working set of loads and saves outgrows it loses some (the validation setup of docs/planner.md
 // at 3,000 words: kvtier serve's 64-chunk L1 lost 4-5 chunks per 90 s run, at 1,500 words
 // none), more when the tier below writes slowly, none in a tier four times the size.
 TEST(SimulatorTest, FirstTierLosesDirtyChunksOnlyWhenLoadsAndWritesHoldTheRest) {
-  SimOptions o;
-  o.engine.gpu_kv_bytes = 96 * 128 * 4096.0;
-  o.engine.kv_bytes_per_token = 4096;
-  o.engine.prefill = *PrefillCost::FromTable({{1024, 0.108}, {2048, 0.308}, {4096, 0.831}});
-  o.engine.step_overhead_s = 0;
-  o.engine.decode_weights_s = 0.008;
-  o.engine.max_batched_tokens = 2048;
-  o.engine.block_tokens = 128;
-  o.engine.save_blocking = 0;
-  o.workload = {.users = 8,
-                .rounds = 4,
-                .qps = 1.354,
-                .system_prompt_tokens = 520,
-                .context_tokens = 3008,
-                .question_tokens = 42,
-                .answer_tokens = 32,
-                .duration_s = 90};
+  SimOptions o =
+      ValidationSetup({{1024, 0.108}, {2048, 0.308}, {4096, 0.831}}, 0.008, 1.354, 520, 3008);
   o.write_policy = WritePolicy::kWriteBack;
   auto lost = [&](double l1_mib, double disk_write) {
     o.tiers = {{"cpu", l1_mib * (1 << 20), 10e9, 10e9},
@@ -186,23 +197,8 @@ TEST(SimulatorTest, FirstTierLosesDirtyChunksOnlyWhenLoadsAndWritesHoldTheRest) 
 // 28 % of the tokens from L1). Written through, every chunk is clean and the tier is an LRU that
 // always evicts the user asked next.
 TEST(SimulatorTest, FirstTierEvictsAsKvtiersL1) {
-  SimOptions o;
-  o.engine.gpu_kv_bytes = 96 * 128 * 4096.0;
-  o.engine.kv_bytes_per_token = 4096;
-  o.engine.prefill = *PrefillCost::FromTable({{1024, 0.125}, {2048, 0.328}, {4096, 0.871}});
-  o.engine.step_overhead_s = 0;
-  o.engine.decode_weights_s = 0.011;
-  o.engine.max_batched_tokens = 2048;
-  o.engine.block_tokens = 128;
-  o.engine.save_blocking = 0;
-  o.workload = {.users = 8,
-                .rounds = 4,
-                .qps = 2.275,
-                .system_prompt_tokens = 500,
-                .context_tokens = 1528,
-                .question_tokens = 42,
-                .answer_tokens = 32,
-                .duration_s = 90};
+  SimOptions o =
+      ValidationSetup({{1024, 0.125}, {2048, 0.328}, {4096, 0.871}}, 0.011, 2.275, 500, 1528);
   o.tiers = {{"cpu", 64.0 * (1 << 20), 9e9, 9e9}, {"disk", 64.0 * (1ull << 30), 0.8e9, 1e9}};
   auto share = [&](WritePolicy write, EvictionPolicyKind eviction) {
     o.write_policy = write;
