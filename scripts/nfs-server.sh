@@ -274,10 +274,14 @@ launch_rpcbind() {
 rpcbind_started_now=""
 undo_failed_start() {
   local rc=$?
-  if [ "$rc" != 0 ] && [ -n "$rpcbind_started_now" ]; then
-    terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
-    rm -f "$state/rpcbind.pid"
-  fi
+  if [ "$rc" != 0 ]; then stop_rpcbind_started_now; fi
+}
+
+stop_rpcbind_started_now() {
+  [ -n "$rpcbind_started_now" ] || return 0
+  terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
+  rm -f "$state/rpcbind.pid"
+  rpcbind_started_now=""
 }
 
 # --- commands ------------------------------------------------------------------------------
@@ -316,9 +320,7 @@ do_start() {
     ((attempt < 2)) && [ -n "$rpcbind_started_now" ] &&
       grep -q "Cannot register" <<<"$ganesha_errors" || exit 1
     echo "nfs-server: retrying with a new rpcbind" >&2
-    terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
-    rm -f "$state/rpcbind.pid"
-    rpcbind_started_now=""
+    stop_rpcbind_started_now
   done
 }
 
