@@ -199,7 +199,9 @@ class Engine {
 
   bool StoresDirty() const;
   // Reserve in L1, reporting a dirty eviction (counted by L1, logged here).
-  Result<MemoryTier::Reservation> ReserveInMemory(const ChunkKey& key, const ChunkKey* parent);
+  Result<MemoryTier::Reservation> ReserveInMemory(
+      const ChunkKey& key, const ChunkKey* parent,
+      MemoryTier::Victims victims = MemoryTier::Victims::kAny);
   void PublishStored(SlotId slot, const ChunkKey& key);
   void FlusherLoop();
   void WatchDeadlines();     // the thread that ends loads at their deadline

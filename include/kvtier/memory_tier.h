@@ -96,11 +96,18 @@ class MemoryTier {
     bool evicted_dirty = false;
     ChunkKey evicted_key;  // that chunk, when evicted_dirty
   };
+  // Which chunks Reserve may evict to make room.
+  enum class Victims {
+    kAny,        // a dirty one when no clean chunk is evictable (a store: its data must land)
+    kCleanOnly,  // never a dirty one (a promotion whose data a lower tier holds anyway)
+  };
   // Reserves a slot for `key`, evicting the policy's first clean victim if no slot is free (a
-  // dirty one if no clean chunk is evictable). `parent` is the key of the previous chunk of the
-  // same prefix (for the prefix-aware policy), or null. kRejected if every slot is pinned or
-  // reserved. Never blocks on I/O.
-  Result<Reservation> Reserve(const ChunkKey& key, const ChunkKey* parent);
+  // dirty one if no clean chunk is evictable and `victims` allows it). `parent` is the key of
+  // the previous chunk of the same prefix (for the prefix-aware policy), or null. kRejected if
+  // every slot is pinned or reserved (counted in rejections), or under kCleanOnly if only dirty
+  // chunks are evictable (not counted). Never blocks on I/O.
+  Result<Reservation> Reserve(const ChunkKey& key, const ChunkKey* parent,
+                              Victims victims = Victims::kAny);
   // Publishes a reserved slot. `dirty`: the chunk exists in no lower tier yet.
   void Commit(SlotId slot, bool dirty);
   // Gives a reserved slot back unpublished.

@@ -412,9 +412,9 @@ bool Engine::StoresDirty() const {
   return impl_->l2 && options_.write_policy != WritePolicy::kNone;
 }
 
-Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key,
-                                                        const ChunkKey* parent) {
-  auto r = impl_->l1->Reserve(key, parent);
+Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key, const ChunkKey* parent,
+                                                        MemoryTier::Victims victims) {
+  auto r = impl_->l1->Reserve(key, parent, victims);
   if (r.ok() && r->evicted_dirty) {
     if (auto held = impl_->dirty_eviction_log.Allow()) {
       spdlog::warn(
@@ -706,12 +706,17 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           state->ChunkDone(i, st);
           return;
         }
-        // Promoted into L1 first, so that stats never lag what the caller has been told.
+        // Promoted into L1 first, so that stats never lag what the caller has been told. A
+        // promotion into caller buffers is optional: it never costs a dirty chunk (the only copy
+        // of that one) for one the file tier keeps anyway. PrepareLoad hands the caller the L1
+        // slot, so it needs the room as a store does.
         Status promoted = Status::Ok();
         if (pin_for_caller || options_.promote_on_load) {
-          auto r = ReserveInMemory(key, has_parent ? &parent : nullptr);
+          auto r = ReserveInMemory(
+              key, has_parent ? &parent : nullptr,
+              pin_for_caller ? MemoryTier::Victims::kAny : MemoryTier::Victims::kCleanOnly);
           if (!r.ok()) {
-            promoted = r.status();  // L1 is full of pinned chunks
+            promoted = r.status();  // L1 is full of pinned (or, optional, dirty) chunks
           } else if (!r->already_present) {
             std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
             impl_->l1->Commit(r->slot, /*dirty=*/false);

@@ -168,9 +168,14 @@ void MemoryTier::Unpin(SlotId slot) {
   if (s.pins > 0 && --s.pins == 0) --pinned_;
 }
 
-Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const ChunkKey* parent) {
+Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const ChunkKey* parent,
+                                                    Victims victims) {
   std::lock_guard lock(mu_);
-  if (index_.contains(key)) return Reservation{kNoSlot, true};
+  if (index_.contains(key)) {
+    Reservation present;
+    present.already_present = true;
+    return present;
+  }
 
   Reservation r;
   if (!free_.empty()) {
@@ -185,7 +190,12 @@ Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const C
     if (resident_ > dirty_) {
       r.slot = policy_->PickVictim([&](SlotId s) { return evictable(s) && !slots_[s].dirty; });
     }
-    if (r.slot == kNoSlot && dirty_ > 0) r.slot = policy_->PickVictim(evictable);
+    if (r.slot == kNoSlot && dirty_ > 0) {
+      if (victims == Victims::kCleanOnly) {
+        return Status::Rejected("memory tier full: no clean chunk to evict");
+      }
+      r.slot = policy_->PickVictim(evictable);
+    }
     if (r.slot == kNoSlot) {
       ++rejections_;
       return Status::Rejected("memory tier full: every slot is pinned or being written");

@@ -125,7 +125,14 @@ TEST(MemoryTierTest, CleanChunksAreEvictedBeforeDirtyOnes) {
   t->Commit(r->slot, /*dirty=*/true);
   EXPECT_TRUE(t->Contains(Key(0)));
   EXPECT_FALSE(t->Contains(Key(1)));
-  // Only dirty chunks left: the oldest goes, and the caller is told it reached no lower tier.
+  // Only dirty chunks left. A promotion (its data safe below) is refused rather than lose one,
+  // and that refusal is not a full tier's rejection.
+  auto promotion = t->Reserve(Key(3), nullptr, MemoryTier::Victims::kCleanOnly);
+  EXPECT_TRUE(promotion.status().IsRejected()) << promotion.status().ToString();
+  EXPECT_TRUE(t->Contains(Key(0)));
+  EXPECT_FALSE(t->Contains(Key(3)));
+  EXPECT_EQ(t->Stats().rejections, 0u);
+  // A store: the oldest goes, and the caller is told it reached no lower tier.
   r = t->Reserve(Key(3), nullptr);
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->evicted_dirty);
