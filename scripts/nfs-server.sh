@@ -73,6 +73,16 @@ pid_is() {
   for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
 }
 
+# Whether PID, a child this script has just launched, still runs. Not pid_is: until the child has
+# exec'd its program (launch closes its descriptors first), its command line is still this
+# script's, and a loaded machine has been seen to lose rpcbind and ganesha starts to that window.
+# An unreaped child keeps its PID, so it cannot have been reused meanwhile.
+running() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ ${stat##*) } != Z* ]]
+}
+
 # The PID of this STATE_DIR's ganesha, or nothing.
 our_ganesha() {
   local pid
@@ -220,8 +230,7 @@ EOF
 }
 
 # rpcbind reports its start-up errors only to syslog, which a container often lacks; -d sends them
-# (and a line per request) to rpcbind.log instead. A fresh machine has been seen to lose its
-# first rpcbind at start with nothing logged, so a start that dies is retried before giving up.
+# (and a line per request) to rpcbind.log instead. A start that dies is retried before giving up.
 readonly RPCBIND_ATTEMPTS=3
 start_rpcbind() {
   if rpcinfo -p 127.0.0.1 >/dev/null 2>&1; then
@@ -253,7 +262,7 @@ launch_rpcbind() {
   echo "$pid" > "$state/rpcbind.pid"
   local deadline=$((SECONDS + 5))
   until rpcinfo -p 127.0.0.1 >/dev/null 2>&1; do
-    if ! pid_is "$pid" rpcbind; then
+    if ! running "$pid"; then
       rpcbind_failure="exited at start"
       rm -f "$state/rpcbind.pid"
       return 1
@@ -337,7 +346,7 @@ launch_ganesha() {
   pid=$launched_pid
   local deadline=$((SECONDS + READY_TIMEOUT_S))
   until answering; do
-    if ! pid_is "$pid" ganesha.nfsd; then
+    if ! running "$pid"; then
       echo "nfs-server: ganesha exited at start; from $log:" >&2
       ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | grep -E ':(FATAL|MAJ) ' || true)
       [ -n "$ganesha_errors" ] || ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)

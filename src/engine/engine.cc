@@ -716,7 +716,7 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
               key, has_parent ? &parent : nullptr,
               pin_for_caller ? MemoryTier::Victims::kAny : MemoryTier::Victims::kCleanOnly);
           if (!r.ok()) {
-            promoted = r.status();  // L1 is full of pinned (or, optional, dirty) chunks
+            promoted = r.status();  // full of pinned chunks (or, optional, of dirty ones)
           } else if (!r->already_present) {
             std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
             impl_->l1->Commit(r->slot, /*dirty=*/false);

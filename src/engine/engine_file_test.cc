@@ -76,6 +76,16 @@ std::unique_ptr<Engine> OpenEngine(const EngineOptions& o) {
   return e.ok() ? std::move(e).value() : nullptr;
 }
 
+// An engine whose file tier goes through `env` (the caller's, outliving the engine): env's faults
+// are off while the engine opens and on from then.
+std::unique_ptr<Engine> OpenEngineThenFault(EngineOptions o, FaultInjectionEnv& env) {
+  env.SetEnabled(false);
+  o.file->env = &env;
+  auto engine = OpenEngine(o);
+  env.SetEnabled(true);
+  return engine;
+}
+
 // The flusher writes the chunks next in eviction order (its headroom: one slot of two here)
 // ahead of time, so each eviction finds a clean victim and nothing is lost.
 TEST(EngineFileTest, WriteBackMovesChunksToFilesBeforeEviction) {
@@ -192,14 +202,10 @@ TEST(EngineFileTest, OptionalPromotionNeverEvictsADirtyChunk) {
     ASSERT_TRUE(writer->Drain());
   }
   FaultInjectionOptions f;
-  f.write_error = 1;
+  f.write_error = 1;  // every write to L2 fails: L1's chunks stay dirty
   FaultInjectionEnv env(Env::Default(), f);
-  env.SetEnabled(false);
-  EngineOptions o = Options(dir.path(), 2, WritePolicy::kWriteBack);
-  o.file->env = &env;
-  auto engine = OpenEngine(o);
+  auto engine = OpenEngineThenFault(Options(dir.path(), 2, WritePolicy::kWriteBack), env);
   ASSERT_TRUE(engine);
-  env.SetEnabled(true);  // every write to L2 fails from here: L1's chunks stay dirty
   auto in_memory = Keys(2, 22);
   Chunks memory_data(2, 22);
   ASSERT_TRUE(engine->Store(in_memory, memory_data.In())->Wait().status.ok());
@@ -454,12 +460,8 @@ TEST(EngineFileTest, FailedWriteIsCountedOnce) {
   FaultInjectionOptions f;
   f.write_error = 1;
   FaultInjectionEnv env(Env::Default(), f);
-  env.SetEnabled(false);
-  EngineOptions o = Options(dir.path(), 8, WritePolicy::kWriteThrough);
-  o.file->env = &env;
-  auto engine = OpenEngine(o);
+  auto engine = OpenEngineThenFault(Options(dir.path(), 8, WritePolicy::kWriteThrough), env);
   ASSERT_TRUE(engine);
-  env.SetEnabled(true);
   auto keys = Keys(1, 9);
   Chunks in(1, 9);
   ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
