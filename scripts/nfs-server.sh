@@ -60,27 +60,25 @@ now() { echo "${EPOCHREALTIME/,/.}"; }
 
 # --- processes -----------------------------------------------------------------------------
 
-# True if PID is alive (not a zombie) and its command line contains every further argument.
-pid_is() {
-  local pid=$1; shift
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  local stat cmd
-  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
-  # Field 3, after the parenthesised command name (which may itself contain spaces).
-  [[ ${stat##*) } == Z* ]] && return 1
-  cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || return 1
-  local want
-  for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
-}
-
-# Whether PID, a child this script has just launched, still runs. Not pid_is: until the child has
-# exec'd its program (launch closes its descriptors first), its command line is still this
-# script's, and a loaded machine has been seen to lose rpcbind and ganesha starts to that window.
-# An unreaped child keeps its PID, so it cannot have been reused meanwhile.
+# True if PID is alive (not a zombie). Alone, for a child this script has just launched: until
+# the child has exec'd its program (launch closes its descriptors first), its command line is
+# still this script's, and a loaded machine has been seen to lose rpcbind and ganesha starts to
+# that window. An unreaped child keeps its PID, so it cannot have been reused meanwhile.
 running() {
+  [[ $1 =~ ^[0-9]+$ ]] || return 1
   local stat
   stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  # Field 3, after the parenthesised command name (which may itself contain spaces).
   [[ ${stat##*) } != Z* ]]
+}
+
+# True if PID runs and its command line contains every further argument.
+pid_is() {
+  local pid=$1; shift
+  running "$pid" || return 1
+  local cmd want
+  cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || return 1
+  for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
 }
 
 # The PID of this STATE_DIR's ganesha, or nothing.
