@@ -209,12 +209,18 @@ class Engine {
   // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
   // many it started.
   size_t FlushPass();
-  // Shared promotions: joins `on_read` to the L2 read of `key` under way and returns nullopt,
-  // or, if there is none (or it is older than the load deadline), records one and returns its
-  // generation: the caller starts that read, and its completion hands the bytes to every
-  // waiter, taking them in rounds (TakeFileReadWaiters: empty once none is left, and then the
-  // read is forgotten).
-  std::optional<uint64_t> JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
+  // Shared promotions. What JoinFileRead found for a chunk a load wants from L2: the chunk in L1
+  // (pinned for the caller: a read of it ended and promoted it), a read under way (`on_read`
+  // joined it), or neither, or only a read older than the load deadline: a read recorded under
+  // `generation`, which the caller starts; its completion hands the bytes to every waiter, taking
+  // them in rounds (TakeFileReadWaiters: empty once none is left, and then the read is forgotten).
+  // L1 is looked at under the lock that forgets a read, so a load never misses both the read
+  // and the promotion it made.
+  struct FileReadJoin {
+    std::optional<SlotId> in_l1 = std::nullopt;
+    std::optional<uint64_t> generation = std::nullopt;
+  };
+  FileReadJoin JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
   std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
                              std::span<const std::span<uint8_t>> dst);

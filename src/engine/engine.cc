@@ -647,25 +647,31 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
 // reaches them only if the load is still open when the data arrives: a read stuck past the
 // load's deadline (a hung NFS server) holds no L1 slot, and whatever it delivers late lands
 // nowhere the caller can see (promoted into L1 at most).
-std::optional<uint64_t> Engine::JoinFileRead(const ChunkKey& key,
-                                             const FileTier::ReadDone& on_read) {
+Engine::FileReadJoin Engine::JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read) {
   const auto now = OpHandle::State::Clock::now();
   std::lock_guard lock(impl_->reads_mu);
-  auto [it, first] = impl_->reads.try_emplace(key);
+  auto it = impl_->reads.find(key);
+  if (it == impl_->reads.end()) {
+    // No read under way: perhaps one has just ended, after promoting the chunk.
+    if (auto slot = impl_->l1->Pin(key); slot.ok()) return {.in_l1 = *slot};
+    it = impl_->reads.try_emplace(key).first;
+    it->second.started = now;
+    it->second.waiters.push_back(on_read);
+    it->second.generation = ++impl_->read_generation;
+    return {.generation = it->second.generation};
+  }
   auto& read = it->second;
+  read.waiters.push_back(on_read);
   // A read older than a load's deadline may be stuck in the kernel: no load can wait for it any
   // more, so a new one starts, and takes over the stuck one's waiters (a newer generation: the
   // stuck read, if it ever ends, finds nobody to serve).
-  const bool stale =
-      !first && options_.load_deadline.count() > 0 && now - read.started >= options_.load_deadline;
-  read.waiters.push_back(on_read);
-  if (first || stale) {
+  if (options_.load_deadline.count() > 0 && now - read.started >= options_.load_deadline) {
     read.started = now;
-    read.generation = impl_->read_generation + 1;
-    return ++impl_->read_generation;
+    read.generation = ++impl_->read_generation;
+    return {.generation = read.generation};
   }
   impl_->shared_reads++;
-  return std::nullopt;
+  return {};
 }
 
 std::vector<FileTier::ReadDone> Engine::TakeFileReadWaiters(const ChunkKey& key,
@@ -689,17 +695,17 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, out, pin_for_caller] {
       // Another store or promotion may have put the chunk in L1 meanwhile: serve it from there.
-      if (auto slot = impl_->l1->Pin(key); slot.ok()) {
+      auto serve_pinned = [&](SlotId slot) {
         bool taken = state->ChunkDone(i, Status::Ok(), [&] {
           if (pin_for_caller) {
-            state->slots[i] = *slot;
+            state->slots[i] = slot;
           } else {
-            std::memcpy(out.data(), impl_->l1->SlotData(*slot).data(), out.size());
+            std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
           }
         });
-        if (!taken || !pin_for_caller) impl_->l1->Unpin(*slot);
-        return;
-      }
+        if (!taken || !pin_for_caller) impl_->l1->Unpin(slot);
+      };
+      if (auto slot = impl_->l1->Pin(key); slot.ok()) return serve_pinned(*slot);
       FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out, pin_for_caller](
                                        Status st, std::span<const uint8_t> data) {
         if (!st.ok()) {  // a miss, or an error the file tier counted
@@ -738,10 +744,11 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
       };
       // A read of this chunk already under way (another load's promotion) serves this load
       // too: one read, one promotion, every waiter handed the same bytes.
-      const std::optional<uint64_t> generation = JoinFileRead(key, on_read);
-      if (!generation) return;
-      FileTier::ReadDone shared = [this, key, g = *generation](Status st,
-                                                               std::span<const uint8_t> data) {
+      const FileReadJoin join = JoinFileRead(key, on_read);
+      if (join.in_l1) return serve_pinned(*join.in_l1);
+      if (!join.generation) return;
+      FileTier::ReadDone shared = [this, key, g = *join.generation](Status st,
+                                                                    std::span<const uint8_t> data) {
         // Loads that join while the waiters run are served too, in the next round; the read is
         // forgotten only after the first waiter has promoted the chunk into L1, so a load that
         // comes later finds it there rather than reading it again.
