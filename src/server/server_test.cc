@@ -135,11 +135,17 @@ class ServerProcess {
     ss << in.rdbuf();
     return ss.str();
   }
+  // kvtier serve logs its HTTP port after the Unix socket listens, which is what Start waits
+  // for: the line can come a moment later on a busy machine.
   int HttpPort() const {
-    std::string log = Log();
-    auto at = log.find("http://127.0.0.1:");
-    if (at == std::string::npos) return -1;
-    return std::atoi(log.c_str() + at + std::strlen("http://127.0.0.1:"));
+    for (int i = 0; i < 200; ++i) {
+      std::string log = Log();
+      if (auto at = log.find("http://127.0.0.1:"); at != std::string::npos) {
+        return std::atoi(log.c_str() + at + std::strlen("http://127.0.0.1:"));
+      }
+      std::this_thread::sleep_for(25ms);
+    }
+    return -1;
   }
   const std::string& socket() const { return socket_; }
 
@@ -1221,6 +1227,7 @@ TEST_F(ServerTest, HealthzAnswersWhileSlowHttpConnectionsAreOpen) {
   ServerProcess server(dir_, {"--no-l2"});
   ASSERT_NO_FATAL_FAILURE(server.Start());
   const int port = server.HttpPort();
+  ASSERT_GT(port, 0) << server.Log();
   std::vector<int> slow;
   for (int i = 0; i < 2; ++i) {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
