@@ -158,11 +158,12 @@ struct Metrics {
                         .Name("kvtier_rpc_latency_seconds")
                         .Help("Server-side handling time of a request, by operation")
                         .Register(*registry)),
-        load_latency(prometheus::BuildHistogram()
-                         .Name("kvtier_load_latency_seconds")
-                         .Help("prepare_load: request received to chunks pinned and the reply ready")
-                         .Register(*registry)
-                         .Add({}, LatencyBuckets())),
+        load_latency(
+            prometheus::BuildHistogram()
+                .Name("kvtier_load_latency_seconds")
+                .Help("prepare_load: request received to chunks pinned and the reply ready")
+                .Register(*registry)
+                .Add({}, LatencyBuckets())),
         store_latency(prometheus::BuildHistogram()
                           .Name("kvtier_store_latency_seconds")
                           .Help("Store: slots reserved to slots committed (includes the "
@@ -542,6 +543,7 @@ class Server::Impl {
 
   std::unique_ptr<httplib::Server> http_;
   std::thread http_thread_;
+  std::atomic<bool> http_thread_done_{false};
 
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
@@ -658,7 +660,13 @@ Status Server::Impl::CheckSocketPath() {
 Status Server::Impl::BindSocket() {
   const std::string& path = options_.socket_path;
   KVTIER_RETURN_IF_ERROR(CheckSocketPath());
-  KVTIER_ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(path));
+  // Bound and listening under a name of its own first, then linked to its path: whoever sees the
+  // path can connect (a script that waits for the file never meets a socket that refuses), and
+  // link, unlike rename, fails if another server took the path meanwhile. A path too long for
+  // the extra name is bound in place.
+  std::string staging = fmt::format("{}.{}", path, ::getpid());
+  if (!SocketAddress(staging).ok()) staging = path;
+  KVTIER_ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(staging));
 
   // Non-blocking: the door thread accepts until EAGAIN.
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -678,21 +686,30 @@ Status Server::Impl::BindSocket() {
   int rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   int err = errno;
   ::umask(old);
-  if (rc != 0) return Status::FromErrno(err, fmt::format("binding socket \"{}\"", path));
-  socket_bound_ = true;
+  if (rc != 0) return Status::FromErrno(err, fmt::format("binding socket \"{}\"", staging));
+  auto fail = [&](Status s) {
+    ::unlink(staging.c_str());
+    return s;
+  };
   if (gid != static_cast<gid_t>(-1)) {
-    if (::chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0 || ::chmod(path.c_str(), 0660)) {
-      Status s = Status::FromErrno(
-          errno, fmt::format("giving socket \"{}\" to group \"{}\"", path, options_.socket_group));
-      ::unlink(path.c_str());
-      return s;
+    if (::chown(staging.c_str(), static_cast<uid_t>(-1), gid) != 0 ||
+        ::chmod(staging.c_str(), 0660)) {
+      return fail(Status::FromErrno(
+          errno, fmt::format("giving socket \"{}\" to group \"{}\"", path, options_.socket_group)));
     }
   }
-  if (::listen(listen_fd_, 128) != 0) {
-    Status s = Status::FromErrno(errno, "listen");
-    ::unlink(path.c_str());
-    return s;
+  if (::listen(listen_fd_, 128) != 0) return fail(Status::FromErrno(errno, "listen"));
+  if (staging != path) {
+    if (::link(staging.c_str(), path.c_str()) != 0) {
+      if (errno == EEXIST) {
+        return fail(Status::Unavailable(fmt::format(
+            "socket path \"{}\" is in use: another server took it as this one started", path)));
+      }
+      return fail(Status::FromErrno(errno, fmt::format("linking socket \"{}\"", path)));
+    }
+    ::unlink(staging.c_str());
   }
+  socket_bound_ = true;
   return Status::Ok();
 }
 
@@ -737,7 +754,10 @@ Status Server::Impl::StartHttp() {
     }
     http_port_ = options_.http_port;
   }
-  http_thread_ = std::thread([this] { http_->listen_after_bind(); });
+  http_thread_ = std::thread([this] {
+    http_->listen_after_bind();
+    http_thread_done_ = true;
+  });
   return Status::Ok();
 }
 
@@ -1464,8 +1484,8 @@ size_t Server::Impl::SlotQuota() const {
 }
 
 void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
-                                     Clock::time_point started, size_t asked,
-                                     const Status& status, std::vector<SlotId> pinned) {
+                                     Clock::time_point started, size_t asked, const Status& status,
+                                     std::vector<SlotId> pinned) {
   Connection& c = *conn;
   const uint16_t opcode = static_cast<uint16_t>(Opcode::kPrepareLoad);
   // The slots the client is given: the pinned pool slots, or window slots they are copied into.
@@ -1565,6 +1585,11 @@ void Server::Impl::Stop() {
     engine_->Drain();
   }
   if (http_) {
+    // httplib's stop() does nothing to a server whose listen loop has not begun yet, and that
+    // loop would then accept forever: a SIGTERM right after start hung the drain.
+    while (!http_->is_running() && !http_thread_done_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     http_->stop();
     if (http_thread_.joinable()) http_thread_.join();
   }

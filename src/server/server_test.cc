@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -68,6 +69,21 @@ class ServerProcess {
 
   // Starts the process and waits until it accepts clients.
   void Start() {
+    Launch();
+    ASSERT_GT(pid_, 0);
+    for (int i = 0; i < 300; ++i) {
+      if (Listening()) return;
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        FAIL() << "kvtier serve exited at start:\n" << Log();
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    FAIL() << "kvtier serve did not come up:\n" << Log();
+  }
+  // Starts the process, not waiting for anything.
+  void Launch() {
     pid_ = fork();
     if (pid_ == 0) {
       int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
@@ -80,17 +96,6 @@ class ServerProcess {
       execv(argv[0], argv.data());
       _exit(127);
     }
-    ASSERT_GT(pid_, 0);
-    for (int i = 0; i < 300; ++i) {
-      if (Listening()) return;
-      int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        FAIL() << "kvtier serve exited at start:\n" << Log();
-      }
-      std::this_thread::sleep_for(50ms);
-    }
-    FAIL() << "kvtier serve did not come up:\n" << Log();
   }
   bool Listening() const {
     int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
@@ -206,6 +211,22 @@ pid_t Spawn(const std::function<int()>& body) {
   pid_t pid = fork();
   if (pid == 0) _exit(body());
   return pid;
+}
+
+// Reads exactly `n` bytes from `fd` unless `limit` passes first (or the writer closes).
+bool ReadWithin(int fd, void* buf, size_t n, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  size_t done = 0;
+  while (done < n) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) != 1) return false;
+    ssize_t r = ::read(fd, static_cast<char*>(buf) + done, n - done);
+    if (r <= 0) return false;
+    done += static_cast<size_t>(r);
+  }
+  return true;
 }
 
 int WaitExit(pid_t pid) {
@@ -1117,7 +1138,12 @@ TEST_F(ServerTest, DefaultSocketIsInAPrivateDirectory) {
     return 127;
   });
   const std::string sock = private_dir + "/kvtier.sock";
-  for (int i = 0; i < 200 && ::access(sock.c_str(), F_OK) != 0; ++i) {
+  // Until it accepts: the socket file exists a moment before the server listens on it.
+  for (int i = 0; i < 200; ++i) {
+    if (int fd = ConnectUnix(sock); fd >= 0) {
+      ::close(fd);
+      break;
+    }
     std::this_thread::sleep_for(50ms);
   }
   struct stat st;
@@ -1141,14 +1167,47 @@ TEST_F(ServerTest, DefaultSocketIsInAPrivateDirectory) {
   EXPECT_EQ(WaitExit(pid), 0);
 }
 
+// Scripts wait for the socket file: once it is there, the server must accept (bound and
+// listening under a name of its own, then linked to the path), and a path too long for that
+// name is bound in place.
+TEST_F(ServerTest, TheSocketPathAppearsOnlyOnceTheServerListens) {
+  const std::string path = dir_.Sub("kv.sock");
+  for (int round = 0; round < 5; ++round) {
+    ServerProcess server(dir_, {"--no-l2"}, path);
+    server.Launch();
+    struct stat st;
+    for (int i = 0; i < 100000 && ::lstat(path.c_str(), &st) != 0; ++i) {
+      std::this_thread::sleep_for(50us);
+    }
+    int fd = ConnectUnix(path);
+    EXPECT_GE(fd, 0) << "the socket file exists but refuses: " << std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    for (const auto& e : std::filesystem::directory_iterator(dir_.path())) {
+      const std::string name = e.path().filename().string();
+      EXPECT_TRUE(e.path() == path || name == "server.log") << "left behind: " << name;
+    }
+    server.Kill(SIGTERM);  // drains (right after start too) and removes the socket file
+    ASSERT_NE(::lstat(path.c_str(), &st), 0) << "socket file left behind";
+  }
+  // A path with no room for the extra name is bound in place (and works).
+  const std::string at_limit =
+      dir_.Sub(std::string(sizeof(sockaddr_un::sun_path) - 2 - dir_.path().size(), 's'));
+  ASSERT_EQ(at_limit.size(), sizeof(sockaddr_un::sun_path) - 1);
+  ServerProcess server(dir_, {"--no-l2"}, at_limit);
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  EXPECT_EQ(server.Kill(SIGTERM), 0);
+}
+
 // Issue 13, item 4: a client checks who listens before it sends its token.
 TEST_F(ServerTest, ClientRefusesToSendItsTokenToAnotherUsersSocket) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to listen as another user";
   ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
   const std::string sock = dir_.Sub("squatted.sock");
-  int got[2];
+  int ready[2], got[2];
+  ASSERT_EQ(::pipe(ready), 0);
   ASSERT_EQ(::pipe(got), 0);
-  // Another user binds the path first and reports how many bytes a client sent it.
+  // Another user binds the path first and reports how many bytes a client sent it. Every wait
+  // on either side is bounded: a client that never connects must fail the test, not hang it.
   pid_t squatter = Spawn([&] {
     BecomeNobody();
     int l = ::socket(AF_UNIX, SOCK_STREAM, 0);
@@ -1159,16 +1218,22 @@ TEST_F(ServerTest, ClientRefusesToSendItsTokenToAnotherUsersSocket) {
       return 2;
     }
     ::chmod(sock.c_str(), 0777);
+    if (::write(ready[1], "r", 1) != 1) return 3;  // listening: the file alone is not enough
+    pollfd p{l, POLLIN, 0};
+    if (::poll(&p, 1, 10000) != 1) return 4;
     int c = ::accept(l, nullptr, nullptr);
+    timeval limit{10, 0};
+    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
     char buf[4096];
     ssize_t total = 0, r;
     while ((r = ::recv(c, buf, sizeof(buf), 0)) > 0) total += r;
-    return ::write(got[1], &total, sizeof(total)) == sizeof(total) ? 0 : 3;
+    return ::write(got[1], &total, sizeof(total)) == sizeof(total) ? 0 : 5;
   });
+  ::close(ready[1]);
   ::close(got[1]);
-  for (int i = 0; i < 200 && ::access(sock.c_str(), F_OK) != 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
+  char byte = 0;
+  ASSERT_TRUE(ReadWithin(ready[0], &byte, 1, 10s)) << "the squatter never listened";
+  ::close(ready[0]);
   ClientOptions o;
   o.socket_path = sock;
   o.ns.model_id = "m";
@@ -1178,7 +1243,7 @@ TEST_F(ServerTest, ClientRefusesToSendItsTokenToAnotherUsersSocket) {
   EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied) << c.status().ToString();
   EXPECT_NE(c.status().message().find("uid 65534"), std::string::npos) << c.status().ToString();
   ssize_t received = -1;
-  ASSERT_EQ(::read(got[0], &received, sizeof(received)), ssize_t(sizeof(received)));
+  ASSERT_TRUE(ReadWithin(got[0], &received, sizeof(received), 15s)) << "the squatter saw no client";
   EXPECT_EQ(received, 0) << "the client sent its hello (and token) to a stranger";
   ::close(got[0]);
   EXPECT_EQ(WaitExit(squatter), 0);
