@@ -655,23 +655,20 @@ Engine::FileReadJoin Engine::JoinFileRead(const ChunkKey& key, const FileTier::R
     // No read under way: perhaps one has just ended, after promoting the chunk.
     if (auto slot = impl_->l1->Pin(key); slot.ok()) return {.in_l1 = *slot};
     it = impl_->reads.try_emplace(key).first;
-    it->second.started = now;
+  } else if (options_.load_deadline.count() == 0 ||
+             now - it->second.started < options_.load_deadline) {
     it->second.waiters.push_back(on_read);
-    it->second.generation = ++impl_->read_generation;
-    return {.generation = it->second.generation};
+    impl_->shared_reads++;
+    return {};
   }
+  // A new read, or one for a read older than a load's deadline, which may be stuck in the
+  // kernel: no load can wait for it any more, so a new one starts and takes over the stuck one's
+  // waiters (a newer generation: the stuck read, if it ever ends, finds nobody to serve).
   auto& read = it->second;
   read.waiters.push_back(on_read);
-  // A read older than a load's deadline may be stuck in the kernel: no load can wait for it any
-  // more, so a new one starts, and takes over the stuck one's waiters (a newer generation: the
-  // stuck read, if it ever ends, finds nobody to serve).
-  if (options_.load_deadline.count() > 0 && now - read.started >= options_.load_deadline) {
-    read.started = now;
-    read.generation = ++impl_->read_generation;
-    return {.generation = read.generation};
-  }
-  impl_->shared_reads++;
-  return {};
+  read.started = now;
+  read.generation = ++impl_->read_generation;
+  return {.generation = read.generation};
 }
 
 std::vector<FileTier::ReadDone> Engine::TakeFileReadWaiters(const ChunkKey& key,
