@@ -6,22 +6,23 @@
 
 vLLM builds one instance in the scheduler (role SCHEDULER) and one in each worker (role WORKER);
 this class only dispatches to SchedulerSide or WorkerSide. docs/vllm.md describes both modes and
-every setting.
+every setting, and the vLLM versions supported (what differs between them is in compat.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
+from . import compat
 
-from .config import parse_config
+_base = compat.require("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                       "KVConnectorBase_V1", "KVConnectorRole", "SupportsHMA")
+KVConnectorBase_V1, KVConnectorRole, SupportsHMA = (
+    _base.KVConnectorBase_V1, _base.KVConnectorRole, _base.SupportsHMA)
+
+from vllm.logger import init_logger  # noqa: E402
+
+from .config import parse_config  # noqa: E402
 from .metadata import KvtierConnectorMetadata
 from .stats import KvtierConnectorStats
 
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
     import torch
 
 logger = init_logger("vllm.kvtier")
+_features = compat.features()
+if not compat.in_tested_range(compat.installed_version()):
+    logger.warning("kvtier: vLLM %s is outside the tested range (%s); its connector interface "
+                   "was found complete, but this pairing is untested",
+                   compat.installed_version(), compat.range_text())
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -45,8 +51,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a chunk kvtier "
                             "cannot deliver is recomputed)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg,
-                                            self._block_ids_of)
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
         else:
             from .worker import WorkerSide
 
@@ -55,9 +60,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future miss, nothing more
-
-    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
-        return self._kv_cache_manager.get_block_ids(req_id)
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -80,13 +82,26 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
+        # vLLM before 0.30; failed loads reach it through get_block_ids_with_load_errors.
         sending, recving, _ = self._worker.transfer_results(finished_req_ids)
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+    if _features.transfer_results is not None:
+        def get_transfer_results(self, finished_req_ids: set[str]):
+            sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+            extra = {"failed_recving": failed} if _features.failed_recving else {}
+            return _features.transfer_results(finished_sending=sending,
+                                              finished_recving=recving, **extra)
+
+    # Sleep mode (on by default from vLLM 0.34): vLLM drains transfers first, then frees the KV
+    # cache's memory; the copier's addresses stay valid (the same virtual range is mapped again
+    # on wake-up), so only work queued after the drain must wait.
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.drain()
+
+    def restore_kv_caches(self) -> None:
+        return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

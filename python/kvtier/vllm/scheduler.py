@@ -4,21 +4,30 @@ Runs in vLLM's scheduler loop, so nothing here touches storage: lookups go to th
 (in process) or to `kvtier serve` (a few microseconds over a Unix socket), and chunk keys are
 chained SHA-256 over token ids (docs/chunk-key.md), the same in every process and on every host.
 
-Bookkeeping per request: the keys of its full chunks so far, and how many leading chunks are in
-kvtier or already handed to the workers to save (`saved`), so that no chunk is saved twice.
+Bookkeeping per request: the keys of its full chunks so far, and how many leading chunks were
+handed to the workers to save (`saved`), so that no chunk is queued twice. Chunks found in kvtier
+are not counted as saved: a save job names them too, and the store answers "already stored" for
+each one it holds without a copy, so a chunk that failed to load and was recomputed is saved again.
+
+The scheduler loop never waits on the store for long: a lookup runs on a background thread and,
+when its answer is not there within LOOKUP_WAIT_S, the request is answered "ask again next step"
+(vLLM skips it for this step and schedules the others). A lookup that fails (a stalled or dead
+server) makes every lookup a miss for LOOKUP_BACKOFF_S.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 
+from .compat import BlockTables, features, skips_external_kv
 from .config import ConfigError, ConnectorConfig
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
@@ -27,6 +36,10 @@ from .store import Namespaces, ServerConnection, in_process_socket
 logger = init_logger("vllm.kvtier")
 
 LOOKUP_TIMEOUT_MS = 1000
+# How long a lookup may hold the scheduler loop before the request is asked about again next step
+# (a lookup in kvtier's index takes tens of microseconds).
+LOOKUP_WAIT_S = 0.005
+LOOKUP_BACKOFF_S = 2.0
 
 
 @dataclass
@@ -34,16 +47,19 @@ class _Request:
     request: Any
     root: bytes
     keys: list[bytes] = field(default_factory=list)
-    saved: int = 0  # leading chunks in kvtier or queued for saving
-    saves_scheduled: bool = False
+    saved: int = 0  # leading chunks queued for saving
+    saves_scheduled: bool = False  # since the last preemption: the workers hold saves of it
     load: tuple[int, int] | None = None  # (locally computed tokens, tokens after the load)
+    # A load was handed to the workers since the request last (re)entered the waiting queue:
+    # no second one, so that a load that fails is recomputed, never retried for ever.
+    load_issued: bool = False
+    lookup: tuple[int, concurrent.futures.Future] | None = None  # (chunks asked, answer)
     in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
     hit_sources: dict | None = None  # the planned load's tokens per tier, for vLLM's metrics
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig,
-                 block_ids_of: Callable[[str], tuple[list[int], ...]]):
+    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
         self.cfg = cfg
         self.groups = supported_groups(kv_cache_config)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -55,7 +71,18 @@ class SchedulerSide:
         if not cfg.server_mode and self.ns.world_size > 1:
             raise ConfigError("kvtier in-process mode serves one worker process; with tensor or "
                               "pipeline parallelism use server mode (set kvtier.socket)")
-        self._block_ids_of = block_ids_of
+        self._features = features()
+        # A partly failed load with several KV cache groups can only be reported where vLLM
+        # takes failed requests (failed_recving); elsewhere kvtier saves but does not load.
+        self._loads_enabled = len(self.groups) == 1 or self._features.reports_failed_requests
+        if not self._loads_enabled:
+            logger.warning("kvtier: this vLLM cannot take a failed load with %d KV cache groups; "
+                           "kvtier saves chunks but serves no hits (vLLM 0.30 or later does)",
+                           len(self.groups))
+        self._tables = BlockTables()
+        self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-lookup")
+        self._lookups_down_until = 0.0
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[ChunkJob] = []
         self._roots: dict[str, bytes] = {}
@@ -75,8 +102,8 @@ class SchedulerSide:
 
     def _lookup(self, keys: list[bytes]) -> tuple[int, int]:
         """(leading chunks every rank has, of those the leading ones in every rank's L1);
-        (0, 0) when the store is unreachable."""
-        if not keys:
+        (0, 0) when the store is unreachable. Runs on the lookup thread."""
+        if not keys or time.monotonic() < self._lookups_down_until:
             return 0, 0
         hits = in_memory = len(keys)
         for server in self._servers:
@@ -85,10 +112,24 @@ class SchedulerSide:
                 return 0, 0
             try:
                 total, memory = client.lookup(keys)
-            except kvtier.KvtierError:
+            except kvtier.KvtierError as e:
+                logger.warning("kvtier: a lookup failed (%s); every lookup is a miss for %.0f s",
+                               e, LOOKUP_BACKOFF_S)
+                self._lookups_down_until = time.monotonic() + LOOKUP_BACKOFF_S
                 return 0, 0
             hits, in_memory = min(hits, total), min(in_memory, memory)
         return hits, min(hits, in_memory)
+
+    def _lookup_now(self, st: _Request, keys: list[bytes]) -> tuple[int, int] | None:
+        """The lookup's answer, or None when it is still under way (vLLM asks again next
+        step). One lookup per request and prompt length: a repeated question is answered from
+        the last answer."""
+        if st.lookup is None or st.lookup[0] != len(keys):
+            st.lookup = (len(keys), self._lookup_thread.submit(self._lookup, keys))
+        try:
+            return st.lookup[1].result(timeout=LOOKUP_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            return None
 
     def _state(self, request) -> _Request | None:
         st = self._requests.get(request.request_id)
@@ -118,14 +159,19 @@ class SchedulerSide:
             st.keys.append(kvtier.chain_chunk_key(prev, tokens[i * ct:(i + 1) * ct]))
         return st.keys[:n_chunks]
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
         st = self._state(request)
         if st is None:
             return 0, False
         st.load = None
+        if st.load_issued or not self._loads_enabled or skips_external_kv(request):
+            return 0, False
         n_tokens = request.num_tokens
-        hits, in_memory = self._lookup(self._keys(st, n_tokens // self.cfg.chunk_tokens))
-        st.saved = max(st.saved, hits)
+        answer = self._lookup_now(st, self._keys(st, n_tokens // self.cfg.chunk_tokens))
+        if answer is None:
+            return None, False
+        hits, in_memory = answer
         # vLLM must compute at least the last token itself.
         hit_tokens = min(hits * self.cfg.chunk_tokens, n_tokens - 1)
         st.in_memory_tokens = min(in_memory * self.cfg.chunk_tokens, hit_tokens)
@@ -142,9 +188,10 @@ class SchedulerSide:
             return
         local, hit_tokens = st.load
         st.load = None
+        st.load_issued = True
+        st.lookup = None
         from_memory = min(max(st.in_memory_tokens - local, 0), num_external_tokens)
-        st.hit_sources = {CacheHitSource.HOST: from_memory,
-                          CacheHitSource.DISK: num_external_tokens - from_memory}
+        st.hit_sources = {"host": from_memory, "disk": num_external_tokens - from_memory}
         ct = self.cfg.chunk_tokens
         first, end = local // ct, -(-hit_tokens // ct)
         block_ids = blocks.get_block_ids()
@@ -159,7 +206,6 @@ class SchedulerSide:
                                   for j, b in enumerate(ids)])
             chunk_blocks.append(per_group)
         self._pending_loads.append(ChunkJob(request.request_id, st.keys[first:end], chunk_blocks))
-        st.saved = max(st.saved, end)
         if request.num_preemptions > 0:
             self.resumed_from_kvtier += 1
             logger.info("kvtier: preempted request %s resumes with %d tokens from kvtier "
@@ -167,24 +213,31 @@ class SchedulerSide:
                         num_external_tokens, self.resumed_from_kvtier)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """vLLM's per-tier hit metrics (versions that have CacheHitSource)."""
+        source = self._features.cache_hit_source
         st = self._requests.get(request.request_id)
         sources = st.hit_sources if st is not None else None
-        if not num_external_tokens:
+        if not num_external_tokens or source is None:
             return {}
         if not sources or sum(sources.values()) != num_external_tokens:
-            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        return {k: v for k, v in sources.items() if v}
+            return {source.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        names = {"host": source.HOST, "disk": source.DISK}
+        return {names[k]: v for k, v in sources.items() if v}
 
     # --- per step ----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._tables.update(scheduler_output)
         meta.preempted_req_ids = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted_req_ids:
             st = self._requests.get(req_id)
             if st is not None:
-                st.load = None
+                # Its blocks are freed once the workers' saves of it are done (handle_preemptions);
+                # it may come back through a load, and saves after that are new ones.
+                st.load = st.lookup = None
+                st.load_issued = st.saves_scheduled = False
         ct = self.cfg.chunk_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -200,7 +253,9 @@ class SchedulerSide:
             if n_chunks <= st.saved:
                 continue
             keys = self._keys(st, n_chunks)
-            block_ids = self._block_ids_of(req_id)
+            block_ids = self._tables.get(req_id)
+            if block_ids is None:
+                continue
             b = self.blocks_per_chunk
             chunks = [[list(block_ids[g][c * b:(c + 1) * b]) for g in self.groups]
                       for c in range(st.saved, n_chunks)]
@@ -211,10 +266,13 @@ class SchedulerSide:
 
     def request_finished(self, request) -> tuple[bool, dict | None]:
         st = self._requests.pop(request.request_id, None)
+        self._tables.forget(request.request_id)
         # The workers report a request with saves through finished_sending once its saves are
-        # done; until then vLLM keeps its blocks.
+        # done; until then vLLM keeps its blocks. A request finished while its load runs has no
+        # saves (saves start once it runs): vLLM itself keeps its blocks until the load is done.
         return (st is not None and st.saves_scheduled), None
 
     def shutdown(self) -> None:
+        self._lookup_thread.shutdown(wait=False, cancel_futures=True)
         for server in self._servers:
             server.close()

@@ -10,7 +10,9 @@ background threads (the copier and the store release the GIL), off the forward p
     are reported as failed blocks, which vLLM recomputes;
   * saves of a step are queued after its forward pass; a finished request's blocks stay
     allocated until its saves are done (finished_sending); a preempted request's blocks are
-    freed by vLLM, so handle_preemptions waits for the queued saves before they can be reused.
+    freed by vLLM, so handle_preemptions waits for that request's queued saves (not the others')
+    before they can be reused, and forgets them: a request that resumes and is aborted before
+    it ran again is not reported finished a second time.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class WorkerSide:
         self._registered_pools: set[int] = set()
 
         self._lock = threading.Lock()
+        self._saves_done = threading.Condition(self._lock)  # a request's pending saves fell
         self._stats = KvtierConnectorStats()
         self._pending_saves: dict[str, int] = {}  # queued save jobs per request
         self._had_saves: set[str] = set()
@@ -180,8 +183,22 @@ class WorkerSide:
             self._saver.put((job, ready))
 
     def handle_preemptions(self, meta: KvtierConnectorMetadata) -> None:
-        if meta.preempted_req_ids and self._saver is not None:
-            self._saver.join()  # the preempted requests' blocks are about to be reused
+        """The preempted requests' blocks are about to be reused: wait for their saves only."""
+        if not meta.preempted_req_ids:
+            return
+        with self._lock:
+            self._saves_done.wait_for(lambda: not any(
+                self._pending_saves.get(r) for r in meta.preempted_req_ids))
+            for r in meta.preempted_req_ids:
+                self._pending_saves.pop(r, None)
+                self._had_saves.discard(r)
+                self._finished.discard(r)
+
+    def drain(self) -> None:
+        """Waits for every queued load and save (vLLM's sleep mode frees the KV cache next)."""
+        for thread in (self._loader, self._saver):
+            if thread is not None:
+                thread.join()
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished saves, finished loads, failed loads), in one snapshot."""
@@ -268,6 +285,7 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
+                self._saves_done.notify_all()
                 self._stats.add("chunks_saved", saved)
                 self._stats.add("tokens_saved", saved * self.cfg.chunk_tokens)
                 self._stats.add("saves_skipped", skipped)

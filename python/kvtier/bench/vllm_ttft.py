@@ -1,0 +1,517 @@
+"""Time to first token through vLLM's own API: kvtier against vLLM's prefix cache and native offloading.
+
+    python -m kvtier.bench.vllm_ttft --model DIR [--contexts 8k,16k,24k,32k] [--arms ...]
+        [--repeats 3] [--json FILE] [--plot FILE]
+    python -m kvtier.bench.vllm_ttft --make-model DIR [--model-config qwen3-8b]
+
+One `vllm serve` per arm, all started at once and kept up for the whole run (each with a fixed
+KV cache, `--kv-cache-memory-bytes`, so that they fit one GPU side by side); requests go to one
+server at a time, and every repeat visits every arm in turn, so a slow minute of the machine
+spreads over all of them. Prompts are token ids. For each context L: a prefix of L - suffix
+tokens (whole chunks) and a new suffix of --suffix tokens, and per repeat and arm:
+
+* ``cold``: a prompt of L new tokens (recompute; in an arm with a connector it also saves, so its
+  cold TTFT against the ``gpu`` arm's is the save overhead at 0 % hits);
+* ``hit``: a new prefix is sent (1 token generated), the connector's saves are given time to land,
+  vLLM's GPU prefix cache is reset (/reset_prefix_cache), then prefix + suffix is sent: the
+  prefix comes back from the arm's offload tier. In the ``gpu`` arm the cache is not reset:
+  vLLM's own prefix-cache hit.
+
+Arms: ``gpu`` (no connector), ``native`` (vLLM's OffloadingConnector, CPU tier of --cpu-gb),
+``tiering`` (TieringOffloadingSpec, CPU tier of --tiering-cpu-gb and its ``fs`` tier in a fresh
+directory on --disk-dir; before each hit, new prompts of more than the CPU tier's size push the
+prefix out of it and the page cache is dropped, so the hit reads the ``fs`` tier, cold), ``kvtier`` (in-process, L1 of --cpu-gb), ``server`` (``kvtier serve``,
+L1 of --cpu-gb, file tier on --disk-dir) and ``file`` (the server arm's file tier, cold: kvtier
+serve restarted with an empty L1 and the page cache dropped before each hit; the file tier reads
+with O_DIRECT). Every hit is checked: its first --check-tokens greedy tokens must equal those of
+the ``gpu`` arm's hit of the same prompt (the same weights in every server: a model directory
+with a fixed seed's random weights, written by --make-model), and a different prefix must give
+different tokens somewhere in the run (a check that cannot pass on a constant model). The
+host->GPU copy bandwidth is measured in the same run and printed with each hit as the copy
+floor: prefix KV bytes / bandwidth.
+
+Results go to --out as one JSON file per context as it finishes, so a run cut short keeps what
+it measured, and `--json`/`--plot` write the whole table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+CONFIGS = Path(__file__).parent / "configs"
+ALL_ARMS = ("gpu", "native", "tiering", "kvtier", "server", "file")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_tokens(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+def http(port: int, path: str, body=None, timeout: float = 600) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
+                                 {"Content-Type": "application/json"})
+    text = urllib.request.urlopen(req, timeout=timeout).read().decode()
+    return json.loads(text) if text.strip() else {}
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def make_model(out: Path, config_name: str, seed: int = 0, std: float = 0.02) -> None:
+    """A model directory vLLM loads: the config, a byte-level BPE tokenizer trained here (prompts
+    are token ids; the tokenizer only has to exist) and random weights from a fixed seed, written
+    as safetensors, so that every server of a run computes the same function and its answers
+    depend on the prompt (vLLM's dummy weights give nearly the same answer to every prompt)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    cfg = json.loads((CONFIGS / f"{config_name}.json").read_text()) \
+        if not config_name.endswith(".json") else json.loads(Path(config_name).read_text())
+    if cfg.get("model_type") != "qwen3":
+        raise SystemExit(f"--make-model writes Qwen3-shaped weights; {config_name} is "
+                         f"{cfg.get('model_type')}")
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([Path(__file__).read_text()] * 4, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    # The vocabulary is the tokenizer's (vLLM detokenizes every answer); it sizes only the
+    # embedding and the LM head, not the KV cache or the attention this benchmark is about.
+    cfg["vocab_size"] = tok.get_vocab_size()
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "model_max_length": cfg["max_position_embeddings"]}))
+    cfg = dict(cfg, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0,
+                                                            "eos_token_id": 1}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, inter = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, \
+        cfg["intermediate_size"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+                * std).to(torch.bfloat16).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    shard = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h),
+             "model.norm.weight": ones(h), "lm_head.weight": rand(cfg["vocab_size"], h)}
+    files = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shard.update({p + "input_layernorm.weight": ones(h),
+                      p + "post_attention_layernorm.weight": ones(h),
+                      p + "self_attn.q_proj.weight": rand(q, h),
+                      p + "self_attn.k_proj.weight": rand(kv, h),
+                      p + "self_attn.v_proj.weight": rand(kv, h),
+                      p + "self_attn.o_proj.weight": rand(h, q),
+                      p + "self_attn.q_norm.weight": ones(hd),
+                      p + "self_attn.k_norm.weight": ones(hd),
+                      p + "mlp.gate_proj.weight": rand(inter, h),
+                      p + "mlp.up_proj.weight": rand(inter, h),
+                      p + "mlp.down_proj.weight": rand(h, inter)})
+        if i % 6 == 5 or i == cfg["num_hidden_layers"] - 1:
+            name = f"model-{len(files):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            files.update({k: name for k in shard})
+            shard = {}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                 "weight_map": files}))
+    log(f"model written to {out}: {cfg['num_hidden_layers']} layers, seed {seed}")
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+# --- the servers -------------------------------------------------------------------------------
+
+class Vllm:
+    """One `vllm serve` of the model with one arm's connector; started without waiting."""
+
+    def __init__(self, args, arm: str, port: int, transfer: dict | None, workdir: Path):
+        self.arm, self.port = arm, port
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(args.model), "--served-model-name", "bench", "--dtype", "bfloat16",
+               "--max-model-len", str(args.max_model_len), "--port", str(port),
+               "--host", "127.0.0.1", "--enforce-eager", "--disable-log-stats",
+               "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", "0"]
+        if transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        self.log_path = workdir / f"vllm-{arm}.log"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"),
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_up(self, deadline: float) -> None:
+        while True:
+            try:
+                http(self.port, "/health", timeout=5)
+                return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"vLLM ({self.arm} arm) did not start:\n{tail}")
+            time.sleep(1)
+
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, list[str]]:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        start = time.perf_counter()
+        reply = http(self.port, "/v1/completions", body)
+        elapsed = time.perf_counter() - start
+        return elapsed, list(reply["choices"][0]["logprobs"]["tokens"])
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self.complete(prompt, 1)[0]
+
+    def reset_gpu_cache(self) -> None:
+        http(self.port, "/reset_prefix_cache", {})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class Serve:
+    """`kvtier serve`: L1 of l1_gb, file tier in `directory` (kept across restarts)."""
+
+    def __init__(self, args, socket: str, directory: Path, log_path: Path):
+        self.socket, self.dir, self.log_path = socket, directory, log_path
+        self.cmd = [args.kvtier, "serve", "--socket", socket, "--http-port", "-1",
+                    "--model", str(args.model / "config.json"), "--chunk-size",
+                    str(args.chunk_tokens), "--l1-size-gb", str(args.cpu_gb),
+                    "--write-policy", "write_through",
+                    "--l2", json.dumps({"type": "fs", "path": str(directory),
+                                        "max_size_gb": args.disk_gb})]
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "a"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier serve did not start: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def restart_empty(self) -> None:
+        """A stop that drains (write_through: everything is on disk already), a start with an
+        empty L1; then the connector's reconnect (it retries every 2 s)."""
+        self.stop()
+        self.start()
+        time.sleep(4.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(120)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def copy_bandwidth() -> float | None:
+    """Host->GPU bandwidth from pinned memory, bytes/s (the copy engines' ceiling)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del host, dev
+    torch.cuda.empty_cache()
+    return n / statistics.median(times)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
+    cpu_bytes = int(args.cpu_gb * 1e9)
+    if arm == "gpu":
+        return None
+    if arm == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
+                                              "block_size": args.chunk_tokens}}
+    if arm == "tiering":
+        fs_dir = workdir / "tiering-fs"
+        shutil.rmtree(fs_dir, ignore_errors=True)
+        fs_dir.mkdir(parents=True)
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieringOffloadingSpec",
+                    "cpu_bytes_to_use": int(args.tiering_cpu_gb * 1e9),
+                    "block_size": args.chunk_tokens,
+                    "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}}
+    kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+              "kv_role": "kv_both"}
+    if arm == "kvtier":
+        return dict(kvtier, kv_connector_extra_config={
+            "kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens})
+    if arm == "server":  # the file arm measures the same server
+        return dict(kvtier, kv_connector_extra_config={
+            "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens})
+    raise ValueError(arm)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_ttft",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="model directory (written by --make-model)")
+    ap.add_argument("--make-model", type=Path, metavar="DIR",
+                    help="write a model directory with seeded random weights, then exit")
+    ap.add_argument("--model-config", default="qwen3-8b",
+                    help="config for --make-model: a name in kvtier/bench/configs or a path")
+    ap.add_argument("--contexts", default="8k,16k,24k,32k")
+    ap.add_argument("--arms", default=",".join(ALL_ARMS),
+                    help=f"comma-separated, of {', '.join(ALL_ARMS)} (file needs server)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix")
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--check-tokens", type=int, default=16,
+                    help="greedy tokens compared between each hit and the gpu arm's")
+    ap.add_argument("--cpu-gb", type=float, default=8.0,
+                    help="CPU tier of native, L1 of kvtier and server (GB)")
+    ap.add_argument("--tiering-cpu-gb", type=float, default=2.0,
+                    help="the tiering arm's CPU tier (GB); its fs tier is read past it")
+    ap.add_argument("--disk-gb", type=float, default=16.0, help="kvtier's file tier capacity")
+    ap.add_argument("--kv-cache-gb", type=float, default=6.0, help="each vLLM's GPU KV cache")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15,
+                    help="what each vLLM asks to be free at start (its KV is --kv-cache-gb)")
+    ap.add_argument("--max-model-len", type=int, default=34000)
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds between a prefix's store and its hit (saves land)")
+    ap.add_argument("--disk-dir", type=Path, default=None,
+                    help="file tiers' directory (default: a fresh one under --out)")
+    ap.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier")
+    ap.add_argument("--out", type=Path, default=Path("build/vllm-ttft"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--start-timeout", type=float, default=420)
+    args = ap.parse_args(argv)
+
+    if args.make_model:
+        make_model(args.make_model, args.model_config)
+        return 0
+    if args.model is None or not (args.model / "config.json").exists():
+        ap.error("--model DIR with a config.json is required (--make-model DIR writes one)")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ALL_ARMS]
+    if bad:
+        ap.error(f"unknown arm(s) {', '.join(bad)}; arms are {', '.join(ALL_ARMS)}")
+    if "file" in arms and "server" not in arms:
+        ap.error("the file arm measures the server arm's file tier: add server to --arms")
+    if "gpu" not in arms:
+        ap.error("the gpu arm is every check's reference: keep it in --arms")
+    try:
+        contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts: expected token counts such as 8k,16k, got {args.contexts!r}")
+    ct = args.chunk_tokens
+    for c in contexts:
+        if c - args.suffix < ct or c + args.suffix > args.max_model_len:
+            ap.error(f"context {c}: needs a prefix of at least one {ct}-token chunk and to fit "
+                     f"--max-model-len {args.max_model_len}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="run-", dir=args.out))
+    disk = args.disk_dir or workdir
+    disk.mkdir(parents=True, exist_ok=True)
+    socket = str(workdir / "kvtier.sock")
+    bpt = kv_bytes_per_token(args.model)
+    bw = copy_bandwidth()
+    log(f"host->GPU copy bandwidth {bw / 1e9:.1f} GB/s" if bw else "no GPU: no copy floor")
+    serve = None
+    if "server" in arms:
+        serve_dir = disk / "kvtier-l2"
+        shutil.rmtree(serve_dir, ignore_errors=True)
+        serve = Serve(args, socket, serve_dir, workdir / "serve.log")
+    servers: dict[str, Vllm] = {}
+    results = {"args": {k: str(v) for k, v in vars(args).items()}, "copy_bytes_per_s": bw,
+               "kv_bytes_per_token": bpt, "contexts": {}}
+    try:
+        t0 = time.monotonic()
+        for i, arm in enumerate(a for a in arms if a != "file"):
+            servers[arm] = Vllm(args, arm, 8100 + i, transfer_config(args, arm, workdir, socket),
+                                workdir)
+        for vllm in servers.values():
+            vllm.wait_up(t0 + args.start_timeout)
+        log(f"{len(servers)} vLLM servers up in {time.monotonic() - t0:.0f} s: "
+            f"{', '.join(servers)}")
+        rng = random.Random(1)
+        vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+        fresh = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+        tiering_fill = int(args.tiering_cpu_gb * 1e9 / bpt * 1.25)
+        sensitive = False
+        for context in contexts:
+            prefix_len = (context - args.suffix) // ct * ct
+            samples = {arm: {"cold": [], "hit": []} for arm in arms}
+            mismatches = []
+            for rep in range(args.repeats):
+                for arm in arms:
+                    vllm = servers["server" if arm == "file" else arm]
+                    samples[arm]["cold"].append(vllm.ttft(fresh(prefix_len + args.suffix)))
+                prefix, suffix = fresh(prefix_len), fresh(args.suffix)
+                reference = None
+                for arm in arms:
+                    vllm = servers["server" if arm == "file" else arm]
+                    vllm.complete(prefix, 1)
+                    time.sleep(args.settle)
+                    if arm == "tiering":  # out of its CPU tier, onto its fs tier only
+                        for _ in range(-(-tiering_fill // 8192)):
+                            vllm.ttft(fresh(8192))
+                        time.sleep(args.settle)
+                        drop_page_cache()
+                    if arm != "gpu":
+                        vllm.reset_gpu_cache()
+                    if arm == "file":
+                        serve.restart_empty()
+                        drop_page_cache()
+                    ttft = vllm.ttft(prefix + suffix)
+                    samples[arm]["hit"].append(ttft)
+                    # The answer after the hit, with the prefix still cached as it is now.
+                    tokens = vllm.complete(prefix + suffix, args.check_tokens)[1]
+                    if arm == "gpu":
+                        reference = tokens
+                        other = vllm.complete(fresh(prefix_len) + suffix, args.check_tokens)[1]
+                        sensitive = sensitive or other != tokens
+                    elif tokens != reference:
+                        mismatches.append({"arm": arm, "repeat": rep, "tokens": tokens,
+                                           "reference": reference})
+                log(f"{context} tokens, repeat {rep + 1}/{args.repeats}: " + ", ".join(
+                    f"{arm} {samples[arm]['hit'][-1] * 1e3:.0f} ms" for arm in arms))
+            floor = prefix_len * bpt / bw if bw else None
+            row = {"prefix_tokens": prefix_len, "suffix_tokens": args.suffix,
+                   "prefix_kv_bytes": prefix_len * bpt, "copy_floor_s": floor,
+                   "samples": samples, "mismatches": mismatches,
+                   "median": {arm: {k: statistics.median(v) for k, v in s.items()}
+                              for arm, s in samples.items()}}
+            results["contexts"][context] = row
+            (args.out / f"ttft-{context}.json").write_text(json.dumps(row, indent=1))
+            for f in (workdir / "tiering-fs").glob("*"):  # the disk is not large enough for all
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+        results["output_depends_on_prompt"] = sensitive
+    finally:
+        for vllm in servers.values():
+            vllm.stop()
+        if serve is not None:
+            serve.stop()
+    print_table(results, arms)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, arms, args.plot)
+    failed = [m for row in results["contexts"].values() for m in row["mismatches"]]
+    if failed:
+        log(f"CHECK FAILED: {len(failed)} hits answered differently from vLLM's own prefix hit")
+    if not results.get("output_depends_on_prompt"):
+        log("CHECK FAILED: the model answers every prompt alike; the token check proves nothing")
+    return 1 if failed or not results.get("output_depends_on_prompt") else 0
+
+
+def print_table(results: dict, arms: list[str]) -> None:
+    print("\nTTFT, median of repeats (ms); hit = prefix from the arm's tier + new suffix")
+    header = f"{'context':>8} {'floor':>7} " + " ".join(f"{a + ' cold':>12} {a + ' hit':>11}"
+                                                    for a in arms)
+    print(header)
+    for context, row in results["contexts"].items():
+        med = row["median"]
+        floor = row["copy_floor_s"]
+        cells = " ".join(f"{med[a]['cold'] * 1e3:12.0f} {med[a]['hit'] * 1e3:11.0f}" for a in arms)
+        print(f"{context:>8} {floor * 1e3 if floor else float('nan'):7.0f} {cells}")
+    print("floor: prefix KV bytes / host->GPU bandwidth of this run; a hit can be no faster "
+          "than the gpu arm's hit plus it (layer-wise overlap aside)")
+    for context, row in results["contexts"].items():
+        med = row["median"]
+        ratios = []
+        if "native" in med:
+            for a in ("kvtier", "server"):
+                if a in med:
+                    ratios.append(f"{a}/native hit {med[a]['hit'] / med['native']['hit']:.2f}")
+        for a in arms:
+            if a not in ("gpu", "file"):
+                ratios.append(f"{a} save overhead "
+                              f"{(med[a]['cold'] / med['gpu']['cold'] - 1) * 100:+.1f} %")
+        if "file" in med and "tiering" in med:
+            ratios.append(f"file/tiering hit {med['file']['hit'] / med['tiering']['hit']:.2f}")
+        print(f"{context:>8}: " + "; ".join(ratios))
+
+
+def plot(results: dict, arms: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [int(c) for c in results["contexts"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [r["median"]["gpu"]["cold"] for r in results["contexts"].values()],
+            "k--", label="recompute")
+    for a in arms:
+        ax.plot(xs, [r["median"][a]["hit"] for r in results["contexts"].values()], "o-",
+                label=f"{a} hit")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("TTFT (s)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
