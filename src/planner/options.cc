@@ -359,7 +359,11 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
     for (auto& [tokens, seconds] : table) {
       if (!(seconds > e.request_overhead_s)) {
         return Status::InvalidArgument(
-            fmt::format("--prefill-table: {} tokens in {} s is not above --request-overhead-ms {}",
+            fmt::format("--prefill-table: {} tokens in {} s is not above --request-overhead-ms {} "
+                        "(a measured TTFT holds the per-request overhead plus the prefill: "
+                        "measure both on the same idle server, the overhead as the TTFT of a "
+                        "prompt whose every token but the last is cached, and repeat each "
+                        "until their medians settle)",
                         tokens, seconds, request_ms));
       }
       seconds -= e.request_overhead_s;

@@ -315,6 +315,27 @@ def shared_prefix(port: int, args, context_words: int, first_prompt: float) -> i
     return next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), min(map(len, tokens)))
 
 
+def plan_inputs(engine: dict) -> tuple[str, float]:
+    """The prefill table and per-request overhead handed to `kvtier plan`, made consistent.
+
+    kvtier plan refuses a table whose time falls with length; on a noisy host a shorter point can
+    come out above a longer one: each point is taken as at least the one before it. A cold
+    prompt's TTFT holds the per-request overhead plus its prefill, so it is above the overhead (the
+    TTFT of a prompt held but its last token); on a loaded machine the two medians can cross at
+    the shortest length, which kvtier plan refuses too. The overhead is then taken as at most 90 %
+    of the shortest prompt's TTFT."""
+    points, floor = [], 0.0
+    for n, t in sorted((int(n), t) for n, t in engine["prefill_table"].items()):
+        floor = max(floor, t)
+        points.append((n, floor))
+    overhead = min(engine["request_overhead_s"], 0.9 * points[0][1])
+    if overhead < engine["request_overhead_s"]:
+        log(f"  per-request overhead {engine['request_overhead_s'] * 1e3:.1f} ms is not below the "
+            f"{points[0][0]}-token TTFT {points[0][1] * 1e3:.1f} ms (a noisy machine): planning "
+            f"with {overhead * 1e3:.1f} ms")
+    return ",".join(f"{n}:{t:.6f}" for n, t in points), overhead
+
+
 def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict,
          qps: float | None, offload: bool) -> dict:
     bpt = kv_bytes_per_token(MODEL_CONFIG)
@@ -322,17 +343,11 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
     # context (and markup) and the question.
     system = shape["shared"]
     context = max(1, int(shape["first_prompt"] - shape["question"] - system))
-    # kvtier plan refuses a table whose time falls with length; on a noisy host a shorter point
-    # can come out above a longer one: each point is taken as at least the one before it.
-    points, floor = [], 0.0
-    for n, t in sorted((int(n), t) for n, t in engine["prefill_table"].items()):
-        floor = max(floor, t)
-        points.append(f"{n}:{floor:.6f}")
-    table = ",".join(points)
+    table, overhead = plan_inputs(engine)
     cmd = [kvtier, "plan", "--json", "--model", str(args.model_dir / "config.json"),
            "--gpu-kv-gb", f"{args.vllm_blocks * args.block_tokens * bpt}B",
            "--prefill-table", table,
-           "--request-overhead-ms", f"{engine['request_overhead_s'] * 1e3:.3f}",
+           "--request-overhead-ms", f"{overhead * 1e3:.3f}",
            "--decode-step-ms", ",".join(
                f"{n}:{t * 1e3:.3f}" for n, t in sorted((int(n), t) for n, t in
                                                         engine["decode_step_s"].items())),

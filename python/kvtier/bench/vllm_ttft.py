@@ -149,6 +149,31 @@ def kv_bytes_per_token(model: Path) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
 
 
+class Answer:
+    """Greedy tokens with the two most likely at each step. Two answers agree when their tokens
+    are equal, or when they first part at a near tie of the reference (its two best tokens within
+    NEAR_TIE nats: bf16 rounding in another batch shape can flip those); a wrong KV cache changes
+    the answer from its first token, far from any tie."""
+
+    NEAR_TIE = 0.05
+
+    def __init__(self, tokens: list[str], top: list[dict]):
+        self.tokens, self.top = tokens, top
+
+    def agrees_with(self, reference: "Answer") -> tuple[bool, str]:
+        for i, (mine, theirs) in enumerate(zip(self.tokens, reference.tokens)):
+            if mine == theirs:
+                continue
+            top = reference.top[i] or {}
+            if mine in top and theirs in top and abs(top[mine] - top[theirs]) < self.NEAR_TIE:
+                return True, f"equal up to a near tie at token {i}"
+            return False, f"differs at token {i}: {mine!r} where the reference has {theirs!r}"
+        return True, "equal"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Answer) and self.tokens == other.tokens
+
+
 # --- the servers -------------------------------------------------------------------------------
 
 class Vllm:
@@ -181,13 +206,14 @@ class Vllm:
                 raise RuntimeError(f"vLLM ({self.arm} arm) did not start:\n{tail}")
             time.sleep(1)
 
-    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, list[str]]:
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, "Answer"]:
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "logprobs": 1}
+                "ignore_eos": True, "logprobs": 2}
         start = time.perf_counter()
         reply = http(self.port, "/v1/completions", body)
         elapsed = time.perf_counter() - start
-        return elapsed, list(reply["choices"][0]["logprobs"]["tokens"])
+        lp = reply["choices"][0]["logprobs"]
+        return elapsed, Answer(list(lp["tokens"]), list(lp["top_logprobs"]))
 
     def ttft(self, prompt: list[int]) -> float:
         return self.complete(prompt, 1)[0]
@@ -330,12 +356,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tiering-cpu-gb", type=float, default=2.0,
                     help="the tiering arm's CPU tier (GB); its fs tier is read past it")
     ap.add_argument("--disk-gb", type=float, default=16.0, help="kvtier's file tier capacity")
-    ap.add_argument("--kv-cache-gb", type=float, default=6.0, help="each vLLM's GPU KV cache")
+    ap.add_argument("--kv-cache-gb", type=float, default=5.5, help="each vLLM's GPU KV cache")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15,
                     help="what each vLLM asks to be free at start (its KV is --kv-cache-gb)")
     ap.add_argument("--max-model-len", type=int, default=34000)
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between a prefix's store and its hit (saves land)")
+    ap.add_argument("--gap", type=float, default=0.3,
+                    help="seconds after each cold request before the next arm's")
     ap.add_argument("--disk-dir", type=Path, default=None,
                     help="file tiers' directory (default: a fresh one under --out)")
     ap.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier")
@@ -343,6 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--start-timeout", type=float, default=420)
+    ap.add_argument("--no-fault-check", dest="fault_check", action="store_false",
+                    help="skip the last step: kvtier serve SIGKILLed while vLLM loads from it")
     args = ap.parse_args(argv)
 
     if args.make_model:
@@ -389,8 +419,18 @@ def main(argv=None) -> int:
         for i, arm in enumerate(a for a in arms if a != "file"):
             servers[arm] = Vllm(args, arm, 8100 + i, transfer_config(args, arm, workdir, socket),
                                 workdir)
-        for vllm in servers.values():
-            vllm.wait_up(t0 + args.start_timeout)
+        results["failed_arms"] = {}
+        for arm, vllm in list(servers.items()):
+            try:
+                vllm.wait_up(t0 + args.start_timeout)
+            except RuntimeError as e:  # one arm's failure must not lose the others
+                log(f"the {arm} arm is left out: {e}")
+                results["failed_arms"][arm] = str(e)[-4000:]
+                vllm.stop()
+                del servers[arm]
+        arms = [a for a in arms if (a if a != "file" else "server") in servers]
+        if "gpu" not in servers:
+            raise SystemExit("the gpu arm (the reference) did not start")
         log(f"{len(servers)} vLLM servers up in {time.monotonic() - t0:.0f} s: "
             f"{', '.join(servers)}")
         rng = random.Random(1)
@@ -401,44 +441,61 @@ def main(argv=None) -> int:
         for context in contexts:
             prefix_len = (context - args.suffix) // ct * ct
             samples = {arm: {"cold": [], "hit": []} for arm in arms}
-            mismatches = []
+            mismatches, checks = [], {}
+            for vllm in servers.values():  # the first prompt of a length builds its shapes
+                prefix = fresh(prefix_len)
+                vllm.ttft(prefix)
+                vllm.reset_gpu_cache()
+                vllm.ttft(prefix + fresh(args.suffix))
             for rep in range(args.repeats):
-                for arm in arms:
-                    vllm = servers["server" if arm == "file" else arm]
-                    samples[arm]["cold"].append(vllm.ttft(fresh(prefix_len + args.suffix)))
+                for arm in list(arms):
+                    with arm_guard(arm, arms, servers, results, context):
+                        vllm = servers["server" if arm == "file" else arm]
+                        samples[arm]["cold"].append(vllm.ttft(fresh(prefix_len + args.suffix)))
+                        # The arm's saves land before another arm's request: an engine with
+                        # transfers pending polls its workers, which would bill the next arm.
+                        time.sleep(args.gap)
                 prefix, suffix = fresh(prefix_len), fresh(args.suffix)
                 reference = None
-                for arm in arms:
-                    vllm = servers["server" if arm == "file" else arm]
-                    vllm.complete(prefix, 1)
-                    time.sleep(args.settle)
-                    if arm == "tiering":  # out of its CPU tier, onto its fs tier only
-                        for _ in range(-(-tiering_fill // 8192)):
-                            vllm.ttft(fresh(8192))
+                for arm in list(arms):
+                    with arm_guard(arm, arms, servers, results, context):
+                        vllm = servers["server" if arm == "file" else arm]
+                        vllm.complete(prefix, 1)
                         time.sleep(args.settle)
-                        drop_page_cache()
-                    if arm != "gpu":
-                        vllm.reset_gpu_cache()
-                    if arm == "file":
-                        serve.restart_empty()
-                        drop_page_cache()
-                    ttft = vllm.ttft(prefix + suffix)
-                    samples[arm]["hit"].append(ttft)
-                    # The answer after the hit, with the prefix still cached as it is now.
-                    tokens = vllm.complete(prefix + suffix, args.check_tokens)[1]
-                    if arm == "gpu":
-                        reference = tokens
-                        other = vllm.complete(fresh(prefix_len) + suffix, args.check_tokens)[1]
-                        sensitive = sensitive or other != tokens
-                    elif tokens != reference:
-                        mismatches.append({"arm": arm, "repeat": rep, "tokens": tokens,
-                                           "reference": reference})
+                        if arm == "tiering":  # out of its CPU tier, onto its fs tier only
+                            for _ in range(-(-tiering_fill // 8192)):
+                                vllm.ttft(fresh(8192))
+                            time.sleep(args.settle)
+                            drop_page_cache()
+                        if arm != "gpu":
+                            vllm.reset_gpu_cache()
+                        if arm == "file":
+                            serve.restart_empty()
+                            drop_page_cache()
+                        ttft = vllm.ttft(prefix + suffix)
+                        samples[arm]["hit"].append(ttft)
+                        # The answer after the hit, with the prefix still cached as it is now.
+                        tokens = vllm.complete(prefix + suffix, args.check_tokens)[1]
+                        if arm == "gpu":
+                            reference = tokens
+                            other = vllm.complete(fresh(prefix_len) + suffix,
+                                                  args.check_tokens)[1]
+                            sensitive = sensitive or other != tokens
+                        else:
+                            agree, how = tokens.agrees_with(reference)
+                            checks.setdefault(arm, []).append(how)
+                            if not agree:
+                                mismatches.append({"arm": arm, "repeat": rep, "how": how,
+                                                   "tokens": tokens.tokens,
+                                                   "reference": reference.tokens})
                 log(f"{context} tokens, repeat {rep + 1}/{args.repeats}: " + ", ".join(
-                    f"{arm} {samples[arm]['hit'][-1] * 1e3:.0f} ms" for arm in arms))
+                    f"{arm} {samples[arm]['hit'][-1] * 1e3:.0f} ms" for arm in arms
+                    if samples[arm]["hit"]))
+            samples = {arm: v for arm, v in samples.items() if arm in arms and v["hit"]}
             floor = prefix_len * bpt / bw if bw else None
             row = {"prefix_tokens": prefix_len, "suffix_tokens": args.suffix,
                    "prefix_kv_bytes": prefix_len * bpt, "copy_floor_s": floor,
-                   "samples": samples, "mismatches": mismatches,
+                   "samples": samples, "mismatches": mismatches, "checks": checks,
                    "median": {arm: {k: statistics.median(v) for k, v in s.items()}
                               for arm, s in samples.items()}}
             results["contexts"][context] = row
@@ -446,6 +503,10 @@ def main(argv=None) -> int:
             for f in (workdir / "tiering-fs").glob("*"):  # the disk is not large enough for all
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
         results["output_depends_on_prompt"] = sensitive
+        if serve is not None and "server" in servers and args.fault_check:
+            results["server_killed_mid_load"] = kill_mid_load(
+                servers["gpu"], servers["server"], serve, fresh, max(contexts) - args.suffix,
+                args)
     finally:
         for vllm in servers.values():
             vllm.stop()
@@ -457,11 +518,80 @@ def main(argv=None) -> int:
     if args.plot:
         plot(results, arms, args.plot)
     failed = [m for row in results["contexts"].values() for m in row["mismatches"]]
+    kill = results.get("server_killed_mid_load")
+    if kill is not None and not kill["ok"]:
+        failed.append(kill)
+        log(f"CHECK FAILED: after kvtier serve was killed mid-load: {kill}")
     if failed:
         log(f"CHECK FAILED: {len(failed)} hits answered differently from vLLM's own prefix hit")
     if not results.get("output_depends_on_prompt"):
         log("CHECK FAILED: the model answers every prompt alike; the token check proves nothing")
     return 1 if failed or not results.get("output_depends_on_prompt") else 0
+
+
+class arm_guard:
+    """An arm whose server stops answering (an engine that died) is left out of the rest of the
+    run, with the error and its log's tail in the results, instead of ending the run."""
+
+    def __init__(self, arm, arms, servers, results, context):
+        self.arm, self.arms, self.servers = arm, arms, servers
+        self.results, self.context = results, context
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is None or not issubclass(kind, (OSError, KeyError, RuntimeError)):
+            return False
+        name = "server" if self.arm == "file" else self.arm
+        vllm = self.servers.get(name)
+        tail = vllm.log_path.read_text(errors="replace")[-4000:] if vllm else ""
+        log(f"the {self.arm} arm failed at {self.context} tokens and is left out: {error!r}")
+        self.results.setdefault("failed_arms", {})[self.arm] = \
+            f"at {self.context} tokens: {error!r}\n{tail}"
+        for a in ([self.arm] if self.arm != "server" else ["server", "file"]):
+            if a in self.arms:
+                self.arms.remove(a)
+        if self.arm == "gpu":
+            raise SystemExit("the gpu arm (every check's reference) failed")
+        return True
+
+
+def kill_mid_load(gpu: Vllm, vllm: Vllm, serve: Serve, fresh, prefix_len: int, args) -> dict:
+    """kvtier serve is SIGKILLed while vLLM loads a prefix from it: the request must still be
+    answered (vLLM recomputes what was not loaded) with the same tokens as vLLM's own hit, and
+    vLLM must keep answering."""
+    import threading
+
+    prefix, suffix = fresh(prefix_len), fresh(args.suffix)
+    reference = gpu.complete(prefix + suffix, args.check_tokens)[1]
+    vllm.complete(prefix, 1)
+    time.sleep(args.settle)
+    vllm.reset_gpu_cache()
+    answer: dict = {}
+
+    def ask():
+        try:
+            answer["tokens"] = vllm.complete(prefix + suffix, args.check_tokens)[1]
+        except (OSError, KeyError) as e:
+            answer["error"] = repr(e)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.02)  # the lookup and the start of the load
+    serve.proc.kill()
+    serve.proc.wait()
+    asker.join(300)
+    after = None
+    try:
+        after = vllm.ttft(fresh(1024))
+    except OSError as e:
+        answer["after_error"] = repr(e)
+    agree, how = answer["tokens"].agrees_with(reference) if "tokens" in answer else (False, "")
+    ok = agree and after is not None
+    serve.start()  # for whatever runs next; its L1 is empty
+    return {"ok": ok, "answer_against_reference": how,
+            "answered_after_s": after, **{k: v for k, v in answer.items() if k != "tokens"}}
 
 
 def print_table(results: dict, arms: list[str]) -> None:
