@@ -325,12 +325,13 @@ def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
                     "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}}
     kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
               "kv_role": "kv_both"}
+    extra = json.loads(args.kvtier_extra) if args.kvtier_extra else {}
     if arm == "kvtier":
         return dict(kvtier, kv_connector_extra_config={
-            "kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens})
+            "kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
     if arm == "server":  # the file arm measures the same server
         return dict(kvtier, kv_connector_extra_config={
-            "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens})
+            "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
     raise ValueError(arm)
 
 
@@ -362,6 +363,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=34000)
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between a prefix's store and its hit (saves land)")
+    ap.add_argument("--kvtier-extra", default="",
+                    help='more connector keys for the kvtier arms, as JSON, e.g. '
+                         '\'{"kvtier.load_mode": "async"}\'')
     ap.add_argument("--gap", type=float, default=0.3,
                     help="seconds after each cold request before the next arm's")
     ap.add_argument("--disk-dir", type=Path, default=None,
@@ -552,6 +556,8 @@ class arm_guard:
         for a in ([self.arm] if self.arm != "server" else ["server", "file"]):
             if a in self.arms:
                 self.arms.remove(a)
+        if name in self.servers and self.arm != "file":
+            self.servers.pop(name).stop()
         if self.arm == "gpu":
             raise SystemExit("the gpu arm (every check's reference) failed")
         return True

@@ -38,6 +38,11 @@ class ConnectorConfig:
     # Longer than the server's load deadline: a load's reply waits for file-tier reads.
     rpc_timeout_ms: int = 5000
     save_decode_tokens: bool = True  # also save chunks of generated tokens (preemption, next turns)
+    # How a hit reaches the GPU. auto: layer by layer within the step when every chunk of the hit
+    # is in L1 and the KV cache is on a CUDA device (layer i's copy overlaps layer i-1's compute),
+    # else asynchronously between steps (file-tier hits: the request waits, others run).
+    # layerwise / async: always that way (layerwise also on a CPU KV cache, for tests).
+    load_mode: str = "auto"
 
     @property
     def server_mode(self) -> bool:
@@ -121,6 +126,9 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
                           f"{config.chunk_tokens}")
     if config.l1_size_gb <= 0:
         raise ConfigError(f"'{_PREFIX}l1_size_gb' must be positive, got {config.l1_size_gb}")
+    if config.load_mode not in ("auto", "layerwise", "async"):
+        raise ConfigError(f"'{_PREFIX}load_mode' must be auto, layerwise or async, got "
+                          f"{config.load_mode!r}")
     if config.write_policy not in ("write_back", "write_through", "none"):
         raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
                           f"got {config.write_policy!r}")

@@ -22,6 +22,8 @@ class ChunkJob:
     req_id: str
     keys: list[bytes]
     block_ids: list[list[list[int]]]
+    # A load done within the step, layer by layer (all its chunks in L1); else between steps.
+    layerwise: bool = False
 
 
 @dataclass

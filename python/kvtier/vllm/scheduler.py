@@ -54,6 +54,7 @@ class _Request:
     # no second one, so that a load that fails is recomputed, never retried for ever.
     load_issued: bool = False
     lookup: tuple[int, concurrent.futures.Future] | None = None  # (chunks asked, answer)
+    layerwise: bool = False  # the planned load runs within the step (every chunk in L1)
     in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
     hit_sources: dict | None = None  # the planned load's tokens per tier, for vLLM's metrics
 
@@ -79,6 +80,10 @@ class SchedulerSide:
             logger.warning("kvtier: this vLLM cannot take a failed load with %d KV cache groups; "
                            "kvtier saves chunks but serves no hits (vLLM 0.30 or later does)",
                            len(self.groups))
+        from vllm.platforms import current_platform
+
+        self._layerwise = len(self.groups) == 1 and (
+            cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()))
         self._tables = BlockTables()
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
@@ -179,8 +184,11 @@ class SchedulerSide:
         if external <= 0:
             return 0, False
         st.load = (num_computed_tokens, hit_tokens)
-        # Asynchronous: the request waits while the workers load, other requests keep running.
-        return external, True
+        # Every chunk in L1: loaded within this step, layer by layer, overlapped with the compute.
+        # Otherwise asynchronous: the request waits while the workers read the file tier, and
+        # other requests keep running.
+        st.layerwise = self._layerwise and in_memory >= hits
+        return external, not st.layerwise
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
@@ -205,7 +213,8 @@ class SchedulerSide:
                 per_group.append([SKIP_BLOCK if start + j < first_new_block else b
                                   for j, b in enumerate(ids)])
             chunk_blocks.append(per_group)
-        self._pending_loads.append(ChunkJob(request.request_id, st.keys[first:end], chunk_blocks))
+        self._pending_loads.append(ChunkJob(request.request_id, st.keys[first:end], chunk_blocks,
+                                            layerwise=st.layerwise))
         if request.num_preemptions > 0:
             self.resumed_from_kvtier += 1
             logger.info("kvtier: preempted request %s resumes with %d tokens from kvtier "

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = ("tokens_loaded", "tokens_saved", "chunks_loaded", "chunks_saved", "load_errors",
-            "save_errors", "saves_skipped")
+            "save_errors", "saves_skipped", "layerwise_loads")
 
 
 @dataclass

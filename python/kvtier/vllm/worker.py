@@ -2,8 +2,17 @@
 
 Zero-copy in both modes: a save reserves chunk slots in kvtier's L1 pool (the server's shared
 pool, or the in-process engine's arena) and the copier gathers the request's blocks straight into
-them; a load pins the chunks' slots and scatters them straight into the blocks. Both run on
-background threads (the copier and the store release the GIL), off the forward pass:
+them; a load pins the chunks' slots and scatters them straight into the blocks. Loads take one of
+two paths, chosen per request by the scheduler:
+  * layer-wise, for a hit whose every chunk is in L1 on a CUDA KV cache: start_load_kv pins the
+    chunks and queues, on a copy stream of its own, each layer's scatter of every chunk (one
+    copier per layer: a chunk is layer-major, so layer i is one contiguous range of it), with an
+    event per layer; wait_for_layer_load makes the compute stream wait for that layer's event
+    only, so layer i's copy overlaps layer i-1's attention and the request runs in the step it
+    was scheduled in; the slots are unpinned once the last layer's copy is done. Chunks that
+    could not be pinned are reported as failed blocks in the same step (vLLM recomputes them);
+Everything else runs on background threads (the copier and the store release the GIL), off the
+forward pass:
   * loads are asynchronous in vLLM's sense: the request waits (WAITING_FOR_REMOTE_KVS) while
     other requests run, and is reported in finished_recving when its blocks are filled; chunks
     that could not be loaded (evicted meanwhile, past the load deadline, server gone, corrupt)
@@ -106,6 +115,15 @@ class WorkerSide:
         self._failed_reqs: set[str] = set()  # several groups: block ids are ambiguous
         self._loader: _JobThread | None = None
         self._saver: _JobThread | None = None
+        self._unpinner: _JobThread | None = None
+        self._pool_lock = threading.Lock()
+        # Layer-wise loads: one copier per layer of the (single) KV cache group.
+        self._layer_copiers: list[kvtier.KvCopier] = []
+        self._layer_offsets: list[int] = []
+        self._layer_bytes: list[int] = []
+        self._layer_of: dict[str, int] = {}
+        self._load_stream = None
+        self._layer_events: list | None = None  # this step's layer-wise load, one per layer
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -133,11 +151,39 @@ class WorkerSide:
         self._server = ServerConnection(self.cfg, self._socket, self.ns, self.chunk_bytes,
                                         f"vllm-worker-{self.rank}", self.cfg.rpc_timeout_ms)
         self._server.connect_now()  # if the server is up; a configuration it refuses raises
+        self._setup_layerwise(kv_caches, num_blocks, device)
+        self._get_store()  # registers the pool for DMA now, not in the first request's time
         logger.info("kvtier: %s mode, %d-byte chunks of %d tokens, rank %d of %d",
                     "server" if self.cfg.server_mode else "in-process", self.chunk_bytes,
                     self.cfg.chunk_tokens, self.rank, self.world_size)
         self._loader = _JobThread("kvtier-load", self._load)
         self._saver = _JobThread("kvtier-save", self._save)
+        self._unpinner = _JobThread("kvtier-unpin", self._unpin_after)
+
+    def _setup_layerwise(self, kv_caches, num_blocks: int, device: int) -> None:
+        cuda = self._device.type == "cuda"
+        if len(self.groups) != 1 or not (self.cfg.load_mode == "layerwise" or
+                                         (self.cfg.load_mode == "auto" and cuda)):
+            return
+        names = self.kv_cache_config.kv_cache_groups[self.groups[0]].layer_names
+        offset = 0
+        for i, name in enumerate(names):
+            tensors, ratio = describe_group([name], kv_caches, num_blocks, self.block_size)
+            copier = kvtier.KvCopier([kvtier.KvPageTensor(**t) for t in tensors],
+                                     self.block_size // ratio, device=device)
+            self._layer_copiers.append(copier)
+            self._layer_offsets.append(offset)
+            self._layer_bytes.append(copier.chunk_bytes(self.cfg.chunk_tokens))
+            self._layer_of[name] = i
+            offset += self._layer_bytes[-1]
+        if offset != self._part_bytes[0]:  # not layer-major: stay with whole-chunk loads
+            logger.warning("kvtier: the layers' chunk parts (%d bytes) do not add up to a chunk "
+                           "(%d): loads are not layer-wise", offset, self._part_bytes[0])
+            self._layer_copiers, self._layer_of = [], {}
+            return
+        if cuda:
+            self._load_stream = torch.cuda.Stream(device=self._device)
+        logger.info("kvtier: L1 hits load layer by layer (%d layers)", len(names))
 
     def _get_store(self) -> kvtier.ChunkStore | None:
         store = self._server.get()
@@ -146,15 +192,19 @@ class WorkerSide:
         return store
 
     def _pin_pool(self, store: kvtier.ChunkStore) -> None:
-        # The copier's DMA needs the pool page-locked and mapped for the device.
+        # The copier's DMA needs the pool page-locked and mapped for the device. One thread
+        # registers it; the others wait (a copy from a half-registered pool fails).
         base = store.pool_base
         if base in self._registered_pools:
             return
-        torch.cuda.set_device(self._device)
-        err = torch.cuda.cudart().cudaHostRegister(base, store.pool_bytes, 0x2 | 0x1)
-        if int(err) != 0:
-            raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
-        self._registered_pools.add(base)
+        with self._pool_lock:
+            if base in self._registered_pools:
+                return
+            torch.cuda.set_device(self._device)
+            err = torch.cuda.cudart().cudaHostRegister(base, store.pool_bytes, 0x2 | 0x1)
+            if int(err) != 0:
+                raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
+            self._registered_pools.add(base)
 
     def _kernel_ids(self, block_ids: list[int], group: int) -> list[int]:
         r = self._kernel_ratios[group]
@@ -165,8 +215,90 @@ class WorkerSide:
     # --- per step ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+        self._layer_events = None
+        layerwise = [job for job in meta.loads if job.layerwise and self._layer_copiers]
         for job in meta.loads:
-            self._loader.put(job)
+            if not (job.layerwise and self._layer_copiers):
+                self._loader.put(job)
+        if layerwise:
+            self._start_layerwise(layerwise)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        events = self._layer_events
+        if events is None:
+            return
+        i = self._layer_of.get(layer_name)
+        if i is not None:
+            torch.cuda.current_stream().wait_event(events[i])  # the GPU waits, not this thread
+
+    def _start_layerwise(self, jobs: list[ChunkJob]) -> None:
+        """Pins the jobs' chunks and queues every layer's scatter on the copy stream."""
+        ct = self.cfg.chunk_tokens
+        ids, addrs, pins, failed = [], [], [], set()
+        loaded_chunks = loaded_tokens = 0
+        store = None
+        try:
+            store = self._get_store()
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: no store for a layer-wise load: %s", e)
+        for job in jobs:
+            slots = []
+            if store is not None:
+                try:
+                    slots = list(store.prepare_load(job.keys).wait().slots)
+                except kvtier.KvtierError as e:
+                    logger.warning("kvtier: pinning %s failed: %s", job.req_id, e)
+            for i, slot in enumerate(slots):
+                ids.append(self._kernel_ids(job.block_ids[i][0], 0))
+                addrs.append(store.slot_address(slot))
+                loaded_tokens += sum(1 for b in job.block_ids[i][0] if b != SKIP_BLOCK)
+            pins += slots
+            loaded_chunks += len(slots)
+            failed |= {b for chunk in job.block_ids[len(slots):] for b in chunk[0]
+                       if b != SKIP_BLOCK}
+            if len(slots) < len(job.keys):
+                logger.info("kvtier: %d of %d chunks of %s were not in kvtier at load time; "
+                            "vLLM recomputes them", len(job.keys) - len(slots), len(job.keys),
+                            job.req_id)
+        events = []
+        try:
+            if addrs:
+                stream = self._load_stream
+                if stream is not None:
+                    # Blocks just allocated may still be read by the last step's kernels.
+                    stream.wait_stream(torch.cuda.current_stream())
+                raw = stream.cuda_stream if stream is not None else 0
+                for i, copier in enumerate(self._layer_copiers):
+                    off = self._layer_offsets[i]
+                    copier.scatter_chunks(ids, ct, [a + off for a in addrs],
+                                          self._layer_bytes[i], stream=raw)
+                    if stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                        events.append(event)
+        except kvtier.KvtierError as e:  # nothing usable was queued for these chunks
+            logger.warning("kvtier: a layer-wise load failed: %s", e)
+            failed |= {b for job in jobs for chunk in job.block_ids for b in chunk[0]
+                       if b != SKIP_BLOCK}
+            loaded_chunks = loaded_tokens = 0
+            if events:
+                events[-1].synchronize()
+            events = []
+        self._layer_events = events or None
+        if pins:
+            self._unpinner.put((events[-1] if events else None, store, pins))
+        with self._lock:
+            self._failed_blocks |= failed
+            self._stats.add("chunks_loaded", loaded_chunks)
+            self._stats.add("tokens_loaded", loaded_tokens)
+            self._stats.add("load_errors", sum(len(j.keys) for j in jobs) - loaded_chunks)
+            self._stats.add("layerwise_loads", len(jobs))
+
+    def _unpin_after(self, item) -> None:
+        event, store, slots = item
+        if event is not None:
+            event.synchronize()
+        store.unpin(slots)
 
     def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
         if not meta.saves:
@@ -196,7 +328,7 @@ class WorkerSide:
 
     def drain(self) -> None:
         """Waits for every queued load and save (vLLM's sleep mode frees the KV cache next)."""
-        for thread in (self._loader, self._saver):
+        for thread in (self._loader, self._saver, self._unpinner):
             if thread is not None:
                 thread.join()
 
@@ -226,10 +358,10 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
-        for thread in (self._loader, self._saver):
+        for thread in (self._loader, self._saver, self._unpinner):
             if thread is not None:
                 thread.stop()
-        self._loader = self._saver = None
+        self._loader = self._saver = self._unpinner = None
         if self._server is not None:
             self._server.close()
         if self._embedded_server is not None:
