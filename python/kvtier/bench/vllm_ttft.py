@@ -189,6 +189,7 @@ class Vllm:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", "0"]
         if transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        cmd += args.vllm_args.split()
         self.log_path = workdir / f"vllm-{arm}.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"),
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=34000)
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between a prefix's store and its hit (saves land)")
+    ap.add_argument("--vllm-args", default="",
+                    help="more arguments for every arm's vllm serve, e.g. --no-async-scheduling")
     ap.add_argument("--kvtier-extra", default="",
                     help='more connector keys for the kvtier arms, as JSON, e.g. '
                          '\'{"kvtier.load_mode": "async"}\'')

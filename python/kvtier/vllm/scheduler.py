@@ -82,8 +82,18 @@ class SchedulerSide:
                            len(self.groups))
         from vllm.platforms import current_platform
 
+        # A load within the step cannot fail quietly: its failed blocks are reported in the same
+        # step, which vLLM's asynchronous scheduling (the default from 0.26) does not survive:
+        # seen on vLLM 0.26, a wrong first token, or its engine dead on an assertion. Layer-wise
+        # only where vLLM schedules synchronously (--no-async-scheduling), unless asked.
+        async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._layerwise = len(self.groups) == 1 and (
-            cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()))
+            cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()
+                                             and not async_scheduling))
+        if cfg.load_mode == "auto" and current_platform.is_cuda() and async_scheduling:
+            logger.info("kvtier: vLLM schedules asynchronously: hits load between steps (start "
+                        "vLLM with --no-async-scheduling for layer-wise L1 hits)")
+        self._pool_slots = 0  # L1 slots of the store, once a lookup has reached it
         self._tables = BlockTables()
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
@@ -115,6 +125,7 @@ class SchedulerSide:
             client = server.get()
             if client is None:
                 return 0, 0
+            self._pool_slots = client.num_slots
             try:
                 total, memory = client.lookup(keys)
             except kvtier.KvtierError as e:
@@ -187,7 +198,8 @@ class SchedulerSide:
         # Every chunk in L1: loaded within this step, layer by layer, overlapped with the compute.
         # Otherwise asynchronous: the request waits while the workers read the file tier, and
         # other requests keep running.
-        st.layerwise = self._layerwise and in_memory >= hits
+        # A client may pin half the pool; the worker's saves need room beside a load's pins.
+        st.layerwise = self._layerwise and in_memory >= hits and hits <= self._pool_slots // 4
         return external, not st.layerwise
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
