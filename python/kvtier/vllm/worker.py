@@ -251,7 +251,8 @@ class WorkerSide:
             for i, slot in enumerate(slots):
                 ids.append(self._kernel_ids(job.block_ids[i][0], 0))
                 addrs.append(store.slot_address(slot))
-                loaded_tokens += sum(1 for b in job.block_ids[i][0] if b != SKIP_BLOCK)
+                loaded_tokens += self.block_size * sum(
+                    1 for b in job.block_ids[i][0] if b != SKIP_BLOCK)
             pins += slots
             loaded_chunks += len(slots)
             failed |= {b for chunk in job.block_ids[len(slots):] for b in chunk[0]

@@ -188,3 +188,27 @@ def test_preempted_requests_resume_from_kvtier(workdir: Path, baseline):
     finally:
         d.stop()
         server.stop()
+
+
+def test_layerwise_loads_within_the_step(workdir: Path, expected):
+    """The layer-wise path (the default for L1 hits on a CUDA KV cache), forced on vLLM's CPU
+    build: hits are copied layer by layer inside the step that schedules them (no wait between
+    steps), answers unchanged; a hit that outgrows what a load may pin goes the asynchronous
+    way instead; kvtier serve killed between store and hit: vLLM recomputes and keeps serving."""
+    server = KvtierServer(workdir, None, l1_size_gb=0.25)
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.load_mode": "layerwise"})
+    c = Vllm(workdir, "layerwise", cfg, extra_args=["--no-async-scheduling"])
+    try:
+        assert c.complete(LONG) == expected["long"]
+        c.reset_prefix_cache()
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "layerwise_loads") >= 1
+        assert transfer_metric(c, "tokens_loaded") >= 1792
+        assert c.complete(LONG[:1500] + random_prompt(7, 400)) == expected["long2"]
+        server.kill()
+        c.reset_prefix_cache()
+        assert c.complete(LONG) == expected["long"]
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()
