@@ -256,7 +256,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   // is queued already or known absent. True when the scheduler needs a wake-up.
   bool QueueProbeLocked(std::span<const ChunkKey> missing) {
     const ChunkKey& first = missing.front();
-    if (options_.max_queued_probes == 0 || stopping_ || probe_pending_.count(first) ||
+    if (options_.max_queued_probes == 0 || stopping_ || probe_pending_.contains(first) ||
         NegativeHitLocked(first)) {
       return false;
     }
@@ -267,7 +267,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
     }
     probe_queue_.emplace_back(missing.begin(), missing.begin() + n);
     probe_queued_keys_ += n;
-    probe_pending_.insert(first);
+    for (const ChunkKey& k : probe_queue_.back()) ++probe_pending_[k];
     return !probe_task_running_;
   }
   void EndMutation(const ChunkKey& key) {
@@ -399,11 +399,13 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   // Rescans listing or applying now, and what left the index meanwhile (see EraseLocked).
   int rescans_running_ = 0;
   std::unordered_set<ChunkKey, ChunkKeyHash> erased_during_rescan_;
-  // Probes: runs of keys from lookups that missed, each deduplicated by its first key (in
-  // probe_pending_ from queueing until probed).
+  // Probes: runs of keys from lookups that missed. Every key of a run is in probe_pending_
+  // (counted: runs may overlap) from queueing until its run ends, so a lookup that stops at a
+  // key a run is probing now queues nothing (a lookup polling a run in progress used to queue
+  // the rest of it again).
   std::deque<std::vector<ChunkKey>> probe_queue_;
   size_t probe_queued_keys_ = 0;
-  std::unordered_set<ChunkKey, ChunkKeyHash> probe_pending_;
+  std::unordered_map<ChunkKey, uint32_t, ChunkKeyHash> probe_pending_;
   bool probe_task_running_ = false, rescan_task_running_ = false;
   Clock::time_point next_rescan_{};  // real time (steady_clock), not env_->Now()
   bool stopping_ = false;
@@ -650,7 +652,10 @@ void FileTier::Impl::RunProbes() {
       break;
     }
     std::lock_guard<std::mutex> lock(mu_);
-    probe_pending_.erase(run.front());
+    for (const ChunkKey& k : run) {
+      auto it = probe_pending_.find(k);
+      if (--it->second == 0) probe_pending_.erase(it);
+    }
   }
   background_cv_.notify_all();
 }
