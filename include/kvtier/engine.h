@@ -100,7 +100,9 @@ class OpHandle {
 };
 
 struct TierCounters {
+  // Chunks Lookup() found in this tier (hits) or asked of it and did not find (misses).
   uint64_t lookups = 0, hits = 0, misses = 0;
+  uint64_t served = 0;  // chunks this tier delivered to loads (what a hit is worth)
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t evictions = 0, rejections = 0, errors = 0;
 };

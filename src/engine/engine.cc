@@ -240,8 +240,11 @@ struct Engine::Impl {
   std::unique_ptr<MemoryTier> l1;
   std::unique_ptr<FileTier> l2;  // null without L2
 
+  // lookups, hits, misses: what Lookup() answered; served: chunks this tier delivered to
+  // loads (a load's own walk is not a lookup: counted there too, a looked-up prefix was counted
+  // twice, and chunks found but never delivered were hits).
   struct Counters {
-    std::atomic<uint64_t> lookups{0}, hits{0}, misses{0}, errors{0}, rejections{0};
+    std::atomic<uint64_t> lookups{0}, hits{0}, misses{0}, served{0}, errors{0}, rejections{0};
     void CountLookup(size_t asked, size_t found) {
       lookups++;
       hits += found;
@@ -699,6 +702,7 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           } else {
             std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
           }
+          impl_->memory.served++;
         });
         if (!taken || !pin_for_caller) impl_->l1->Unpin(slot);
       };
@@ -727,8 +731,10 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           }
         }
         if (!pin_for_caller) {
-          state->ChunkDone(i, Status::Ok(),
-                           [&] { std::memcpy(out.data(), data.data(), out.size()); });
+          state->ChunkDone(i, Status::Ok(), [&] {
+            std::memcpy(out.data(), data.data(), out.size());
+            impl_->file.served++;
+          });
           return;
         }
         if (!promoted.ok()) {  // for PrepareLoad, a miss
@@ -736,7 +742,10 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           return;
         }
         auto pinned = impl_->l1->Pin(key);
-        bool taken = state->ChunkDone(i, pinned.status(), [&] { state->slots[i] = *pinned; });
+        bool taken = state->ChunkDone(i, pinned.status(), [&] {
+          state->slots[i] = *pinned;
+          impl_->file.served++;
+        });
         if (!taken && pinned.ok()) impl_->l1->Unpin(*pinned);
       };
       // A read of this chunk already under way (another load's promotion) serves this load
@@ -798,9 +807,8 @@ std::optional<std::vector<SlotId>> Engine::PrepareLoadFromMemory(std::span<const
       for (SlotId s : pinned) impl_->l1->Unpin(s);
       return std::nullopt;
     }
-    impl_->file.CountLookup(rest, 0);
   }
-  impl_->memory.CountLookup(keys.size(), pinned.size());
+  impl_->memory.served += pinned.size();
   impl_->loads++;
   return pinned;
 }
@@ -825,10 +833,6 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
     } else {
       break;
     }
-  }
-  impl_->memory.CountLookup(keys.size(), from_memory.size());
-  if (impl_->l2 && from_memory.size() < keys.size()) {
-    impl_->file.CountLookup(keys.size() - from_memory.size(), from_file.size());
   }
 
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kLoad, keys.size());
@@ -867,6 +871,7 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
         state->outcome[i] = OpHandle::State::kDone;
         --state->remaining;
       }
+      impl_->memory.served += from_memory.size();
     }
     if (state->remaining == 0) state->Finish();
   }
@@ -879,6 +884,7 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
         state->ChunkDone(i, Status::Ok(), [&] {
           std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
           impl_->l1->AddBytesOut(out.size());
+          impl_->memory.served++;
         });
         impl_->l1->Unpin(slot);
       });
@@ -907,6 +913,7 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
 }
 
 void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) {
+  impl_->stores++;  // a server's store: its reservation (ReserveSlots) committed
   for (size_t i = 0; i < slots.size() && i < keys.size(); ++i) {
     if (slots[i] != kNoSlot) PublishStored(slots[i], keys[i]);
   }
@@ -1053,6 +1060,7 @@ EngineStats Engine::Stats() const {
   st.memory.lookups = impl_->memory.lookups;
   st.memory.hits = impl_->memory.hits;
   st.memory.misses = impl_->memory.misses;
+  st.memory.served = impl_->memory.served;
   st.memory.errors = impl_->memory.errors;
   st.memory.bytes_in = st.memory_detail.bytes_in;
   st.memory.bytes_out = st.memory_detail.bytes_out;
@@ -1064,6 +1072,7 @@ EngineStats Engine::Stats() const {
     st.file.lookups = impl_->file.lookups;
     st.file.hits = impl_->file.hits;
     st.file.misses = impl_->file.misses;
+    st.file.served = impl_->file.served;
     st.file.bytes_in = st.file_detail.bytes_written;
     st.file.bytes_out = st.file_detail.bytes_read;
     st.file.evictions = st.file_detail.evictions;

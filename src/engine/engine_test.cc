@@ -80,7 +80,10 @@ TEST(EngineTest, StoreThenLoadRoundTrips) {
   EngineStats stats = engine->Stats();
   EXPECT_EQ(stats.memory.bytes_in, 4 * kChunk);
   EXPECT_EQ(stats.memory.bytes_out, 4 * kChunk);
-  EXPECT_EQ(stats.memory.hits, 8u);  // lookup + load
+  EXPECT_EQ(stats.memory.hits, 4u);    // what the lookup found
+  EXPECT_EQ(stats.memory.served, 4u);  // what the load delivered (not counted as found again)
+  EXPECT_EQ(stats.memory.lookups, 1u);
+  EXPECT_EQ(stats.stores, 1u);
 }
 
 TEST(EngineTest, LoadDeliversOnlyTheLeadingPrefix) {

@@ -799,6 +799,7 @@ nb::dict CountersDict(const TierCounters& c) {
   d["lookups"] = c.lookups;
   d["hits"] = c.hits;
   d["misses"] = c.misses;
+  d["served"] = c.served;
   d["bytes_in"] = c.bytes_in;
   d["bytes_out"] = c.bytes_out;
   d["evictions"] = c.evictions;

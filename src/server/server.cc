@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <grp.h>
@@ -552,6 +553,16 @@ class Server::Impl {
   Clock::time_point started_at_ = Clock::now();
 };
 
+namespace {
+bool IsListenAddress(const std::string& host) {
+  if (host == "localhost") return true;
+  in6_addr a6;
+  in_addr a4;
+  return ::inet_pton(AF_INET, host.c_str(), &a4) == 1 ||
+         ::inet_pton(AF_INET6, host.c_str(), &a6) == 1;
+}
+}  // namespace
+
 Status Server::Impl::Init() {
   if (options_.socket_path.empty()) return Status::InvalidArgument("server: socket path is empty");
   if (options_.max_clients < 1) return Status::InvalidArgument("server: max_clients must be >= 1");
@@ -565,6 +576,13 @@ Status Server::Impl::Init() {
   }
   if (options_.http_threads < 1 || options_.http_threads > 256) {
     return Status::InvalidArgument("server: http_threads must be in [1, 256]");
+  }
+  if (options_.http_port >= 0 && !IsListenAddress(options_.http_host)) {
+    // A name would be resolved (a DNS wait at start-up, or an address of another host).
+    return Status::InvalidArgument(fmt::format(
+        "server: HTTP host \"{}\" is not an address: give a numeric IPv4 or IPv6 address of this "
+        "host (127.0.0.1, ::1, 0.0.0.0 for every interface) or localhost",
+        options_.http_host));
   }
   if (options_.max_pending_handshakes < 1) {
     return Status::InvalidArgument("server: max_pending_handshakes must be >= 1");
@@ -722,6 +740,13 @@ Status Server::Impl::StartHttp() {
   // connections are open.
   const int http_threads = options_.http_threads;
   http_->new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
+  // httplib's default socket options add SO_REUSEPORT, with which a second server binds the
+  // same port and the kernel splits connections between the two (a stopped server's /healthz
+  // answered by a live one): SO_REUSEADDR only (a restart may still bind over TIME_WAIT).
+  http_->set_socket_options([](int sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   http_->set_read_timeout(std::chrono::seconds(2));
   http_->set_write_timeout(std::chrono::seconds(2));
   http_->set_keep_alive_timeout(2);
@@ -1584,14 +1609,15 @@ void Server::Impl::Stop() {
     }
     engine_->Drain();
   }
-  if (http_) {
+  if (http_thread_.joinable()) {
     // httplib's stop() does nothing to a server whose listen loop has not begun yet, and that
-    // loop would then accept forever: a SIGTERM right after start hung the drain.
+    // loop would then accept forever: a SIGTERM right after start hung the drain. (No thread:
+    // the bind failed, and there is no loop to wait for; waiting hung a failed start.)
     while (!http_->is_running() && !http_thread_done_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     http_->stop();
-    if (http_thread_.joinable()) http_thread_.join();
+    http_thread_.join();
   }
   if (was_serving) spdlog::info("drained");
   std::lock_guard lock(stop_mu_);
@@ -1618,10 +1644,11 @@ std::string Server::Impl::StatsJson() const {
                {"huge_pages", m.huge_pages},
                {"eviction_policy", EvictionPolicyName(engine_->options().memory.eviction)}};
   auto tier = [](const TierCounters& t) {
-    return nlohmann::json{{"lookups", t.lookups},       {"hits", t.hits},
-                          {"misses", t.misses},         {"bytes_written", t.bytes_in},
-                          {"bytes_read", t.bytes_out},  {"evictions", t.evictions},
-                          {"rejections", t.rejections}, {"errors", t.errors}};
+    return nlohmann::json{{"lookups", t.lookups},        {"hits", t.hits},
+                          {"served", t.served},          {"misses", t.misses},
+                          {"bytes_written", t.bytes_in}, {"bytes_read", t.bytes_out},
+                          {"evictions", t.evictions},    {"rejections", t.rejections},
+                          {"errors", t.errors}};
   };
   j["tiers"]["memory"] = tier(st.memory);
   j["engine"] = {{"stores", st.stores}, {"loads", st.loads}, {"rejected_ops", st.rejected_ops}};
@@ -1700,8 +1727,10 @@ std::string Server::Impl::MetricsText() const {
   };
   counter("kvtier_lookups_total", "Lookups per tier",
           tiers([](const TierCounters& t) { return t.lookups; }));
-  counter("kvtier_hits_total", "Chunks found per tier",
+  counter("kvtier_hits_total", "Chunks lookups found per tier",
           tiers([](const TierCounters& t) { return t.hits; }));
+  counter("kvtier_served_total", "Chunks delivered to loads per tier",
+          tiers([](const TierCounters& t) { return t.served; }));
   counter("kvtier_misses_total", "Chunks not found per tier",
           tiers([](const TierCounters& t) { return t.misses; }));
   counter("kvtier_bytes_written_total", "Chunk bytes written into each tier",

@@ -605,6 +605,98 @@ TEST_F(ServerTest, SigtermDrainsAndExitsCleanly) {
   EXPECT_NE(server.Log().find("drained"), std::string::npos);
 }
 
+// Runs `kvtier serve ARGS` expecting a quick failure; returns (exit code, output).
+std::pair<int, std::string> RunServeFailing(const testing::TempDir& dir,
+                                            std::vector<std::string> args);
+
+// Every signal whose default action would end the server drains it as SIGTERM does: write-back
+// chunks reach the file tier, the socket file goes, the exit is clean. (SIGHUP, SIGQUIT and the
+// like used to kill it undrained: every dirty chunk lost.)
+TEST_F(ServerTest, EverySignalThatWouldEndTheServerDrainsIt) {
+  for (int sig : {SIGHUP, SIGQUIT, SIGALRM, SIGPROF, SIGRTMIN + 3}) {
+    SCOPED_TRACE(strsignal(sig));
+    std::string l2 = R"({"type":"fs","path":")" + dir_.Sub("l2-" + std::to_string(sig)) +
+                     R"(","max_size_gb":1})";
+    std::vector<std::string> args = {"--l2", l2, "--write-policy", "write_back"};
+    auto keys = Keys(3, 40 + sig);
+    {
+      ServerProcess server(dir_, args);
+      ASSERT_NO_FATAL_FAILURE(server.Start());
+      auto c = server.Connect();
+      ASSERT_TRUE(c.ok());
+      ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+      int status = server.Kill(sig);
+      ASSERT_TRUE(WIFEXITED(status)) << "ended by a signal:\n" << server.Log();
+      EXPECT_EQ(WEXITSTATUS(status), 0) << server.Log();
+      EXPECT_NE(access(server.socket().c_str(), F_OK), 0) << "socket file left behind";
+      EXPECT_NE(server.Log().find("drained"), std::string::npos) << server.Log();
+    }
+    ServerProcess restarted(dir_, args);
+    ASSERT_NO_FATAL_FAILURE(restarted.Start());
+    auto c = restarted.Connect();
+    ASSERT_TRUE(c.ok());
+    EXPECT_EQ((*c)->Lookup(keys).total, 3u) << "write-back chunks lost:\n" << restarted.Log();
+  }
+}
+
+// SIGUSR1, SIGUSR2 and SIGPIPE are ignored: the server goes on serving.
+TEST_F(ServerTest, IgnoredSignalsLeaveTheServerServing) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok());
+  for (int sig : {SIGUSR1, SIGUSR2, SIGPIPE, SIGXFSZ}) server.Signal(sig);
+  auto keys = Keys(2, 77);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));  // a round trip after the signals
+  EXPECT_TRUE((*c)->Ping().ok()) << server.Log();
+  int status = server.Kill(SIGTERM);
+  ASSERT_TRUE(WIFEXITED(status)) << server.Log();
+  EXPECT_EQ(WEXITSTATUS(status), 0) << server.Log();
+}
+
+// A start that cannot complete ends within seconds with a message and status 1, leaving no
+// socket file: a taken HTTP port (a second server on the port of a running one: SO_REUSEPORT
+// let it bind and take half the connections), an address of no local interface, a host name, a
+// string that is no host at all. (A failed HTTP bind used to hang the start for ever.)
+TEST_F(ServerTest, AFailedStartEndsWithinSecondsWithAMessage) {
+  ServerProcess first(dir_, {"--no-l2"}, dir_.Sub("first.sock"));
+  ASSERT_NO_FATAL_FAILURE(first.Start());
+  const int port = first.HttpPort();
+  ASSERT_GT(port, 0) << first.Log();
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--http-port", std::to_string(port)}, "cannot bind HTTP"},
+      {{"--http-host", "192.0.2.1", "--http-port", "0"}, "cannot bind"},
+      {{"--http-host", "metrics.example.invalid"}, "is not an address"},
+      {{"--http-host", "not a host: at all!"}, "is not an address"},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.args.back());
+    const std::string sock = dir_.Sub("failing.sock");
+    std::vector<std::string> args = {
+        "--socket",     sock,       "--chunk-bytes", std::to_string(kChunkBytes),
+        "--l1-size-gb", "0.015625", "--no-l2"};
+    args.insert(args.end(), cs.args.begin(), cs.args.end());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [rc, out] = RunServeFailing(dir_, args);  // a hang ends at 20 s: status 124
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << out;
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find(cs.message), std::string::npos) << out;
+    EXPECT_NE(access(sock.c_str(), F_OK), 0) << "socket file left behind";
+  }
+  // The first server still answers its own /healthz (nobody took half its port).
+  httplib::Client http("127.0.0.1", port);
+  for (int i = 0; i < 8; ++i) {
+    auto res = http.Get("/healthz");
+    ASSERT_TRUE(res) << "connection " << i;
+    EXPECT_EQ(res->status, 200);
+  }
+  EXPECT_TRUE(first.Connect().ok());
+}
+
 // Restarts after SIGKILL (write-through) and after SIGTERM (write-back flushed at drain).
 TEST_F(ServerTest, RestartedServerServesFileTierChunks) {
   for (const char* policy : {"write_through", "write_back"}) {
@@ -737,7 +829,12 @@ TEST_F(ServerTest, MetricsHealthAndStatsOverHttp) {
   auto keys = Keys(3, 8);
   ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
   ASSERT_NO_FATAL_FAILURE(ExpectLoad(**c, keys, 3));
+  // A load counts what it delivered; hits are what lookups found (none was asked).
+  EXPECT_EQ(value("kvtier_served_total{tier=\"memory\"}"), 3);
+  EXPECT_EQ(value("kvtier_hits_total{tier=\"memory\"}"), 0);
+  EXPECT_EQ((*c)->Lookup(keys).total, 3u);
   EXPECT_EQ(value("kvtier_hits_total{tier=\"memory\"}"), 3);
+  EXPECT_EQ(value("kvtier_engine_ops_total{op=\"store\"}"), 1);  // committed through the pool
   EXPECT_EQ(value("kvtier_bytes_written_total{tier=\"memory\"}"), 3.0 * kChunkBytes);
   EXPECT_EQ(value("kvtier_bytes_read_total{tier=\"memory\"}"), 3.0 * kChunkBytes);
   EXPECT_EQ(value("kvtier_rpc_requests_total{op=\"prepare_load\"}"), 1);

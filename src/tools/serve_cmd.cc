@@ -5,10 +5,15 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "common/task_pool.h"
@@ -22,6 +27,22 @@ namespace kvtier::tools {
 namespace {
 
 using server::ServeConfig;
+
+// Signals whose default action ends the process: each drains as SIGTERM does (besides the
+// real-time signals). SIGXFSZ is not among them: it is ignored, so a write past the file size
+// limit fails with EFBIG as an I/O error of the file tier.
+constexpr int kDrainSignals[] = {SIGTERM, SIGINT, SIGHUP,  SIGQUIT, SIGALRM,  SIGVTALRM,
+                                 SIGPROF, SIGIO,  SIGXCPU, SIGPWR,  SIGSTKFLT};
+// Ignored: SIGPIPE (a client gone mid-reply is an error on the write), SIGUSR1 and SIGUSR2 (no
+// meaning here; a stray one must not end the server), SIGXFSZ (above).
+constexpr int kIgnoredSignals[] = {SIGPIPE, SIGUSR1, SIGUSR2, SIGXFSZ};
+
+constexpr std::chrono::seconds kStartGrace{5};
+
+std::string SignalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
 
 struct ServeArgs {
   ServeConfig flags;            // values given on the command line
@@ -67,13 +88,43 @@ int RunServe(ServeArgs& args) {
   auto options = server::BuildServerOptions(config);
   if (!options.ok()) return Fail(options.status());
 
-  // Signals are taken synchronously by this thread: blocked before any thread starts, so every
-  // thread inherits the mask and only sigwait below sees them.
+  // Signals are taken synchronously by one thread of ours: blocked before any thread starts, so
+  // every thread inherits the mask and only the watcher's sigwait sees them. Every signal that
+  // would end the process undrained (dirty write-back chunks lost, the socket file left) drains
+  // as SIGTERM does, except the few that are ignored (docs/protocol.md, "Signals"); faults
+  // (SIGSEGV, SIGBUS, SIGABRT, ...) keep their default action.
   sigset_t signals;
   sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
+  for (int sig : kDrainSignals) sigaddset(&signals, sig);
+  for (int sig = SIGRTMIN; sig <= SIGRTMAX; ++sig) sigaddset(&signals, sig);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  for (int sig : kIgnoredSignals) ::signal(sig, SIG_IGN);
+  // A signal while the server starts lets the start finish, then drains, as long as the start
+  // completes within kStartGrace; a start that hangs past it (a file tier on a dead NFS server)
+  // is ended there, with nothing dirty yet and no client served. The state outlives this
+  // function: the watcher thread is detached.
+  struct SignalState {
+    std::mutex mu;
+    std::condition_variable cv;
+    int received = 0;
+    bool started = false;
+  };
+  auto state = std::make_shared<SignalState>();
+  std::thread([state, signals] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    std::unique_lock lock(state->mu);
+    state->received = sig;
+    state->cv.notify_all();
+    if (!state->cv.wait_for(lock, kStartGrace, [&] { return state->started; })) {
+      spdlog::error(
+          "received {} while starting, and the start has not completed within {} s: "
+          "exiting",
+          SignalName(sig), kStartGrace.count());
+      spdlog::default_logger()->flush();
+      std::_Exit(128 + sig);
+    }
+  }).detach();
 
   const auto& eo = options->engine;
   spdlog::info("starting: L1 {:.2f} GiB of {:.2f} MiB chunks ({}), eviction {}, write policy {}",
@@ -96,6 +147,11 @@ int RunServe(ServeArgs& args) {
   }
   auto srv = server::Server::Start(*options);
   if (!srv.ok()) return Fail(srv.status());
+  {
+    std::lock_guard lock(state->mu);
+    state->started = true;  // from now on a signal drains
+  }
+  state->cv.notify_all();
   const Engine::Pool pool = (*srv)->engine().pool();
   spdlog::info("listening on {} ({}{}); pool {} slots, {:.2f} GiB shared", options->socket_path,
                options->socket_group.empty() ? "owner only" : "group " + options->socket_group,
@@ -106,9 +162,11 @@ int RunServe(ServeArgs& args) {
                  (*srv)->http_port());
   }
 
-  int sig = 0;
-  sigwait(&signals, &sig);
-  spdlog::info("received {}, draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  {
+    std::unique_lock lock(state->mu);
+    state->cv.wait(lock, [&] { return state->received != 0; });
+  }
+  spdlog::info("received {}, draining", SignalName(state->received));
   (*srv)->Stop();
   srv->reset();  // the engine goes: file-tier operations stuck in the kernel are abandoned
   if (size_t stuck = TaskPool::DetachedRunning(); stuck > 0) {
@@ -128,7 +186,8 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   CLI::App* cmd = parent.add_subcommand(
       "serve",
       "Run the node's KV-cache server: one engine (L1 shared-memory pool + file tier) shared by "
-      "every inference process through a Unix socket. SIGTERM drains and exits.");
+      "every inference process through a Unix socket. SIGTERM, SIGINT, SIGHUP, SIGQUIT (and every "
+      "other signal that would end it) drain and exit; SIGUSR1, SIGUSR2 and SIGPIPE are ignored.");
   cmd->footer(fmt::format(
       "Defaults work on a fresh machine: a {:.0f} GiB L1 pool of {}-token {} chunks and a 10 GiB "
       "file tier in {}.\nSettings can also come from --config FILE.json (keys as the flags, e.g. "

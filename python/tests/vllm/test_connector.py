@@ -45,9 +45,9 @@ def reconnect(vllm: Vllm, server: KvtierServer) -> None:
 
 
 def kvtier_hits(server: KvtierServer, tier: str | None = None) -> int:
-    """Chunks kvtier serve found, in one tier or over all."""
+    """Chunks kvtier serve delivered to loads, from one tier or from all."""
     tiers = server.stats()["tiers"]
-    return sum(t.get("hits", 0) for name, t in tiers.items() if tier in (None, name))
+    return sum(t.get("served", 0) for name, t in tiers.items() if tier in (None, name))
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 #include "kvtier/cache_dir.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
-
-#include <gtest/gtest.h>
 
 #include "kvtier/file_tier.h"
 #include "testing/temp_dir.h"
@@ -157,6 +156,29 @@ TEST(CacheDirTest, SummarizeAndPurge) {
   ASSERT_TRUE(sum.ok());
   EXPECT_EQ(sum->chunks, 0u);
   EXPECT_TRUE(sum->namespaces.empty());
+}
+
+// The cache directory removed under a running tier: its next write recreates the marker and the
+// namespace's description with the chunk, so fsck, stats and purge accept the directory again
+// (they refused it until the tier was restarted).
+TEST(CacheDirTest, ADirectoryRemovedUnderARunningTierIsACacheAgainAfterTheNextWrite) {
+  testing::TempDir dir;
+  const std::string root = dir.Sub("cache");
+  auto tier = FilledTier(root, 2);
+  fs::remove_all(root);
+  EXPECT_FALSE(CheckCacheDir(root).ok());
+  AlignedBuffer buf(20000);
+  FillChunk(TestKey(9), buf.first(20000));
+  ASSERT_TRUE(tier->Write(TestKey(9), buf.first(20000)).ok());
+  EXPECT_TRUE(CheckCacheDir(root).ok()) << CheckCacheDir(root).ToString();
+  auto sum = SummarizeCacheDir(root);
+  ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+  EXPECT_EQ(sum->chunks, 1u);
+  ASSERT_EQ(sum->namespaces.size(), 1u);
+  EXPECT_EQ(sum->namespaces[0].chunk_bytes, 20000u);
+  auto report = FsckCacheDir(root, {});
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_TRUE(PurgeCacheDir(root).ok());
 }
 
 }  // namespace

@@ -353,6 +353,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   Status Foreign(const ChunkKey& key, uint64_t seen, const std::string& path,
                  const std::string& why);
   Status EnsureLeafDir(const std::string& dir, bool force);
+  Status WriteDirectoryFiles();
   Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
   // The filesystem is full: lower the budget to what we hold on it minus this write's file, and
   // pick victims to make that room. False if there is nothing of ours to evict.
@@ -472,20 +473,7 @@ Status FileTier::Impl::Init() {
           kMarkerName, e.name));
     }
   }
-  KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(
-      env_, root, kMarkerName,
-      nlohmann::json{{"format", "kvtier-file-tier"}, {"version", kFormatVersion}}.dump() + "\n"));
-  KVTIER_RETURN_IF_ERROR(env_->CreateDirs(ns_dir_));
-  const KeyNamespace& ns = options_.ns;
-  nlohmann::json nsj = {{"namespace_id", ns.Id()},
-                        {"model_id", ns.model_id},
-                        {"layout_fingerprint", fmt::format("{:016x}", ns.layout_fingerprint)},
-                        {"chunk_tokens", ns.chunk_tokens},
-                        {"rank", ns.rank},
-                        {"world_size", ns.world_size},
-                        {"chunk_bytes", options_.chunk_bytes},
-                        {"tenant_salted", !ns.tenant_salt.empty()}};
-  KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(env_, ns_dir_, kNamespaceFileName, nsj.dump(2) + "\n"));
+  KVTIER_RETURN_IF_ERROR(WriteDirectoryFiles());
   KVTIER_RETURN_IF_ERROR(ScanNamespace());
   if (options_.capacity_bytes != 0) {
     // Informational: a capacity above the free space is legal (ENOSPC makes the tier evict), but
@@ -980,11 +968,34 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
   return Status::Ok();
 }
 
+// The cache directory's marker (what fsck and purge look for) and the namespace's description,
+// each written unless present. At open, and again whenever a write makes a leaf folder (the
+// cache directory may have been removed under the running tier: without them fsck and purge
+// refused the directory the tier went on filling).
+Status FileTier::Impl::WriteDirectoryFiles() {
+  KVTIER_RETURN_IF_ERROR(env_->CreateDirs(ns_dir_));  // and the cache directory above it
+  KVTIER_RETURN_IF_ERROR(WriteSmallFileOnce(
+      env_, options_.root, kMarkerName,
+      nlohmann::json{{"format", "kvtier-file-tier"}, {"version", kFormatVersion}}.dump() + "\n"));
+  const KeyNamespace& ns = options_.ns;
+  nlohmann::json nsj = {{"namespace_id", ns.Id()},
+                        {"model_id", ns.model_id},
+                        {"layout_fingerprint", fmt::format("{:016x}", ns.layout_fingerprint)},
+                        {"chunk_tokens", ns.chunk_tokens},
+                        {"rank", ns.rank},
+                        {"world_size", ns.world_size},
+                        {"chunk_bytes", options_.chunk_bytes},
+                        {"tenant_salted", !ns.tenant_salt.empty()}};
+  return WriteSmallFileOnce(env_, ns_dir_, kNamespaceFileName, nsj.dump(2) + "\n");
+}
+
 Status FileTier::Impl::EnsureLeafDir(const std::string& dir, bool force) {
   if (!force) {
     std::lock_guard<std::mutex> lock(dirs_mu_);
     if (leaf_dirs_.count(dir)) return Status::Ok();
   }
+  // A folder to make (new, or removed since): the cache directory may be gone with it.
+  KVTIER_RETURN_IF_ERROR(WriteDirectoryFiles());
   KVTIER_RETURN_IF_ERROR(env_->CreateDirs(dir));
   std::lock_guard<std::mutex> lock(dirs_mu_);
   leaf_dirs_.insert(dir);
