@@ -13,7 +13,7 @@ packages=(
   nfs-ganesha nfs-ganesha-vfs rpcbind  # a real NFS server on loopback for the tests
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcurl4-openssl-dev libcpp-httplib-dev prometheus-cpp-dev
+  libcurl4-openssl-dev prometheus-cpp-dev
   libpugixml-dev                    # the S3 client's XML (s3:// directories; with libcurl)
   fio gnuplot-nox curl python3 python3-pip
   python3-venv                      # scripts/vllm-cpu-server.sh (optional real server)

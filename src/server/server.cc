@@ -731,6 +731,11 @@ Status Server::Impl::BindSocket() {
   return Status::Ok();
 }
 
+namespace {
+constexpr size_t kHttpQueuedConnections = 16;
+constexpr size_t kHttpMaxBodyBytes = 4096;
+}  // namespace
+
 Status Server::Impl::StartHttp() {
   if (options_.http_port < 0) return Status::Ok();
   http_ = std::make_unique<httplib::Server>();
@@ -738,8 +743,17 @@ Status Server::Impl::StartHttp() {
   // a half-sent request) must neither take all workers nor keep one long: several workers,
   // short read/write timeouts and a short keep-alive. /healthz then answers while a few slow
   // connections are open.
-  const int http_threads = options_.http_threads;
-  http_->new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
+  // Every input is bounded: connections (the workers, and at most kHttpQueuedConnections
+  // accepted and waiting for one; beyond that a connection is closed at once, so HTTP holds at
+  // most that many descriptors and cannot starve the Unix socket's clients or the file tier),
+  // the request line, header lines and their count (compile-time limits of the vendored
+  // httplib, CMakeLists.txt), the body (no route takes one), and a range request at most one
+  // range (an answer never larger than the document).
+  const size_t http_threads = static_cast<size_t>(options_.http_threads);
+  http_->new_task_queue = [http_threads] {
+    return new httplib::ThreadPool(http_threads, http_threads, kHttpQueuedConnections);
+  };
+  http_->set_payload_max_length(kHttpMaxBodyBytes);
   // httplib's default socket options add SO_REUSEPORT, with which a second server binds the
   // same port and the kernel splits connections between the two (a stopped server's /healthz
   // answered by a live one): SO_REUSEADDR only (a restart may still bind over TIME_WAIT).

@@ -1414,6 +1414,152 @@ TEST_F(ServerTest, HealthzAnswersWhileSlowHttpConnectionsAreOpen) {
   for (int fd : slow) ::close(fd);
 }
 
+int ConnectHttp(int port, bool nonblocking = false) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 &&
+      errno != EINPROGRESS) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Sends `head` then `filler` bytes (at most, while the server reads) on one HTTP connection;
+// returns what came back within 5 s (at most `limit` bytes), empty if the server closed it.
+std::string HttpExchange(int port, const std::string& head, size_t filler = 0,
+                         size_t limit = 64 << 20) {
+  int fd = ConnectHttp(port);
+  if (fd < 0) return "";
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  const std::string block(64 << 10, 'a');
+  for (size_t sent = 0; sent < filler;) {
+    ssize_t n = ::send(fd, block.data(), std::min(block.size(), filler - sent), MSG_NOSIGNAL);
+    if (n <= 0) break;  // refused: the server closed or stopped reading
+    sent += static_cast<size_t>(n);
+  }
+  std::string out;
+  char buf[65536];
+  for (ssize_t n; out.size() < limit && (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) {
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+int HttpStatus(const std::string& answer) {
+  return answer.rfind("HTTP/1.1 ", 0) == 0 ? std::atoi(answer.c_str() + 9) : 0;
+}
+
+size_t OpenDescriptors(pid_t pid) {
+  size_t n = 0;
+  for ([[maybe_unused]] auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    ++n;
+  }
+  return n;
+}
+
+uint64_t ResidentBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// Every input of the HTTP listener is bounded (Debian's httplib 0.11, used before, buffered each
+// of these whole): a request line, a header line, the header count, a body, the ranges of one
+// answer. Each is refused or cut off, the server's memory does not grow with what was sent, and it
+// goes on answering.
+TEST_F(ServerTest, HttpInputsAreBounded) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  const int port = server.HttpPort();
+  ASSERT_GT(port, 0) << server.Log();
+  const std::string metrics = HttpExchange(port,
+                                           "GET /metrics HTTP/1.1\r\nHost: x\r\n"
+                                           "Connection: close\r\n\r\n");
+  ASSERT_EQ(HttpStatus(metrics), 200) << metrics.substr(0, 200);
+  const uint64_t rss_before = ResidentBytes(server.pid());
+  constexpr size_t kFlood = 64 << 20;  // per attack: 64 MiB offered
+  struct Attack {
+    const char* what;
+    std::string head;
+    size_t filler;
+  };
+  std::string many_headers = "GET /metrics HTTP/1.1\r\nHost: x\r\n";
+  for (int i = 0; i < 5000; ++i) many_headers += "X-" + std::to_string(i) + ": y\r\n";
+  many_headers += "\r\n";
+  std::string ranges = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\nRange: bytes=0-";
+  for (int i = 0; i < 500; ++i) ranges += ",0-";
+  ranges += "\r\n\r\n";
+  const std::vector<Attack> attacks = {
+      {"request line", "GET /", kFlood},
+      {"header line", "GET /metrics HTTP/1.1\r\nX-Long: ", kFlood},
+      {"header count", many_headers, 0},
+      {"body", "GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n", kFlood},
+      {"chunked body",
+       "GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3fffffff\r\n",
+       kFlood},
+      {"ranges", ranges, 0},
+  };
+  for (const Attack& a : attacks) {
+    SCOPED_TRACE(a.what);
+    const std::string answer = HttpExchange(port, a.head, a.filler);
+    // Refused (4xx) or closed; a range request answered with at most the document once.
+    EXPECT_TRUE(answer.empty() || HttpStatus(answer) >= 400 ||
+                answer.size() <= metrics.size() + 4096)
+        << answer.size() << " bytes: " << answer.substr(0, 200);
+    if (a.filler > 0) EXPECT_NE(HttpStatus(answer), 200) << "accepted " << a.what;
+  }
+  const uint64_t rss_after = ResidentBytes(server.pid());
+  EXPECT_LT(rss_after, rss_before + (32ull << 20))
+      << "RSS " << rss_before / 1048576 << " -> " << rss_after / 1048576 << " MiB";
+  auto healthz =
+      HttpExchange(port, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(HttpStatus(healthz), 200) << healthz;
+}
+
+// Idle HTTP connections hold at most the listener's workers and its short queue of
+// descriptors (they exhausted the descriptor table at the common 1024 limit, and the Unix
+// socket's clients timed out): clients of the Unix socket go on being served.
+TEST_F(ServerTest, IdleHttpConnectionsCannotStarveTheSocketsClients) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  const int port = server.HttpPort();
+  ASSERT_GT(port, 0) << server.Log();
+  const size_t base = OpenDescriptors(server.pid());
+  std::vector<int> idle;
+  for (int i = 0; i < 400; ++i) {
+    int fd = ConnectHttp(port, /*nonblocking=*/true);
+    if (fd >= 0) idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(300ms);
+  const size_t during = OpenDescriptors(server.pid());
+  // 8 workers + 16 queued (src/server/server.cc), and a few the server opens meanwhile.
+  EXPECT_LE(during, base + 8 + 16 + 8) << idle.size() << " idle connections open";
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(4, 91);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**c, keys, 4));
+  for (int fd : idle) ::close(fd);
+  // Once they are gone, HTTP answers again.
+  std::string healthz;
+  for (int i = 0; i < 50 && HttpStatus(healthz) != 200; ++i) {
+    healthz = HttpExchange(port, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    if (HttpStatus(healthz) != 200) std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(HttpStatus(healthz), 200) << healthz;
+}
+
 // Issue 13, item 9.
 TEST_F(ServerTest, OutOfFileDescriptorsPausesAcceptInsteadOfSpinning) {
   ServerProcess server(dir_, {"--no-l2", "--hello-timeout-ms", "60000"});

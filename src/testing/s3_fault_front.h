@@ -90,6 +90,7 @@ class S3FaultFront {
     }
     httplib::Client up(upstream_);
     up.set_read_timeout(std::chrono::seconds(30));
+    up.set_path_encode(false);  // the target as the client signed it, byte for byte
     httplib::Request fwd;
     fwd.method = req.method;
     fwd.path = req.target;

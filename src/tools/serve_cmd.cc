@@ -4,7 +4,9 @@
 #include <fmt/ranges.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -125,6 +127,13 @@ int RunServe(ServeArgs& args) {
       std::_Exit(128 + sig);
     }
   }).detach();
+
+  // Descriptors: every client connection, its pool window and the file tier's open files take
+  // one each; the common soft limit of 1024 is far below what the hard limit allows.
+  if (rlimit lim{}; ::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = std::min<rlim_t>(lim.rlim_max, 1 << 20);
+    (void)::setrlimit(RLIMIT_NOFILE, &lim);
+  }
 
   const auto& eo = options->engine;
   spdlog::info("starting: L1 {:.2f} GiB of {:.2f} MiB chunks ({}), eviction {}, write policy {}",
