@@ -222,6 +222,10 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetInt(v, key, &c->worker_threads);
     } else if (key == "max_clients") {
       s = GetInt(v, key, &c->max_clients);
+    } else if (key == "max_clients_per_process") {
+      s = GetInt(v, key, &c->max_clients_per_process);
+    } else if (key == "reservation_timeout_ms") {
+      s = GetInt(v, key, &c->reservation_timeout_ms);
     } else if (key == "max_client_slots") {
       s = GetInt(v, key, &c->max_client_slots);
     } else if (key == "max_pending_handshakes") {
@@ -362,6 +366,8 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   o.http_port = c.http_port;
   if (c.max_clients < 1) return Status::InvalidArgument("--max-clients must be >= 1");
   o.max_clients = c.max_clients;
+  o.max_clients_per_process = c.max_clients_per_process;
+  o.reservation_timeout = std::chrono::milliseconds(c.reservation_timeout_ms);
   o.max_slots_per_client = c.max_client_slots;
   o.isolate_clients = c.isolate_clients;
   if (c.max_pending_handshakes < 1) {

@@ -52,6 +52,8 @@ struct ServeConfig {
   int http_port = 8790;  // 0: any free port; -1: no HTTP
   int worker_threads = 2;
   uint32_t max_clients = 256;
+  uint32_t max_clients_per_process = 0;     // 0: a quarter of max_clients, 16 to all
+  uint32_t reservation_timeout_ms = 30000;  // 0: reservations never expire
   uint32_t max_client_slots = 0;  // slots one client may hold reserved or pinned; 0 = half the pool
   bool isolate_clients = false;   // private windows, server-side copies (ServerOptions)
   uint32_t max_pending_handshakes = 64;

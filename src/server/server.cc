@@ -217,7 +217,13 @@ struct Metrics {
                           .Help("reserve/prepare_load requests cut short by the per-client "
                                 "slot quota")
                           .Register(*registry)
-                          .Add({})) {
+                          .Add({})),
+        reservations_expired(prometheus::BuildCounter()
+                                 .Name("kvtier_reservations_expired_total")
+                                 .Help("Reserved slots taken back, not committed within "
+                                       "--reservation-timeout-ms")
+                                 .Register(*registry)
+                                 .Add({})) {
     for (uint16_t op = 1; op <= kMaxOpcode; ++op) {
       std::string name(OpcodeName(op));
       op_requests[op] = &requests.Add({{"op", name}});
@@ -225,7 +231,7 @@ struct Metrics {
     }
     for (const char* reason :
          {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
-          "no_thread", "hello_timeout", "too_many_pending", "no_window"}) {
+          "no_thread", "hello_timeout", "too_many_pending", "no_window", "too_many_from_process"}) {
       refused_by[reason] = &refused.Add({{"reason", reason}});
     }
     for (const char* reason : {"slow", "no_thread"}) {
@@ -247,6 +253,7 @@ struct Metrics {
   prometheus::Family<prometheus::Counter>& dropped;
   prometheus::Counter& accept_errors;
   prometheus::Counter& quota_limited;
+  prometheus::Counter& reservations_expired;
   std::unordered_map<std::string, prometheus::Counter*> dropped_by;
   prometheus::Counter* op_requests[kMaxOpcode + 1] = {};
   prometheus::Histogram* op_latency[kMaxOpcode + 1] = {};
@@ -520,6 +527,8 @@ class Server::Impl {
   void Refuse(Connection& c, const FrameHeader& h, const Status& s, const char* reason);
   void ProtocolError(Connection& c, const FrameHeader& h, const Status& s);
   size_t SlotQuota() const;
+  size_t ClientsPerProcess() const;
+  void ExpireReservations(Clock::time_point now);
 
   Metrics metrics_;
   OutputPump pump_;
@@ -805,6 +814,7 @@ void Server::Impl::AcceptLoop() {
   Clock::time_point backoff{};                     // accept paused until then (out of fds)
   std::vector<pollfd> fds;
   std::vector<std::shared_ptr<Connection>> polled;
+  Clock::time_point next_expiry_scan{};
   while (!stopping_) {
     auto now = Clock::now();
     // Silent connections are closed at their deadline; they never got a thread.
@@ -834,6 +844,10 @@ void Server::Impl::AcceptLoop() {
     const auto wait = std::chrono::ceil<std::chrono::milliseconds>(wake_at - now);
     int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, wait.count())));
     ReapFinished(false);
+    if (Clock::now() >= next_expiry_scan) {
+      ExpireReservations(Clock::now());
+      next_expiry_scan = Clock::now() + std::chrono::milliseconds(250);
+    }
     if (n <= 0 || stopping_) continue;
     for (size_t i = 0; i < polled.size(); ++i) {
       if (!fds[i + 2].revents) continue;
@@ -1224,11 +1238,22 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   reply.server_version = KVTIER_VERSION;
   auto frame = EncodeReply(h.opcode, h.request_id, Status::Ok(), HelloReplyFields(reply));
   std::lock_guard lock(conns_mu_);
-  size_t live = 0;
-  for (auto& other : conns_) live += !other->finished;
+  size_t live = 0, same_process = 0;
+  for (auto& other : conns_) {
+    live += !other->finished;
+    same_process += !other->finished && other->peer_pid == c.peer_pid;
+  }
   if (live >= options_.max_clients) {
     Refuse(c, h, Status::Rejected(fmt::format("too many clients (limit {})", options_.max_clients)),
            "too_many_clients");
+    return false;
+  }
+  if (const size_t per_process = ClientsPerProcess(); same_process >= per_process) {
+    Refuse(c, h,
+           Status::Rejected(fmt::format("too many connections from process {} (limit {}, "
+                                        "--max-clients-per-process)",
+                                        c.peer_pid, per_process)),
+           "too_many_from_process");
     return false;
   }
   // The connection's socket blocks from now on (its thread reads it); replies never block.
@@ -1364,7 +1389,9 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
           auto it = c.reservations.find(s);
           if (it == c.reservations.end() || !seen.insert(s).second) {
             bad = Status::InvalidArgument(
-                fmt::format("slot {} is not reserved by this connection", s));
+                fmt::format("slot {} is not reserved by this connection (or its reservation "
+                            "expired: --reservation-timeout-ms)",
+                            s));
             break;
           }
           keys.push_back(it->second.key);
@@ -1514,6 +1541,47 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
   metrics_.op_latency[h.opcode]->Observe(
       std::chrono::duration<double>(Clock::now() - started).count());
   return keep;
+}
+
+size_t Server::Impl::ClientsPerProcess() const {
+  if (options_.max_clients_per_process > 0) return options_.max_clients_per_process;
+  // A quarter of all, but never fewer than 16 (a process may run several clients: a vLLM
+  // scheduler and its lookups, tests, tools), nor more than all.
+  return std::min<size_t>(options_.max_clients, std::max<size_t>(16, options_.max_clients / 4));
+}
+
+// Reservations older than the timeout are aborted: their pool slots (and window slots) go back.
+// Called by the accept loop, which wakes at least once a second.
+void Server::Impl::ExpireReservations(Clock::time_point now) {
+  const auto timeout = options_.reservation_timeout;
+  if (timeout.count() <= 0) return;
+  std::vector<std::shared_ptr<Connection>> conns;
+  {
+    std::lock_guard lock(conns_mu_);
+    conns.assign(conns_.begin(), conns_.end());
+  }
+  for (auto& conn : conns) {
+    Connection& c = *conn;
+    std::vector<SlotId> expired;
+    {
+      std::lock_guard lock(c.mu);
+      if (c.closed) continue;  // its release on disconnect aborts them
+      for (auto it = c.reservations.begin(); it != c.reservations.end();) {
+        if (now - it->second.since < timeout) {
+          ++it;
+          continue;
+        }
+        expired.push_back(it->second.pool);
+        if (c.window) c.window->Give(it->first);
+        it = c.reservations.erase(it);
+      }
+    }
+    if (expired.empty()) continue;
+    engine_->AbortSlots(expired);
+    metrics_.reservations_expired.Increment(static_cast<double>(expired.size()));
+    spdlog::warn("client {} (pid {}, {}): {} reserved slots not committed within {} ms; taken back",
+                 c.id, c.peer_pid, c.name, expired.size(), timeout.count());
+  }
 }
 
 size_t Server::Impl::SlotQuota() const {

@@ -39,6 +39,12 @@ struct ServerOptions {
   std::string http_host = "127.0.0.1";
   int http_port = 8790;        // 0: pick a free port (see http_port()); -1: no HTTP listener
   uint32_t max_clients = 256;  // connections past the handshake served at once
+  // Of them, from one process (SO_PEERCRED pid): one process opening connections cannot lock
+  // every other client out. 0 = a quarter of max_clients (at least 16, at most all).
+  uint32_t max_clients_per_process = 0;
+  // A reservation not committed or aborted within this is aborted by the server (a client that
+  // hangs or forgets cannot hold pool slots for ever); its late commit is refused. 0 = never.
+  std::chrono::milliseconds reservation_timeout{30000};
   uint32_t max_pending_handshakes = 64;  // connections not yet past hello; the oldest goes first
   std::chrono::milliseconds hello_timeout{5000};  // a connection silent this long is closed
   uint32_t max_message_bytes = 1u << 20;

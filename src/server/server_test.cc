@@ -1633,6 +1633,86 @@ TEST_F(ServerTest, OneClientCannotHoldTheWholePool) {
   EXPECT_TRUE((*hog)->AbortSlots(*held).ok());
 }
 
+// Reservations expire: a client that reserves and never commits (hung, or buggy) holds its
+// slots only until --reservation-timeout-ms; its late commit is refused with the reason, and the
+// slots serve again. (They were held until the connection closed.)
+TEST_F(ServerTest, ReservationsNotCommittedInTimeAreTakenBack) {
+  for (const bool isolate : {false}) {  // isolated clients: see the note in docs/security.md
+    SCOPED_TRACE(isolate ? "isolated" : "shared pool");
+    std::vector<std::string> args = {"--no-l2", "--reservation-timeout-ms", "300"};
+    if (isolate) args.push_back("--isolate-clients");
+    ServerProcess server(dir_, args);
+    ASSERT_NO_FATAL_FAILURE(server.Start());
+    auto hog = server.Connect();
+    ASSERT_TRUE(hog.ok());
+    const uint32_t slots = (*hog)->num_slots();
+    auto grab = Keys(slots, 60);
+    auto got = (*hog)->ReserveSlots(grab);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_GT(got->size(), 0u);
+    bool expired = false;
+    for (int i = 0; i < 100 && !expired; ++i) {  // 10 s; expected after about 0.3-0.6 s
+      std::this_thread::sleep_for(100ms);
+      expired = Metric(server.HttpPort(), "kvtier_reservations_expired_total") >=
+                static_cast<double>(got->size());
+    }
+    ASSERT_TRUE(expired) << server.Log();
+    Status late = (*hog)->CommitSlots(std::span(grab).first(got->size()), *got);
+    EXPECT_FALSE(late.ok());
+    EXPECT_NE(late.message().find("expired"), std::string::npos) << late.ToString();
+    // The slots are free again, in the pool and in the client's quota: the late client and
+    // another one each reserve a full quota (half the pool) at once.
+    auto other = server.Connect();
+    ASSERT_TRUE(other.ok());
+    auto mine = (*hog)->ReserveSlots(Keys(slots, 61));
+    auto theirs = (*other)->ReserveSlots(Keys(slots, 62));
+    ASSERT_TRUE(mine.ok() && theirs.ok()) << mine.status().ToString() << theirs.status().ToString();
+    EXPECT_EQ(mine->size(), got->size());
+    EXPECT_EQ(theirs->size(), slots - got->size());
+    EXPECT_TRUE((*hog)->AbortSlots(*mine).ok());
+    EXPECT_TRUE((*other)->AbortSlots(*theirs).ok());
+  }
+}
+
+// One process cannot take every client place: its connections are capped (a quarter of
+// --max-clients, at least 16 by default) while another process still gets in.
+TEST_F(ServerTest, OneProcessCannotTakeEveryClientPlace) {
+  ServerProcess server(dir_, {"--no-l2", "--max-clients", "12", "--max-clients-per-process", "5"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  std::vector<std::unique_ptr<Client>> mine;
+  Status refused;
+  for (int i = 0; i < 12; ++i) {
+    auto c = server.Connect();
+    if (!c.ok()) {
+      refused = c.status();
+      break;
+    }
+    mine.push_back(std::move(*c));
+  }
+  EXPECT_EQ(mine.size(), 5u);
+  EXPECT_EQ(refused.code(), StatusCode::kRejected) << refused.ToString();
+  EXPECT_NE(refused.message().find("from process"), std::string::npos) << refused.ToString();
+  // Another process connects, stores and loads.
+  const std::string sock = server.socket();
+  pid_t child = fork();
+  if (child == 0) {
+    ClientOptions o = server.Options();
+    auto c = Client::Connect(o);
+    if (!c.ok()) _exit(1);
+    auto keys = Keys(2, 62);
+    std::vector<std::vector<uint8_t>> data = {Chunk(0), Chunk(1)};
+    std::vector<std::span<const uint8_t>> src(data.begin(), data.end());
+    auto op = (*c)->Store(keys, src);
+    _exit(op.ok() && op->Wait().chunks == 2 ? 0 : 2);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << server.Log();
+  EXPECT_GE(Metric(server.HttpPort(),
+                   "kvtier_handshakes_refused_total{reason=\"too_many_from_process\"}"),
+            1);
+}
+
 TEST_F(ServerTest, PerClientSlotLimitIsConfigurable) {
   ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "10"});
   ASSERT_NO_FATAL_FAILURE(server.Start());

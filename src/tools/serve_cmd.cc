@@ -278,6 +278,15 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                       "Clients (connections past the handshake) served at once")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_clients = a->flags.max_clients; });
+  add(cmd->add_option("--max-clients-per-process", f.max_clients_per_process,
+                      "Of them, connections from one process (0: a quarter of --max-clients, at least 16)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.max_clients_per_process = a->flags.max_clients_per_process; });
+  add(cmd->add_option("--reservation-timeout-ms", f.reservation_timeout_ms,
+                      "A store's reserved slots not committed within this are taken back (0: "
+                      "never)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.reservation_timeout_ms = a->flags.reservation_timeout_ms; });
   add(cmd->add_option("--max-client-slots", f.max_client_slots,
                       "Pool slots one client may hold reserved or pinned at once (0: half the "
                       "pool)")
