@@ -309,15 +309,16 @@ LineParser::Outcome LineParser::Parse(std::string_view line, RequestRecord* out,
   if (Trim(line).empty()) return Outcome::kIgnored;
   if (format_ == LogFormat::kAuto) {
     const std::string_view t = Trim(line);
+    std::vector<std::string> fields;
     if (t.front() == '{') {
       format_ = LogFormat::kJsonLines;
-    } else if (t.find("Received request") != std::string_view::npos ||
-               t.find("details:") != std::string_view::npos || t.find(" [") != std::string_view::npos) {
-      format_ = LogFormat::kVllm;
-    } else if (t.find(',') != std::string_view::npos) {
-      format_ = LogFormat::kCsv;
+    } else if (SplitCsv(t, &fields) && fields.size() > 1 &&
+               FindColumn(fields, mapping_.prompt, kPromptPaths) >= 0) {
+      format_ = LogFormat::kCsv;  // a header naming the prompt column
     } else {
-      format_ = LogFormat::kVllm;  // a server log starting with a banner line
+      // Anything else is taken for a server log (its first lines are banners and warnings);
+      // a CSV whose header names no prompt column needs --log-format csv and --log-fields.
+      format_ = LogFormat::kVllm;
     }
   }
   *out = RequestRecord{};
@@ -427,8 +428,18 @@ LineParser::Outcome LineParser::ParseVllm(std::string_view line, RequestRecord* 
   int month = 0, day = 0;
   double seconds = 0;
   if (FindVllmStamp(line, &month, &day, &seconds)) {
-    // vLLM writes no year: a month smaller than the last one means the year turned.
-    if (last_month_ != 0 && month < last_month_) ++year_;
+    // vLLM writes no year. A log is taken to end no later than now: its first stamp is in this
+    // year unless that would be in the future, and a month smaller than the last one means the
+    // year turned.
+    if (last_month_ == 0) {
+      const std::time_t now = std::time(nullptr);
+      std::tm today{};
+      gmtime_r(&now, &today);
+      year_ = today.tm_year + 1900;
+      if (month > today.tm_mon + 1 || (month == today.tm_mon + 1 && day > today.tm_mday)) --year_;
+    } else if (month < last_month_) {
+      ++year_;
+    }
     last_month_ = month;
     std::tm tm{};
     tm.tm_year = year_ - 1900;

@@ -91,7 +91,7 @@ class LineParser {
   };
   std::unordered_map<PromptKey, uint64_t, PromptKeyHash> last_prompt_;
   uint64_t next_conversation_ = 1;
-  int year_ = 2000;  // vLLM stamps lines without a year: the clock runs on from one
+  int year_ = 0;  // vLLM stamps lines without a year (see ParseVllm)
   int last_month_ = 0;
 };
 

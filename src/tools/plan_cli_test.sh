@@ -94,7 +94,8 @@ grep -q "Distribution of conversation peaks" "$T/from-log.txt" || fail "no conte
 grep -q "WARNING" "$T/from-log.txt" && fail "a window warning without a window overflow"
 expect_refusal "cannot open" plan --from-log "$T/absent.jsonl" --fast
 printf 'a,b\n1,2\n' > "$T/nocol.csv"
-expect_refusal "log-fields prompt=" plan --from-log "$T/nocol.csv" --fast
+expect_refusal "log-fields prompt=" plan --from-log "$T/nocol.csv" --log-format csv --fast
+expect_refusal "log-fields prompt=COLUMN" plan --from-log "$T/nocol.csv" --fast
 printf 'not a request\n' > "$T/empty.log"
 expect_refusal "no request records" plan --from-log "$T/empty.log" --fast
 expect_refusal "unknown field" plan --from-log "$T/qa.csv" --log-fields colour=x --fast

@@ -158,6 +158,9 @@ int RunFromLog(const CLI::App& cmd, planner::PlannerFlags flags, const TrafficFl
     } else if (malformed > 0) {
       why += fmt::format(": all {} candidate lines were malformed (first: {})", malformed,
                          examples.empty() ? "" : examples.front());
+    } else {
+      why += " (a CSV whose header names no prompt column needs --log-format csv and "
+             "--log-fields prompt=COLUMN; other formats: docs/planner.md)";
     }
     return Fail(Status::InvalidArgument(why));
   }
