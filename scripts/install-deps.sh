@@ -14,6 +14,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcurl4-openssl-dev prometheus-cpp-dev
+  zlib1g-dev                        # gzip'd request logs (kvtier plan --from-log)
   libpugixml-dev                    # the S3 client's XML (s3:// directories; with libcurl)
   fio gnuplot-nox curl python3 python3-pip
   python3-venv                      # scripts/vllm-cpu-server.sh (optional real server)

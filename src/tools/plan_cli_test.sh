@@ -57,4 +57,82 @@ expect_refusal "must be >= 1 s" plan "${BASE[@]}" --context 2048 --capacity-stag
 expect_refusal "must be > 0" simulate "${BASE[@]}" --context 2048 --decode-step-ms 0 --qps 1
 expect_refusal "cannot write" simulate "${COMMON[@]}" --context 2048 --qps 1 \
     --requests-csv "$T/no/such/dir/x.csv"
+# --from-log: bench qa's CSV format (4 users, 3 rounds, 60 conversations), gzip'd, one line cut.
+python3 - "$T/qa.csv" <<'PY'
+import sys
+rows = []
+for c in range(60):
+    for r in range(3):
+        t = 1735689600 + c * 2.0 + r * 4.0  # a new user every 2 s, asking every 4 s: 4 at once
+        rows.append((t, f"{500 + r * 120 + c % 5},40,0.1,0.2,{c},{r + 1},{t:.3f},{t + 0.3:.3f}"))
+rows.sort()
+with open(sys.argv[1], "w") as f:
+    f.write("prompt_tokens,generation_tokens,ttft,generation_time,user_id,question_id,"
+            "launch_time,finish_time\n")
+    f.write("".join(line + "\n" for _, line in rows))
+    f.write("12,oops\n")
+PY
+gzip -k "$T/qa.csv"
+"$KVTIER" plan --from-log "$T/qa.csv.gz" --fast --gpu-kv-gb 4GB --json --no-sensitivity \
+    --max-model-len 700 > "$T/from-log.json" 2> "$T/from-log.err" \
+    || { cat "$T/from-log.err" >&2; fail "plan --from-log"; }
+python3 - "$T/from-log.json" <<'PY' || fail "plan --from-log --json"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["read"]["records"] == 180 and j["read"]["malformed"] == 1, j["read"]
+t = j["traffic"]
+d = t["derived"]
+assert (d["users"], d["rounds"], d["answer_tokens"], d["question_tokens"]) == (4, 3, 40, 80), d
+assert t["first_round_prompt"]["median"] == 502, t["first_round_prompt"]
+assert t["window_overflows"] == 60, t["window_overflows"]  # every peak is 780 + 40 > 700
+assert [p["at"] for p in j["points"]] == ["median", "p90", "peak"]
+assert j["plan"]["points"], "no plan"
+PY
+"$KVTIER" plan --from-log "$T/qa.csv" --fast --gpu-kv-gb 4GB --no-sensitivity > "$T/from-log.txt" \
+    2>&1 || fail "plan --from-log (text)"
+grep -q "Distribution of conversation peaks" "$T/from-log.txt" || fail "no context plot"
+grep -q "WARNING" "$T/from-log.txt" && fail "a window warning without a window overflow"
+expect_refusal "cannot open" plan --from-log "$T/absent.jsonl" --fast
+printf 'a,b\n1,2\n' > "$T/nocol.csv"
+expect_refusal "log-fields prompt=" plan --from-log "$T/nocol.csv" --log-format csv --fast
+expect_refusal "log-fields prompt=COLUMN" plan --from-log "$T/nocol.csv" --fast
+printf 'not a request\n' > "$T/empty.log"
+expect_refusal "no request records" plan --from-log "$T/empty.log" --fast
+expect_refusal "unknown field" plan --from-log "$T/qa.csv" --log-fields colour=x --fast
+expect_refusal "not both" plan --from-log "$T/qa.csv" --from-metrics http://127.0.0.1:1 --fast
+
+# --from-metrics: a port nobody answers on, an HTML page, and a vLLM-like endpoint.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+expect_refusal "did not answer" plan --from-metrics "http://127.0.0.1:$port/metrics" --fast \
+    --scrape-timeout 2s
+mkdir -p "$T/www"
+cat > "$T/www/metrics" <<'PROM'
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 40000
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 20
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 40000
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30000
+vllm:num_preemptions_total{engine="0",model_name="m"} 0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 40000
+vllm:request_prompt_tokens_count{engine="0",model_name="m"} 20
+PROM
+echo '<html><body>hello</body></html>' > "$T/www/index.html"
+(cd "$T/www" && exec python3 -m http.server "$port" --bind 127.0.0.1 > /dev/null 2>&1) &
+server=$!
+trap 'kill $server 2>/dev/null; rm -rf "$T"' EXIT
+for _ in $(seq 50); do curl -sf "http://127.0.0.1:$port/metrics" > /dev/null && break; sleep 0.1; done
+expect_refusal "not Prometheus text" plan --from-metrics "http://127.0.0.1:$port/index.html" --fast
+expect_refusal "answered HTTP 404" plan --from-metrics "http://127.0.0.1:$port/nothing" --fast
+"$KVTIER" plan --from-metrics "http://127.0.0.1:$port" --fast --gpu-kv-gb 4GB --json \
+    > "$T/live.json" 2> "$T/live.err" || { cat "$T/live.err" >&2; fail "plan --from-metrics"; }
+python3 - "$T/live.json" <<'PY' || fail "plan --from-metrics --json"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["vllm"]["mean_prompt_tokens"] == 2000, j["vllm"]
+assert abs(j["hit_shares"]["gpu"] - 0.75) < 1e-9, j["hit_shares"]
+assert j["measured_regime"] == 1, j
+assert j["predicted"]["more_users"]["users"] == 2 * j["predicted"]["now"]["users"]
+PY
+kill $server
 echo "plan_cli_test: ok"
