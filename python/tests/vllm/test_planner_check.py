@@ -6,6 +6,7 @@ and predicted and that kvtier really served prompt tokens, not how close the pre
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -88,8 +89,18 @@ def test_harness_measures_and_predicts_both_arms(tmp_path):
             assert pred["mean_ttft_s"] > 0
             assert abs(sum(pred["token_share"].values()) - 1) < 1e-6
         assert r["predicted_at_qps"]["qps"] == pytest.approx(m["qps"], rel=1e-3)
-    served = rows["kvtier"]["measured"]["token_share"]
-    assert served["cpu"] + served["disk"] > 0, "kvtier served no prompt token"
+    # kvtier can serve a prompt only to a conversation that comes back after vLLM evicted it.
+    # The load is paced at a share of the capacity measured on this machine: a loaded machine
+    # measures a low one, and a 12 s run may then hold only first rounds (each user once), with
+    # nothing for kvtier to serve. Where a user came back, kvtier must have served.
+    for repeat in (1, 2):
+        kv_rows = list(csv.DictReader(open(out / f"c300-kvtier-r{repeat}.csv")))
+        users = [r["user_id"] for r in kv_rows]
+        returned = len(users) > len(set(users))
+        share = next(r["measured"]["token_share"] for r in result["rows"]
+                     if r["arm"] == "kvtier" and r["repeat"] == repeat)
+        if returned:
+            assert share["cpu"] + share["disk"] > 0, f"kvtier served no prompt token (r{repeat})"
     none = rows["none"]["measured"]["token_share"]
     assert none["cpu"] == 0 and none["disk"] == 0
     assert "context" in p.stdout and "TTFT meas" in p.stdout  # the table
