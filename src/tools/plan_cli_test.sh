@@ -120,7 +120,7 @@ PROM
 echo '<html><body>hello</body></html>' > "$T/www/index.html"
 (cd "$T/www" && exec python3 -m http.server "$port" --bind 127.0.0.1 > /dev/null 2>&1) &
 server=$!
-trap 'kill $server 2>/dev/null; rm -rf "$T"' EXIT
+trap 'kill $server 2>/dev/null || true; rm -rf "$T"' EXIT
 for _ in $(seq 50); do curl -sf "http://127.0.0.1:$port/metrics" > /dev/null && break; sleep 0.1; done
 expect_refusal "not Prometheus text" plan --from-metrics "http://127.0.0.1:$port/index.html" --fast
 expect_refusal "answered HTTP 404" plan --from-metrics "http://127.0.0.1:$port/nothing" --fast
@@ -134,5 +134,5 @@ assert abs(j["hit_shares"]["gpu"] - 0.75) < 1e-9, j["hit_shares"]
 assert j["measured_regime"] == 1, j
 assert j["predicted"]["more_users"]["users"] == 2 * j["predicted"]["now"]["users"]
 PY
-kill $server
+kill $server 2>/dev/null || true
 echo "plan_cli_test: ok"
