@@ -177,7 +177,9 @@ long MaxRssKiB() {
 
 // A week of a busy server is millions of lines: 2 million records stream through in bounded
 // memory. The bound: the process's peak RSS grows by less than 64 MiB while it reads a file of
-// about 110 MB, and the accumulator never holds more than 16 MiB.
+// about 110 MB, and the accumulator never holds more than 16 MiB. Under AddressSanitizer the RSS
+// bound is not checked: its quarantine keeps up to 256 MiB of freed blocks resident, and every
+// parsed line frees some.
 TEST(TrafficTest, TwoMillionRecordsStreamInBoundedMemory) {
   testing::TempDir dir;
   const std::string path = dir.Sub("big.csv");
@@ -227,7 +229,9 @@ TEST(TrafficTest, TwoMillionRecordsStreamInBoundedMemory) {
   EXPECT_EQ(sum.growth_per_round.median, 150u);
   EXPECT_NEAR(sum.active_busiest, 8, 0.5);
   EXPECT_LT(most_held, 16u << 20);
+#if !defined(__SANITIZE_ADDRESS__)
   EXPECT_LT(rss_growth_kib, 64 * 1024);
+#endif
 }
 
 }  // namespace
