@@ -6,15 +6,22 @@
 //   OpResult r = op->Wait();                         // r.chunks leading chunks were loaded
 //
 // Tiers: L1 is the host-memory MemoryTier; L2, when configured, is a FileTier on a local or
-// shared filesystem. Write policies decide when L1's chunks reach L2:
-//   kWriteThrough: every store also goes to L2, asynchronously;
-//   kWriteBack:    a chunk goes to L2 only as it nears eviction from L1 (and is not there yet);
+// shared filesystem. Write policies decide when L1's chunks reach L2, and what an acknowledged
+// store is promised (docs/protocol.md, "What a store is promised"):
+//   kWriteThrough: every store also goes to L2, asynchronously. An acknowledged store is kept:
+//                  it stays in L1 until L2 has it (or, if L2 fails it, until a retry succeeds),
+//                  and a store that could only be placed by evicting such a chunk is refused
+//                  (kRejected, retryable; counted in MemoryTierStats::dirty_refusals):
+//                  backpressure, never a silent loss;
+//   kWriteBack:    a chunk goes to L2 only as it nears eviction from L1 (and is not there yet).
+//                  An acknowledged store is in L1; stores that outrun the disk for longer than
+//                  the flusher's headroom absorbs evict chunks before they reach L2 (counted in
+//                  EngineStats::dirty_evictions and logged): the newest data wins;
 //   kNone:         L2 is only read (chunks other hosts wrote), never written.
 // No store waits on L2. A background flusher keeps the chunks next in L1's eviction order clean
 // (written to L2) at the disk's pace, `flush_headroom` of L1's slots ahead, so evictions find
-// clean victims. Stores that outrun the disk for longer than that headroom absorbs evict dirty
-// chunks before they reach L2: counted (EngineStats::dirty_evictions) and logged, and the
-// caller recomputes them on a later miss, as it would without kvtier.
+// clean victims. A chunk that is lost or refused is recomputed on a later miss, as it would be
+// without kvtier.
 //
 // Store and Load copy between caller memory and L1 on a fixed worker pool whose bounded queue
 // refuses (kRejected) rather than blocks. Loads deliver the longest available prefix; a chunk

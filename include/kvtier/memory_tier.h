@@ -1,8 +1,10 @@
 // MemoryTier (L1): chunks in host memory, in one arena of fixed-size slots.
 //
-// The arena is allocated once at Open, pre-faulted, optionally on huge pages, and backed by a
-// memory file descriptor (memfd) so that a server can hand the same pool to other processes,
-// which map it and may register it with CUDA for direct DMA. Every slot holds one chunk
+// The arena is allocated once at Open, pre-faulted, optionally on (transparent) huge pages, and
+// backed by a memory file descriptor (memfd) so that a server can hand the same pool to other
+// processes, which map it and may register it with CUDA for direct DMA. A process that punches
+// holes in it (the descriptor is read-write) costs the chunks there their data, never anyone a
+// SIGBUS: holes in shared memory read as zeros and refill on the next touch. Every slot holds one chunk
 // (chunk_bytes rounded up to 4 KiB, so slots are O_DIRECT- and DMA-aligned); there is no
 // fragmentation and no allocation after Open.
 //
@@ -40,7 +42,9 @@ struct MemoryTierOptions {
   uint64_t capacity_bytes = 1ull << 30;  // arena size; holds capacity_bytes / slot_bytes chunks
   uint64_t chunk_bytes = 0;              // REQUIRED: bytes of one chunk, 1 B .. 16 GiB
   EvictionPolicyKind eviction = EvictionPolicyKind::kPrefixAware;
-  bool huge_pages = false;  // try 2 MiB huge pages; falls back to 4 KiB pages with a warning
+  // Ask for 2 MiB pages (transparent huge pages for shared memory, never hugetlbfs: see
+  // MapArena); 4 KiB pages with a warning where the kernel's shmem_enabled setting refuses.
+  bool huge_pages = false;
   bool prefault = true;     // fault every page in at Open, so the first stores run at full speed
 };
 
@@ -57,6 +61,8 @@ struct MemoryTierStats {
   uint32_t cleaning = 0;                 // dirty chunks being written to a lower tier now
   uint64_t evictions = 0, rejections = 0, errors = 0;
   uint64_t dirty_evictions = 0;  // dirty chunks evicted before they reached a lower tier
+  // Reservations under Victims::kCleanOnly refused because only dirty chunks were evictable.
+  uint64_t dirty_refusals = 0;
 };
 
 class MemoryTier {
@@ -105,7 +111,7 @@ class MemoryTier {
   // dirty one if no clean chunk is evictable and `victims` allows it). `parent` is the key of
   // the previous chunk of the same prefix (for the prefix-aware policy), or null. kRejected if
   // every slot is pinned or reserved (counted in rejections), or under kCleanOnly if only dirty
-  // chunks are evictable (not counted). Never blocks on I/O.
+  // chunks are evictable (counted in dirty_refusals). Never blocks on I/O.
   Result<Reservation> Reserve(const ChunkKey& key, const ChunkKey* parent,
                               Victims victims = Victims::kAny);
   // Publishes a reserved slot. `dirty`: the chunk exists in no lower tier yet.
@@ -165,7 +171,7 @@ class MemoryTier {
   std::unique_ptr<EvictionPolicy> policy_;
   uint32_t resident_ = 0, pinned_ = 0, dirty_ = 0, cleaning_ = 0;
   uint64_t lookups_ = 0, hits_ = 0, misses_ = 0;
-  uint64_t evictions_ = 0, dirty_evictions_ = 0, rejections_ = 0;
+  uint64_t evictions_ = 0, dirty_evictions_ = 0, dirty_refusals_ = 0, rejections_ = 0;
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
 };
 

@@ -290,6 +290,7 @@ struct Engine::Impl {
   uint32_t headroom = 1;  // L1 slots kept clean or free
   size_t max_flushing = 1;
   LogLimiter dirty_eviction_log;
+  LogLimiter refusal_log;  // write-through stores refused for want of a clean victim
 
   // L2 reads in flight, by key, with the loads waiting for each (shared promotions).
   struct FileRead {
@@ -417,7 +418,20 @@ bool Engine::StoresDirty() const {
 
 Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key, const ChunkKey* parent,
                                                         MemoryTier::Victims victims) {
+  // Under write-through an acknowledged store is kept until L2 has it: nothing may evict it.
+  const bool keeps_unwritten =
+      impl_->l2 && options_.write_policy == WritePolicy::kWriteThrough;
+  if (keeps_unwritten) victims = MemoryTier::Victims::kCleanOnly;
   auto r = impl_->l1->Reserve(key, parent, victims);
+  if (!r.ok() && keeps_unwritten) {
+    if (auto held = impl_->refusal_log.Allow()) {
+      spdlog::warn(
+          "engine: no L1 slot for a store ({}): L1 holds only chunks the file tier has not "
+          "taken yet, which write_through keeps; the store is refused until its writes catch "
+          "up{}",
+          r.status().message(), LogLimiter::Suppressed(*held));
+    }
+  }
   if (r.ok() && r->evicted_dirty) {
     if (auto held = impl_->dirty_eviction_log.Allow()) {
       spdlog::warn(

@@ -416,6 +416,78 @@ TEST(EngineFileTest, WriteThroughBurstSkipsNothing) {
   EXPECT_EQ(st.memory_detail.pinned, 0u);
 }
 
+// Write-through keeps every store it acknowledges. With the file tier's storage hung, L1 fills
+// with chunks the tier has not taken; the next store, by Store or by the server's ReserveSlots,
+// is refused (retryable, counted) instead of evicting one of them. A burst of 3x L1: after the
+// storage recovers, a restarted engine finds every acknowledged store on disk, byte for byte.
+// (Write-back promises less: WriteBackNeverWaitsOnHungStorage.)
+TEST(EngineFileTest, WriteThroughRefusesAStoreRatherThanLoseAnAcknowledgedOne) {
+  testing::TempDir dir;
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});  // outlives writes
+  constexpr uint32_t kSlots = 8;
+  EngineOptions o = Options(dir.path(), kSlots, WritePolicy::kWriteThrough);
+  o.file->env = env;
+  auto keys = Keys(3 * kSlots, 21);
+  Chunks in(3 * kSlots, 21);
+  const auto src = in.In();
+  std::vector<size_t> acknowledged;
+  {
+    auto engine = OpenEngine(o);
+    ASSERT_TRUE(engine);
+    env->StallOpens(dir.path());
+    size_t refused = 0;
+    for (size_t i = 0; i < 2 * kSlots; ++i) {
+      OpResult r =
+          engine->Store(std::span(keys).subspan(i, 1), std::span(src).subspan(i, 1))->Wait();
+      if (r.status.ok()) {
+        acknowledged.push_back(i);
+      } else {
+        EXPECT_TRUE(r.status.IsRejected()) << r.status.ToString();
+        EXPECT_TRUE(r.status.retryable());
+        ++refused;
+      }
+    }
+    EXPECT_EQ(acknowledged.size(), kSlots);  // L1's slots, each holding an unwritten chunk
+    EXPECT_EQ(refused, kSlots);
+    // The server's path: a reservation is short (here empty) rather than evicting.
+    const auto later = std::span(keys).subspan(2 * kSlots);
+    EXPECT_TRUE(engine->ReserveSlots(later).empty());
+    EngineStats st = engine->Stats();
+    EXPECT_EQ(st.dirty_evictions, 0u);
+    EXPECT_GE(st.memory_detail.dirty_refusals, refused + 1);
+    // The storage recovers: the writes the stall failed are retried (the flusher retries those
+    // next in eviction order; a flush, all), and stores are taken again.
+    env->ReleaseStalls();
+    for (int i = 0; i < 500 && engine->Stats().memory_detail.dirty > 0; ++i) {
+      engine->FlushDirty();
+      std::this_thread::sleep_for(20ms);
+    }
+    ASSERT_EQ(engine->Stats().memory_detail.dirty, 0u);
+    std::vector<SlotId> slots = engine->ReserveSlots(later);
+    ASSERT_EQ(slots.size(), later.size());
+    for (size_t j = 0; j < slots.size(); ++j) {
+      ASSERT_NE(slots[j], kNoSlot);
+      auto d = EngineInternals::memory(*engine).SlotData(slots[j]);
+      std::memcpy(d.data(), src[2 * kSlots + j].data(), d.size());
+      acknowledged.push_back(2 * kSlots + j);
+    }
+    engine->CommitSlots(later, slots);
+    EXPECT_TRUE(engine->Drain());
+    EXPECT_EQ(engine->Stats().dirty_evictions, 0u);
+  }
+  // A restarted engine: every acknowledged store is on disk.
+  o.file->env = nullptr;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  for (size_t i : acknowledged) {
+    Chunks out(1, 0);
+    OpResult r = engine->Load(std::span(keys).subspan(i, 1), out.Out())->Wait();
+    ASSERT_TRUE(r.status.ok()) << "acknowledged store " << i << " lost: " << r.status.ToString();
+    EXPECT_EQ(out.data[0], in.data[i]) << "chunk " << i;
+  }
+  ExpectAbandonedThreadsFinish();
+}
+
 // A load of more chunks than the file tier's read queue holds waits for room instead of
 // reporting the rest of the prefix as missing; so do loads running side by side.
 TEST(EngineFileTest, LoadLargerThanTheReadQueueDeliversEverything) {

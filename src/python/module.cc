@@ -852,6 +852,7 @@ nb::dict EngineStatsDict(const EngineStats& s) {
   mem["evictions"] = m.evictions;
   mem["dirty"] = m.dirty;
   mem["dirty_evictions"] = m.dirty_evictions;
+  mem["dirty_refusals"] = m.dirty_refusals;
   mem["rejections"] = m.rejections;
   mem["errors"] = m.errors;
   nb::dict d;

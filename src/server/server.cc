@@ -1759,6 +1759,7 @@ std::string Server::Impl::StatsJson() const {
     j["engine"]["write_backs"] = st.write_backs;
     j["engine"]["write_back_failures"] = st.write_back_failures;
     j["engine"]["dirty_evictions"] = st.dirty_evictions;
+    j["engine"]["dirty_refusals"] = m.dirty_refusals;
     j["engine"]["write_through_dropped"] = st.write_through_dropped;
     j["pool"]["dirty"] = m.dirty;
   }
@@ -1833,7 +1834,8 @@ std::string Server::Impl::MetricsText() const {
           std::pair{"shared_read", st.shared_reads}, std::pair{"deadline_miss", st.deadline_misses},
           std::pair{"write_back", st.write_backs},
           std::pair{"write_back_failure", st.write_back_failures},
-          std::pair{"dirty_eviction", st.dirty_evictions}}) {
+          std::pair{"dirty_eviction", st.dirty_evictions},
+          std::pair{"dirty_refusal", st.memory_detail.dirty_refusals}}) {
       ClientMetric m;
       m.label.push_back({"op", name});
       m.counter.value = d(v);

@@ -248,8 +248,10 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });
   add(cmd->add_option("--write-policy", f.write_policy,
-                      "When L1 chunks reach L2: write_back (on eviction and at shutdown), "
-                      "write_through (every store) or none (L2 read-only)")
+                      "When L1 chunks reach L2: write_back (ahead of eviction and at "
+                      "shutdown; a burst that outruns L2 evicts unwritten chunks), "
+                      "write_through (every store; a store is refused rather than evict a chunk "
+                      "L2 does not have yet) or none (L2 read-only)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.write_policy = a->flags.write_policy; });
   add(cmd->add_option("--socket", f.socket,

@@ -11,10 +11,13 @@
 //
 // One binary, several roles: the driver starts itself again as `kvtier stress --role client`,
 // `--role adversary` and `--role server` (the fault-injecting server).
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -26,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -74,7 +78,11 @@ struct StressArgs {
   std::string write_policy = "write_back";
   double until_unix = 0;  // clients and the adversary stop at this wall-clock time
   int client_id = 0;
+  int http_port = -1;  // the fault-injecting server's HTTP port
 };
+
+// The current server's HTTP port, for the adversary: <dir>/http-port, rewritten at every start.
+std::string HttpPortFile(const StressArgs& a) { return a.dir + "/http-port"; }
 
 std::string Self() { return std::filesystem::read_symlink("/proc/self/exe").string(); }
 
@@ -281,11 +289,20 @@ void ScribbleAsAnotherTenant(const StressArgs& a, std::mt19937_64& rng) {
   o.rpc_timeout = 2000ms;
   auto c = Client::Connect(o);
   if (!c.ok()) return;
+  // Overwrites every byte it maps, or deallocates every page of it (MADV_REMOVE: the server's
+  // copies into and out of the window then meet holes, which must cost nothing but this
+  // tenant's own data).
   auto scribble = [&] {
     const uint8_t junk = static_cast<uint8_t>(rng());
+    const bool punch = rng() % 2 == 0;
     for (uint32_t s = 0; s < (*c)->num_slots(); ++s) {
       auto d = (*c)->SlotData(s);
-      std::memset(d.data(), junk, d.size());
+      if (punch) {
+        const size_t len = (d.size() + 4095) / 4096 * 4096;  // slots start on a page
+        (void)::madvise(d.data(), len, MADV_REMOVE);
+      } else {
+        std::memset(d.data(), junk, d.size());
+      }
     }
   };
   std::vector<ChunkKey> keys;
@@ -306,10 +323,95 @@ void ScribbleAsAnotherTenant(const StressArgs& a, std::mt19937_64& rng) {
   scribble();
 }
 
+// Connects to 127.0.0.1:port over TCP. -1 if nobody listens.
+int ConnectTcp(int port) {
+  if (port <= 0) return -1;
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  timeval tv{0, 300000};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+void SendText(int fd, const std::string& text) {
+  SendAll(fd, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+// One attack on the HTTP listener (docs/security.md, "A local user who is not a client"): idle
+// connections by the dozen, oversized request lines, header lines, header counts and bodies,
+// many ranges, and a request trickled a byte at a time. The server must only survive it, and
+// its socket clients must not notice.
+void AttackHttp(const StressArgs& a, std::mt19937_64& rng) {
+  int port = -1;
+  std::ifstream(HttpPortFile(a)) >> port;
+  switch (rng() % 5) {
+    case 0: {  // idle connections, more than the workers and the queue together
+      std::vector<int> fds;
+      for (int i = 0; i < 48; ++i) {
+        if (int fd = ConnectTcp(port); fd >= 0) fds.push_back(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 600));
+      for (int fd : fds) ::close(fd);
+      return;
+    }
+    case 1: {  // a request line, a header line, or a header count far over the limits
+      int fd = ConnectTcp(port);
+      if (fd < 0) return;
+      const int which = static_cast<int>(rng() % 3);
+      std::string req = which == 0 ? "GET /" + std::string(64 << 10, 'a') + " HTTP/1.1\r\n"
+                                   : "GET /stats HTTP/1.1\r\n";
+      if (which == 1) req += "X-Big: " + std::string(64 << 10, 'b') + "\r\n";
+      for (int i = 0; which == 2 && i < 500; ++i) req += fmt::format("X-H{}: v\r\n", i);
+      SendText(fd, req + "\r\n");
+      Drain(fd, 100ms);
+      ::close(fd);
+      return;
+    }
+    case 2: {  // a body announced at 1 GiB, a MiB of it sent
+      int fd = ConnectTcp(port);
+      if (fd < 0) return;
+      SendText(fd, "POST /stats HTTP/1.1\r\nContent-Length: 1073741824\r\n\r\n");
+      SendText(fd, std::string(1 << 20, 'x'));
+      Drain(fd, 50ms);
+      ::close(fd);
+      return;
+    }
+    case 3: {  // hundreds of ranges of one document
+      int fd = ConnectTcp(port);
+      if (fd < 0) return;
+      std::string ranges = "bytes=0-0";
+      for (int i = 1; i < 400; ++i) ranges += fmt::format(",0-{}", i);
+      SendText(fd, "GET /metrics HTTP/1.1\r\nRange: " + ranges + "\r\n\r\n");
+      Drain(fd, 100ms);
+      ::close(fd);
+      return;
+    }
+    default: {  // a request trickled a byte at a time
+      int fd = ConnectTcp(port);
+      if (fd < 0) return;
+      const std::string req = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+      for (size_t i = 0; i < req.size() && i < 12; ++i) {
+        SendText(fd, req.substr(i, 1));
+        std::this_thread::sleep_for(50ms);
+      }
+      ::close(fd);
+      return;
+    }
+  }
+}
+
 int RunAdversary(const StressArgs& a) {
   namespace codec = server;
   std::mt19937_64 rng(a.seed * 7919 + 17);
-  uint64_t attacks = 0;
+  uint64_t attacks = 0, http_attacks = 0;
   auto hello = [&](int fd, uint64_t chunk_bytes) {
     codec::HelloRequest h;
     h.ns = StressNamespace();
@@ -339,6 +441,12 @@ int RunAdversary(const StressArgs& a) {
     if (a.isolate_clients && rng() % 10 == 0) {
       ::close(fd);
       ScribbleAsAnotherTenant(a, rng);
+      continue;
+    }
+    if (rng() % 8 == 0) {
+      ::close(fd);
+      AttackHttp(a, rng);
+      ++http_attacks;
       continue;
     }
     switch (rng() % 9) {
@@ -410,7 +518,8 @@ int RunAdversary(const StressArgs& a) {
     }
     ::close(fd);
   }
-  fmt::print(stderr, "stress adversary: {} attacks\n", attacks);
+  fmt::print(stderr, "stress adversary: {} attacks ({} on the HTTP listener)\n", attacks,
+             http_attacks);
   return kExitOk;
 }
 
@@ -425,7 +534,7 @@ server::ServeConfig ServerConfig(const StressArgs& a) {
   l2.max_size_gb = a.l2_mb / 1024.0;
   c.l2 = {l2};
   c.socket = a.socket;
-  c.http_port = -1;
+  c.http_port = a.http_port;
   c.write_policy = a.write_policy;
   c.isolate_clients = a.isolate_clients;
   return c;
@@ -506,6 +615,27 @@ std::string Describe(int status) {
   return fmt::format("status {}", status);
 }
 
+// A TCP port on 127.0.0.1 that nobody listens on now (the kernel's pick for an ephemeral bind).
+int FreeLoopbackPort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+// What kvtier serve does with each signal (src/tools/serve_cmd.cc, docs/protocol.md): these
+// drain it as SIGTERM does; the ignored ones must leave it serving.
+constexpr int kDrainSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGALRM, SIGXCPU, SIGPWR};
+constexpr int kIgnoredSignals[] = {SIGPIPE, SIGUSR1, SIGUSR2, SIGXFSZ};
+
 class Driver {
  public:
   explicit Driver(StressArgs a) : a_(std::move(a)), rng_(a_.seed) {}
@@ -533,6 +663,7 @@ class Driver {
   void StartAdversary();
   void Reap(bool final);
   void PlantNonRegularFile();
+  void SignalStorm();
   std::optional<nlohmann::json> Stats();
   void Fail(std::string why) {
     if (failure_.empty()) failure_ = std::move(why);
@@ -546,7 +677,7 @@ class Driver {
   std::map<pid_t, int> client_ids_;
   std::string failure_;
   int server_starts_ = 0, server_kills_ = 0, server_terms_ = 0, client_kills_ = 0;
-  int faulty_starts_ = 0, fifos_ = 0;
+  int faulty_starts_ = 0, fifos_ = 0, signal_storms_ = 0;
 };
 
 void Driver::StartServer() {
@@ -561,6 +692,13 @@ void Driver::StartServer() {
   const bool faulty = a_.fault_rate > 0 && rng_() % 2 == 0;
   const double fault_rate = a_.fault_rate;
 #endif
+  // A fresh HTTP port each start, told to the adversary through a file.
+  const int http_port = FreeLoopbackPort();
+  {
+    const std::string tmp = HttpPortFile(a_) + ".tmp";
+    std::ofstream(tmp) << http_port << "\n";
+    std::filesystem::rename(tmp, HttpPortFile(a_));
+  }
   std::vector<std::string> argv;
   if (faulty) {
     argv = RoleArgs("server");
@@ -568,6 +706,7 @@ void Driver::StartServer() {
                              fmt::format("{}", a_.l1_mb), "--l2-mb", fmt::format("{}", a_.l2_mb),
                              "--fault-rate", fmt::format("{}", fault_rate)});
     argv[9] = std::to_string(a_.seed + server_starts_);  // --seed: new faults each start
+    argv.insert(argv.end(), {"--http-port", std::to_string(http_port)});
     if (fault_rate > 0) ++faulty_starts_;
   } else {
     argv = {Self(),
@@ -575,7 +714,7 @@ void Driver::StartServer() {
             "--socket",
             a_.socket,
             "--http-port",
-            "-1",
+            std::to_string(http_port),
             "--chunk-bytes",
             std::to_string(a_.chunk_bytes),
             "--l1-size-gb",
@@ -618,7 +757,11 @@ void Driver::StartServer() {
 bool Driver::StopServer(bool kill) {
   if (server_.pid <= 0) return false;
   server_.killed_by_us = true;
-  ::kill(server_.pid, kill ? SIGKILL : SIGTERM);
+  // kvtier serve drains on any of its drain signals; the in-process server on SIGTERM.
+  const int sig = kill                             ? SIGKILL
+                  : server_.what != "kvtier serve" ? SIGTERM
+                                                   : kDrainSignals[rng_() % std::size(kDrainSignals)];
+  ::kill(server_.pid, sig);
   auto until = Clock::now() + 30s;
   int status = 0;
   for (;;) {
@@ -627,7 +770,7 @@ bool Driver::StopServer(bool kill) {
     if (Clock::now() > until) {
       ::kill(server_.pid, SIGKILL);
       ::waitpid(server_.pid, &status, 0);
-      Fail(fmt::format("{} did not finish within 30 s of SIGTERM", server_.what));
+      Fail(fmt::format("{} did not finish within 30 s of {}", server_.what, strsignal(sig)));
       server_.pid = -1;
       return false;
     }
@@ -635,8 +778,8 @@ bool Driver::StopServer(bool kill) {
   }
   server_.pid = -1;
   if (!kill && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-    Fail(fmt::format("{} ended by SIGTERM with {}, not a clean exit (see {}/server.log)",
-                     server_.what, Describe(status), a_.dir));
+    Fail(fmt::format("{} ended by {} with {}, not a clean exit (see {}/server.log)",
+                     server_.what, strsignal(sig), Describe(status), a_.dir));
     return false;
   }
   return true;
@@ -712,6 +855,17 @@ void Driver::PlantNonRegularFile() {
   }
 }
 
+// Dozens of the signals kvtier serve ignores, back to back: it must go on serving (a death is
+// caught by Reap as a server that died on its own).
+void Driver::SignalStorm() {
+  if (server_.pid <= 0 || server_.what != "kvtier serve") return;
+  ++signal_storms_;
+  for (int i = 0; i < 40; ++i) {
+    ::kill(server_.pid, kIgnoredSignals[rng_() % std::size(kIgnoredSignals)]);
+    if (i % 8 == 7) std::this_thread::sleep_for(1ms);
+  }
+}
+
 std::optional<nlohmann::json> Driver::Stats() {
   ClientOptions o;
   o.socket_path = a_.socket;
@@ -747,6 +901,8 @@ int Driver::Run() {
       ++client_kills_;
     } else if (action == 6) {
       PlantNonRegularFile();
+    } else if (action == 7) {
+      SignalStorm();
     } else if (a_.kill_server && action < 6) {
       const bool kill = action == 4;
       kill ? ++server_kills_ : ++server_terms_;
@@ -800,9 +956,11 @@ int Driver::Run() {
   }
   const double took = std::chrono::duration<double>(Clock::now() - started).count();
   fmt::print(
-      "kvtier stress: {} server starts ({} fault-injecting), {} server SIGKILLs, {} "
-      "SIGTERMs, {} client SIGKILLs, {} chunk files replaced by a FIFO or directory, {:.0f} s\n",
-      server_starts_, faulty_starts_, server_kills_, server_terms_, client_kills_, fifos_, took);
+      "kvtier stress: {} server starts ({} fault-injecting), {} server SIGKILLs, {} drain "
+      "signals, {} signal storms, {} client SIGKILLs, {} chunk files replaced by a FIFO or "
+      "directory, {:.0f} s\n",
+      server_starts_, faulty_starts_, server_kills_, server_terms_, signal_storms_, client_kills_,
+      fifos_, took);
   if (!failure_.empty()) {
     fmt::print(stderr, "kvtier stress: FAILED (seed {}): {}\n", a_.seed, failure_);
     return 1;
@@ -878,6 +1036,7 @@ void AddStress(CLI::App& parent, CommandContext& ctx) {
   cmd->add_option("--until-unix", a->until_unix)->group("");
   cmd->add_option("--client-id", a->client_id)->group("");
   cmd->add_option("--write-policy", a->write_policy)->group("");
+  cmd->add_option("--http-port", a->http_port)->group("");
   cmd->callback([a, &ctx] { ctx.exit_code = RunStress(*a); });
 }
 

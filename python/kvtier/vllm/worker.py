@@ -396,7 +396,9 @@ class WorkerSide:
             if ready is not None:
                 ready.synchronize()
             slots = store.reserve_slots(job.keys)
-            skipped = len(job.keys) - len(slots)  # the pool is full of pinned chunks
+            # A short reservation: the pool is full of pinned chunks or (write_through) of
+            # chunks still waiting for their file-tier write, which it keeps.
+            skipped = len(job.keys) - len(slots)
             commit = list(slots)
             for i, slot in enumerate(slots):
                 if slot < 0:

@@ -2,13 +2,16 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <linux/memfd.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
 
 namespace kvtier {
 namespace {
@@ -26,6 +29,42 @@ bool SealSize(int fd) {
   return fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0;
 }
 
+// The word in brackets of a transparent-huge-page setting ("always [advise] never"), or "".
+std::string ThpSetting(const char* path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t open = text.find('['), close = text.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return "";
+  return text.substr(open + 1, close - open - 1);
+}
+
+// Whether shared memory mapped with MADV_HUGEPAGE gets 2 MiB pages, and the setting that says.
+std::pair<bool, std::string> ShmemHugePagesAllowed() {
+  constexpr char kTop[] = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+  constexpr char k2M[] = "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled";
+  std::string setting = ThpSetting(k2M);
+  if (setting.empty() || setting == "inherit") setting = ThpSetting(kTop);
+  const bool allowed = setting == "always" || setting == "within_size" ||
+                       setting == "advise" || setting == "force";
+  return {allowed, setting.empty() ? "absent" : setting};
+}
+
+// Faults every page of the mapping in, writing, so that an out-of-memory is an error here and
+// not a SIGBUS or an OOM kill at the first store.
+Status Populate(uint8_t* p, uint64_t bytes, int fd) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older C libraries lack the name
+#endif
+  if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return Status::Ok();
+  if (errno != EINVAL) return Status::FromErrno(errno, "populating the memory tier");
+  // Older kernels: reserve the backing, then touch a byte of every page.
+  if (fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
+    return Status::FromErrno(errno, fmt::format("reserving {} bytes for the memory tier", bytes));
+  }
+  for (uint64_t off = 0; off < bytes; off += 4096) p[off] = 0;
+  return Status::Ok();
+}
+
 struct Arena {
   int fd = -1;
   uint8_t* base = nullptr;
@@ -33,57 +72,69 @@ struct Arena {
   bool huge = false;
 };
 
-// memfd + shared mapping, so the pool can later be handed to other processes.
+// A memfd on ordinary shared memory, mapped shared, so the pool can be handed to other processes.
+// Never hugetlbfs, even for huge pages: every client maps the descriptor read-write, and with
+// that it can deallocate any page (fallocate PUNCH_HOLE, madvise MADV_REMOVE: no seal forbids it
+// while allowing writable mappings). A shared-memory hole reads as zeros and the next touch
+// brings a new page; a hugetlbfs page must come back from the system's huge page pool, and once
+// another process has taken it, every process mapping the pool, the server first, died of
+// SIGBUS at its next touch. Huge pages are transparent ones (MADV_HUGEPAGE), where the kernel's
+// shmem_enabled setting allows them.
 Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
-  Arena a;
+  bool huge = false;
   if (want_huge) {
-    uint64_t huge_bytes = RoundUp(bytes, kHugePage);
-    int fd =
-        memfd_create("kvtier-l1", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB | MFD_HUGE_2MB);
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(huge_bytes)) == 0 && SealSize(fd)) {
-      void* p = mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE,
-                     MAP_SHARED | (prefault ? MAP_POPULATE : 0), fd, 0);
-      if (p != MAP_FAILED) {
-        return Arena{fd, static_cast<uint8_t*>(p), huge_bytes, true};
-      }
+    auto [allowed, setting] = ShmemHugePagesAllowed();
+    if (allowed) {
+      huge = true;
+      bytes = RoundUp(bytes, kHugePage);
+    } else {
+      spdlog::warn(
+          "memory tier: 2 MiB pages for shared memory are off (transparent huge pages for shmem: "
+          "'{}'); using 4 KiB pages (echo advise > "
+          "/sys/kernel/mm/transparent_hugepage/shmem_enabled to enable)",
+          setting);
     }
-    int err = errno;
-    if (fd >= 0) close(fd);
-    spdlog::warn(
-        "memory tier: 2 MiB huge pages unavailable ({}); using 4 KiB pages "
-        "(reserve pages via /proc/sys/vm/nr_hugepages to enable)",
-        std::strerror(err));
   }
   int fd = memfd_create("kvtier-l1", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Status::FromErrno(errno, "memfd_create for the memory tier");
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int err = errno;
+  auto fail = [fd](int err, std::string what) {
     close(fd);
-    return Status::FromErrno(err, fmt::format("sizing the memory tier to {} bytes", bytes));
+    return Status::FromErrno(err, std::move(what));
+  };
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    return fail(errno, fmt::format("sizing the memory tier to {} bytes", bytes));
   }
-  // Allocating the backing pages up front turns an out-of-memory at first touch (SIGBUS) into
-  // an error here, and makes the populate below a pure mapping step.
+  if (!SealSize(fd)) return fail(errno, "sealing the size of the memory tier");
+  // Aligned to a huge page, so that the kernel can map the arena with them.
+  const uint64_t span = bytes + (huge ? kHugePage : 0);
+  void* reserved = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (reserved == MAP_FAILED) return fail(errno, "reserving address space for the memory tier");
+  auto* start = reinterpret_cast<uint8_t*>(
+      RoundUp(reinterpret_cast<uint64_t>(reserved), huge ? kHugePage : 4096));
+  void* p = mmap(start, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    munmap(reserved, span);
+    return fail(err, "mapping the memory tier");
+  }
+  // The reservation's unused ends.
+  auto* r = static_cast<uint8_t*>(reserved);
+  if (start > r) munmap(r, static_cast<size_t>(start - r));
+  const uint64_t tail = static_cast<uint64_t>((r + span) - (start + bytes));
+  if (tail > 0) munmap(start + bytes, tail);
+  if (huge && madvise(p, bytes, MADV_HUGEPAGE) != 0) {
+    spdlog::warn("memory tier: madvise(MADV_HUGEPAGE) failed ({}); using 4 KiB pages",
+                 std::strerror(errno));
+    huge = false;
+  }
   if (prefault) {
-    int rc = fallocate(fd, 0, 0, static_cast<off_t>(bytes));
-    if (rc != 0) {
-      int err = errno;
+    if (Status s = Populate(static_cast<uint8_t*>(p), bytes, fd); !s.ok()) {
+      munmap(p, bytes);
       close(fd);
-      return Status::FromErrno(err, fmt::format("reserving {} bytes for the memory tier", bytes));
+      return s;
     }
   }
-  if (!SealSize(fd)) {
-    int err = errno;
-    close(fd);
-    return Status::FromErrno(err, "sealing the size of the memory tier");
-  }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (prefault ? MAP_POPULATE : 0),
-                 fd, 0);
-  if (p == MAP_FAILED) {
-    int err = errno;
-    close(fd);
-    return Status::FromErrno(err, "mapping the memory tier");
-  }
-  return Arena{fd, static_cast<uint8_t*>(p), bytes, false};
+  return Arena{fd, static_cast<uint8_t*>(p), bytes, huge};
 }
 
 }  // namespace
@@ -192,6 +243,7 @@ Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const C
     }
     if (r.slot == kNoSlot && dirty_ > 0) {
       if (victims == Victims::kCleanOnly) {
+        ++dirty_refusals_;
         return Status::Rejected("memory tier full: no clean chunk to evict");
       }
       r.slot = policy_->PickVictim(evictable);
@@ -349,6 +401,7 @@ MemoryTierStats MemoryTier::Stats() const {
   st.cleaning = cleaning_;
   st.evictions = evictions_;
   st.dirty_evictions = dirty_evictions_;
+  st.dirty_refusals = dirty_refusals_;
   st.rejections = rejections_;
   return st;
 }
