@@ -458,6 +458,7 @@ Result<nlohmann::json> MeasureSteadyState(const BenchServerArgs& a, const Steady
       {"l2_write_vs_raw", raw_gbps > 0 ? l2_gbps / raw_gbps : 0},
       {"write_backs", e1.write_backs - e0.write_backs},
       {"dirty_evictions", e1.dirty_evictions - e0.dirty_evictions},
+      {"dirty_refusals", e1.memory_detail.dirty_refusals - e0.memory_detail.dirty_refusals},
       {"write_through_deferred", e1.write_through_deferred - e0.write_through_deferred},
       {"write_through_dropped", e1.write_through_dropped - e0.write_through_dropped},
       {"l2_errors", f1.errors - f0.errors}};
@@ -469,10 +470,11 @@ void PrintSteadyState(const nlohmann::json& j) {
              j["l2_write_vs_raw"].get<double>(), j["raw_o_direct_write_GBps"].get<double>(),
              j["raw_o_direct_write_threads"].get<int>());
   fmt::print(
-      "  L1 evictions {}, written back by the flusher {}, lost before reaching L2 {}, "
-      "write-through deferred {} / dropped {}, L2 errors {}\n",
+      "  L1 evictions {}, written back by the flusher {}, lost before reaching L2 {}, stores "
+      "refused while L2 caught up {}, write-through deferred {} / dropped {}, L2 errors {}\n",
       j["l1_evictions"].get<uint64_t>(), j["write_backs"].get<uint64_t>(),
-      j["dirty_evictions"].get<uint64_t>(), j["write_through_deferred"].get<uint64_t>(),
+      j["dirty_evictions"].get<uint64_t>(), j["dirty_refusals"].get<uint64_t>(),
+      j["write_through_deferred"].get<uint64_t>(),
       j["write_through_dropped"].get<uint64_t>(), j["l2_errors"].get<uint64_t>());
 }
 
