@@ -236,6 +236,8 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetBool(v, key, &c->huge_pages);
     } else if (key == "isolate_clients") {
       s = GetBool(v, key, &c->isolate_clients);
+    } else if (key == "max_window_mb") {
+      s = GetInt(v, key, &c->max_window_mb);
     } else {
       s = Status::InvalidArgument(fmt::format("unknown configuration key \"{}\"", k));
     }
@@ -370,6 +372,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   o.reservation_timeout = std::chrono::milliseconds(c.reservation_timeout_ms);
   o.max_slots_per_client = c.max_client_slots;
   o.isolate_clients = c.isolate_clients;
+  o.max_window_bytes = static_cast<uint64_t>(c.max_window_mb) << 20;
   if (c.max_pending_handshakes < 1) {
     return Status::InvalidArgument("--max-pending-handshakes must be >= 1");
   }

@@ -231,7 +231,8 @@ struct Metrics {
     }
     for (const char* reason :
          {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
-          "no_thread", "hello_timeout", "too_many_pending", "no_window", "too_many_from_process"}) {
+          "no_thread", "hello_timeout", "too_many_pending", "no_window", "too_many_from_process",
+          "no_window_memory"}) {
       refused_by[reason] = &refused.Add({{"reason", reason}});
     }
     for (const char* reason : {"slow", "no_thread"}) {
@@ -298,6 +299,14 @@ class OutputPump {
 // I/O. Output goes through Send(): frames are written without blocking, in order, and what the
 // socket does not take is queued under `out_mu` for the OutputPump; once `out_closed` is set
 // nothing is written and `fd` may be closed.
+// The memory of isolated clients' windows, all connections together (ServerOptions::
+// max_window_bytes): a window is sized within what is left, so the bound holds however many
+// connect.
+struct WindowBudget {
+  std::mutex mu;
+  uint64_t used = 0;
+};
+
 struct Connection : std::enable_shared_from_this<Connection> {
   uint64_t id = 0;
   int fd = -1;
@@ -329,6 +338,11 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::unique_ptr<ClientWindow> window;
   size_t pinned = 0;        // sum of pins
   size_t pending_pins = 0;  // keys of prepare_loads not yet answered (they may all pin)
+  size_t pending_reserves = 0;  // slots a reserve was allowed and has not recorded yet
+  size_t accounted = 0;  // HeldLocked() as last added to the process's total (AccountLocked)
+  // The window's bytes, charged against ServerOptions::max_window_bytes while it exists.
+  std::shared_ptr<WindowBudget> window_budget;
+  uint64_t window_charge = 0;
 
   std::mutex out_mu;
   bool out_closed = false;
@@ -338,7 +352,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   Clock::time_point out_since;  // when the oldest queued byte was queued
 
   // Slots this connection holds or may soon hold. REQUIRES: mu held.
-  size_t HeldLocked() const { return reservations.size() + pinned + pending_pins; }
+  size_t HeldLocked() const {
+    return reservations.size() + pinned + pending_pins + pending_reserves;
+  }
+  ~Connection();
 
   // Writes what is queued without blocking. False if the connection broke (it is then shut down).
   // REQUIRES: out_mu held, !out_closed.
@@ -372,6 +389,13 @@ struct Connection : std::enable_shared_from_this<Connection> {
     ::shutdown(fd, SHUT_RDWR);
   }
 };
+
+Connection::~Connection() {
+  if (window_budget) {
+    std::lock_guard lock(window_budget->mu);
+    window_budget->used -= window_charge;
+  }
+}
 
 Status OutputPump::Start() {
   epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
@@ -528,6 +552,10 @@ class Server::Impl {
   void ProtocolError(Connection& c, const FrameHeader& h, const Status& s);
   size_t SlotQuota() const;
   size_t ClientsPerProcess() const;
+  // Brings the connection's process's count of held slots up to date with HeldLocked() (a
+  // process's connections share one slot limit). REQUIRES: c.mu held; call after every change.
+  void AccountLocked(Connection& c);
+  size_t HeldByProcess(pid_t pid);
   void ExpireReservations(Clock::time_point now);
 
   Metrics metrics_;
@@ -549,6 +577,11 @@ class Server::Impl {
   bool accept_failing_ = false;  // door thread only: an accept error was logged
 
   mutable std::mutex conns_mu_;
+  // Slots held (reserved or pinned) by each client process, over all its connections. Locked
+  // after a connection's mu, never before.
+  std::mutex held_mu_;
+  std::unordered_map<pid_t, size_t> held_by_process_;
+  std::shared_ptr<WindowBudget> window_budget_ = std::make_shared<WindowBudget>();
   std::list<std::shared_ptr<Connection>> conns_;  // past the handshake
 
   std::unique_ptr<httplib::Server> http_;
@@ -1036,7 +1069,9 @@ void Server::Impl::Refuse(Connection& c, const FrameHeader& h, const Status& s,
                           const char* reason) {
   spdlog::warn("refusing client {} (pid {}, \"{}\"): {}", c.id, c.peer_pid, LogSafe(c.name),
                LogSafe(s.ToString()));
-  metrics_.refused_by[reason]->Increment();
+  if (auto it = metrics_.refused_by.find(reason); it != metrics_.refused_by.end()) {
+    it->second->Increment();
+  }
   Send(c, EncodeReply(h.opcode, h.request_id, s));
 }
 
@@ -1125,6 +1160,7 @@ void Server::Impl::Release(Connection& c) {
     c.reservations.clear();
     c.pins.clear();
     c.pinned = 0;
+    AccountLocked(c);  // what is left: prepare_loads still running (FinishPrepareLoad ends them)
   }
   {
     std::lock_guard lock(c.out_mu);
@@ -1220,8 +1256,29 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   reply.chunk_bytes = engine_->options().chunk_bytes;
   reply.num_slots = pool.num_slots;
   if (options_.isolate_clients) {
-    // As many window slots as the connection may hold, so one is always free for them.
-    auto window = ClientWindow::Create(static_cast<uint32_t>(SlotQuota()), pool.slot_bytes);
+    // As many window slots as the connection may hold, so one is always free for them, within
+    // what the windows' memory bound leaves.
+    const uint64_t limit =
+        options_.max_window_bytes > 0 ? options_.max_window_bytes : 2 * pool.bytes;
+    uint64_t slots = SlotQuota();
+    {
+      std::lock_guard lock(window_budget_->mu);
+      const uint64_t left = limit > window_budget_->used ? limit - window_budget_->used : 0;
+      slots = std::min<uint64_t>(slots, left / pool.slot_bytes);
+      window_budget_->used += slots * pool.slot_bytes;
+    }
+    c.window_budget = window_budget_;  // given back when the connection goes
+    c.window_charge = slots * pool.slot_bytes;
+    if (slots == 0) {
+      Refuse(c, h,
+             Status::Unavailable(fmt::format(
+                 "the isolated clients' windows already take the {} MiB they may "
+                 "(--max-window-mb); retry later, or raise it or lower --max-client-slots",
+                 limit >> 20)),
+             "no_window_memory");
+      return false;
+    }
+    auto window = ClientWindow::Create(static_cast<uint32_t>(slots), pool.slot_bytes);
     if (!window.ok()) {
       Refuse(c, h,
              Status::Unavailable(fmt::format("the server cannot make this client's window: {}",
@@ -1298,18 +1355,23 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
     if (!s.ok()) metrics_.request_errors.Increment();
     return Send(c, EncodeReply(h.opcode, h.request_id, s, fields));
   };
-  // How many of `n` new slots this connection may take (reservations and pins are capped per
-  // connection, so one client cannot take the whole pool); an error when none.
-  const size_t quota = SlotQuota();
+  // How many of `n` new slots this connection may take: reservations and pins are capped per
+  // client process, over all its connections (two connections of one process took the whole
+  // pool when the cap was per connection), and an isolated connection's by its window. An
+  // error when none. REQUIRES: c.mu held.
+  const size_t quota = std::min<size_t>(SlotQuota(), c.window ? c.window->num_slots() : SIZE_MAX);
   auto allowance = [&](size_t n, size_t* allowed) -> Status {
-    const size_t held = c.HeldLocked();
+    AccountLocked(c);
+    const size_t own = c.HeldLocked(), process = HeldByProcess(c.peer_pid);
+    const size_t held = std::max(own, process);
     *allowed = held >= quota ? 0 : std::min(n, quota - held);
     if (*allowed < n) metrics_.quota_limited.Increment();
     if (n > 0 && *allowed == 0) {
       return Status::Rejected(fmt::format(
-          "this client holds {} reserved or pinned slots, its limit (--max-client-slots); "
-          "commit, abort or release some first",
-          held));
+          "this client's process (pid {}) holds {} reserved or pinned slots over its "
+          "connections ({} on this one), its limit (--max-client-slots); commit, abort or "
+          "release some first",
+          c.peer_pid, process, own));
     }
     return Status::Ok();
   };
@@ -1337,6 +1399,10 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
       {
         std::lock_guard lock(c.mu);
         limited = allowance(keys->size(), &allowed);
+        if (limited.ok()) {
+          c.pending_reserves += allowed;  // counted until recorded below
+          AccountLocked(c);
+        }
       }
       if (!limited.ok()) {
         keep = reply(limited);
@@ -1365,6 +1431,8 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
           }
           c.reservations[slots[i]] = {derived[i], started, pool};
         }
+        c.pending_reserves -= allowed;
+        AccountLocked(c);
       }
       if (!unused.empty()) engine_->AbortSlots(unused);
       keep = reply(Status::Ok(), SlotsReplyFields(slots));
@@ -1401,6 +1469,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         }
         if (bad.ok()) {
           for (SlotId s : valid) c.reservations.erase(s);
+          AccountLocked(c);
         }
       }
       if (!bad.ok()) {
@@ -1445,6 +1514,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         std::lock_guard lock(c.mu);
         limited = allowance(keys->size(), &allowed);
         if (limited.ok()) c.pending_pins += allowed;
+        AccountLocked(c);
       }
       if (!limited.ok()) {
         keep = reply(limited);
@@ -1464,6 +1534,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         {
           std::lock_guard lock(c.mu);
           c.pending_pins -= allowed;
+          AccountLocked(c);
         }
         keep = reply(handle.status());
         break;
@@ -1504,6 +1575,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
             c.pinned -= n;
             if ((it->second -= n) == 0) c.pins.erase(it);
           }
+          AccountLocked(c);
         }
       }
       if (bad.ok()) {
@@ -1575,6 +1647,7 @@ void Server::Impl::ExpireReservations(Clock::time_point now) {
         if (c.window) c.window->Give(it->first);
         it = c.reservations.erase(it);
       }
+      AccountLocked(c);
     }
     if (expired.empty()) continue;
     engine_->AbortSlots(expired);
@@ -1582,6 +1655,22 @@ void Server::Impl::ExpireReservations(Clock::time_point now) {
     spdlog::warn("client {} (pid {}, {}): {} reserved slots not committed within {} ms; taken back",
                  c.id, c.peer_pid, c.name, expired.size(), timeout.count());
   }
+}
+
+void Server::Impl::AccountLocked(Connection& c) {
+  const size_t now = c.HeldLocked();
+  if (now == c.accounted) return;
+  std::lock_guard lock(held_mu_);
+  size_t& total = held_by_process_[c.peer_pid];
+  total = total + now - c.accounted;
+  if (total == 0) held_by_process_.erase(c.peer_pid);
+  c.accounted = now;
+}
+
+size_t Server::Impl::HeldByProcess(pid_t pid) {
+  std::lock_guard lock(held_mu_);
+  auto it = held_by_process_.find(pid);
+  return it == held_by_process_.end() ? 0 : it->second;
 }
 
 size_t Server::Impl::SlotQuota() const {
@@ -1635,6 +1724,7 @@ void Server::Impl::FinishPrepareLoad(const std::shared_ptr<Connection>& conn, ui
       for (SlotId s : slots) c.pins[s]++;
       c.pinned += slots.size();
     }
+    AccountLocked(c);
   }
   // Observed before the reply leaves, so that a client that has it finds it counted.
   metrics_.load_latency.Observe(std::chrono::duration<double>(Clock::now() - started).count());

@@ -11,7 +11,7 @@
 // replies unread past send_timeout or max_output_bytes is disconnected. prepare_load requests
 // that must wait for the file tier complete on a small pool so a slow promotion never blocks a
 // connection. Every connection's reservations and pins are tracked and released when it closes,
-// however it closes, and are capped per connection (max_slots_per_client). With
+// however it closes, and are capped per client process (max_slots_per_client). With
 // isolate_clients no client maps the pool: each gets a private window and the server copies
 // chunks through it. An HTTP listener serves /metrics (Prometheus text), /healthz and /stats.
 //
@@ -49,12 +49,16 @@ struct ServerOptions {
   std::chrono::milliseconds hello_timeout{5000};  // a connection silent this long is closed
   uint32_t max_message_bytes = 1u << 20;
   uint32_t max_keys_per_request = 4096;
-  // Slots one connection may hold reserved or pinned at once; 0 = half the pool.
+  // Slots one client process may hold reserved or pinned at once, over all its connections;
+  // 0 = half the pool.
   uint32_t max_slots_per_client = 0;
   // No client maps the pool: each gets a private window of max_slots_per_client slots, and the
   // server copies chunks in at commit and out at load (docs/protocol.md, "Isolated clients").
   // Costs one copy per chunk each way; keeps tenants from reading or writing each other's bytes.
   bool isolate_clients = false;
+  // The windows' memory, all connections together: a window gets what is left of it, a
+  // connection that would get none is refused (kUnavailable). 0 = twice the pool.
+  uint64_t max_window_bytes = 0;
   int http_threads = 8;  // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
   uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it

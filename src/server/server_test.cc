@@ -146,7 +146,8 @@ class ServerProcess {
   int HttpPort() const {
     for (int i = 0; i < 200; ++i) {
       std::string log = Log();
-      if (auto at = log.find("http://127.0.0.1:"); at != std::string::npos) {
+      // The last start's: servers started one after another in a test share the log file.
+      if (auto at = log.rfind("http://127.0.0.1:"); at != std::string::npos) {
         return std::atoi(log.c_str() + at + std::strlen("http://127.0.0.1:"));
       }
       std::this_thread::sleep_for(25ms);
@@ -1752,14 +1753,20 @@ TEST_F(ServerTest, OneClientCannotHoldTheWholePool) {
   auto more = (*hog)->ReserveSlots(Keys(4, 51));
   EXPECT_EQ(more.status().code(), StatusCode::kRejected) << more.status().ToString();
   EXPECT_NE(more.status().message().find("limit"), std::string::npos);
-  // Another tenant still stores and loads.
-  ClientOptions o = server.Options();
-  o.ns.tenant_salt = "other";
-  auto other = Client::Connect(o);
-  ASSERT_TRUE(other.ok());
-  auto keys = Keys(16, 52);
-  ASSERT_NO_FATAL_FAILURE(StoreChunks(**other, keys));
-  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**other, keys, 16));
+  // Another process still stores and loads.
+  pid_t child = Spawn([&]() -> int {
+    ClientOptions o = server.Options();
+    o.ns.tenant_salt = "other";
+    auto other = Client::Connect(o);
+    if (!other.ok()) return 2;
+    auto keys = Keys(16, 52);
+    StoreChunks(**other, keys);
+    ExpectLoad(**other, keys, 16);
+    return ::testing::Test::HasFailure() ? 3 : 0;
+  });
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   // Pins count too: a load beyond the limit is a partial hit.
   EXPECT_TRUE((*hog)->AbortSlots(*got).ok());
   ASSERT_NO_FATAL_FAILURE(StoreChunks(**hog, Keys(8, 53)));
@@ -1773,11 +1780,90 @@ TEST_F(ServerTest, OneClientCannotHoldTheWholePool) {
   EXPECT_TRUE((*hog)->AbortSlots(*held).ok());
 }
 
+// The slot limit is per client process, over all its connections: two connections of one
+// process took the whole pool when it was per connection. Another process keeps its own.
+TEST_F(ServerTest, AProcesssConnectionsShareOneSlotLimit) {
+  ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "8"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto first = server.Connect();
+  auto second = server.Connect();
+  ASSERT_TRUE(first.ok() && second.ok());
+  auto got = (*first)->ReserveSlots(Keys(8, 60));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->size(), 8u);
+  auto more = (*second)->ReserveSlots(Keys(4, 61));
+  EXPECT_EQ(more.status().code(), StatusCode::kRejected) << more.status().ToString();
+  EXPECT_NE(more.status().message().find("--max-client-slots"), std::string::npos);
+  // Another process is not held back by this one's slots.
+  pid_t child = Spawn([&]() -> int {
+    auto c = server.Connect();
+    if (!c.ok()) return 2;
+    auto r = (*c)->ReserveSlots(Keys(8, 62));
+    return r.ok() && r->size() == 8 ? 0 : 3;
+  });
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  // What one connection gives back, the other may take; a closed connection gives back all.
+  ASSERT_TRUE((*first)->AbortSlots(std::span(*got).first(4)).ok());
+  auto now = (*second)->ReserveSlots(Keys(6, 63));
+  ASSERT_TRUE(now.ok()) << now.status().ToString();
+  EXPECT_EQ(now->size(), 4u);
+  first->reset();
+  std::vector<SlotId> after;
+  for (int i = 0; i < 100 && after.size() < 4; ++i) {  // the close is handled asynchronously
+    auto r = (*second)->ReserveSlots(Keys(4, 64 + i));
+    if (r.ok()) after.insert(after.end(), r->begin(), r->end());
+    if (after.size() < 4) std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(after.size(), 4u);
+}
+
+// The windows of isolated clients are bounded all together (--max-window-mb): a window gets what
+// is left of the bound, and a client that would get none is refused with the reason (each
+// connection's window was the full slot limit, so 255 connections took 128x the pool).
+TEST_F(ServerTest, IsolatedWindowsAreBoundedAllTogether) {
+  // 64 KiB slots: a full window of 24 slots is 1.5 MiB, the bound 2 MiB.
+  ServerProcess server(dir_,
+                       {"--no-l2", "--isolate-clients", "--max-client-slots", "24",
+                        "--max-window-mb", "2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto a = server.Connect();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->num_slots(), 24u);
+  auto b = server.Connect();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ((*b)->num_slots(), 8u) << "what the bound leaves";
+  auto c = server.Connect();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("--max-window-mb"), std::string::npos)
+      << c.status().ToString() << "\n" << server.Log();
+  // The small window works, and its limit is its size.
+  auto keys = Keys(8, 70);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**b, keys));
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**b, keys, 8));
+  auto over = (*b)->ReserveSlots(Keys(12, 71));
+  ASSERT_TRUE(over.ok()) << over.status().ToString();
+  EXPECT_EQ(over->size(), 8u);
+  EXPECT_TRUE((*b)->AbortSlots(*over).ok());
+  // A window given back makes room.
+  a->reset();
+  Result<std::unique_ptr<Client>> d = Status::Internal("not tried");
+  for (int i = 0; i < 100; ++i) {  // the close is handled asynchronously
+    d = server.Connect();
+    if (d.ok()) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ((*d)->num_slots(), 24u);
+}
+
 // Reservations expire: a client that reserves and never commits (hung, or buggy) holds its
 // slots only until --reservation-timeout-ms; its late commit is refused with the reason, and the
 // slots serve again. (They were held until the connection closed.)
 TEST_F(ServerTest, ReservationsNotCommittedInTimeAreTakenBack) {
-  for (const bool isolate : {false}) {  // isolated clients: see the note in docs/security.md
+  for (const bool isolate : {false, true}) {
     SCOPED_TRACE(isolate ? "isolated" : "shared pool");
     std::vector<std::string> args = {"--no-l2", "--reservation-timeout-ms", "300"};
     if (isolate) args.push_back("--isolate-clients");
@@ -1801,16 +1887,21 @@ TEST_F(ServerTest, ReservationsNotCommittedInTimeAreTakenBack) {
     EXPECT_FALSE(late.ok());
     EXPECT_NE(late.message().find("expired"), std::string::npos) << late.ToString();
     // The slots are free again, in the pool and in the client's quota: the late client and
-    // another one each reserve a full quota (half the pool) at once.
-    auto other = server.Connect();
-    ASSERT_TRUE(other.ok());
+    // another process each reserve a full quota (half the pool) at once.
     auto mine = (*hog)->ReserveSlots(Keys(slots, 61));
-    auto theirs = (*other)->ReserveSlots(Keys(slots, 62));
-    ASSERT_TRUE(mine.ok() && theirs.ok()) << mine.status().ToString() << theirs.status().ToString();
+    ASSERT_TRUE(mine.ok()) << mine.status().ToString();
     EXPECT_EQ(mine->size(), got->size());
-    EXPECT_EQ(theirs->size(), slots - got->size());
+    const size_t rest = got->size();  // a full quota: half the pool is still free
+    pid_t child = Spawn([&]() -> int {
+      auto other = server.Connect();
+      if (!other.ok()) return 2;
+      auto theirs = (*other)->ReserveSlots(Keys(slots, 62));
+      return theirs.ok() && theirs->size() == rest ? 0 : 3;
+    });
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
     EXPECT_TRUE((*hog)->AbortSlots(*mine).ok());
-    EXPECT_TRUE((*other)->AbortSlots(*theirs).ok());
   }
 }
 

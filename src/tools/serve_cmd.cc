@@ -290,8 +290,8 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
           ->capture_default_str(),
       [a](ServeConfig& c) { c.reservation_timeout_ms = a->flags.reservation_timeout_ms; });
   add(cmd->add_option("--max-client-slots", f.max_client_slots,
-                      "Pool slots one client may hold reserved or pinned at once (0: half the "
-                      "pool)")
+                      "Pool slots one client process may hold reserved or pinned at once, over "
+                      "all its connections (0: half the pool)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_client_slots = a->flags.max_client_slots; });
   add(cmd->add_option("--max-pending-handshakes", f.max_pending_handshakes,
@@ -310,6 +310,12 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                     "--max-client-slots slots and the server copies chunks in and out (one copy "
                     "per chunk each way), so clients cannot read or write each other's chunks"),
       [a](ServeConfig& c) { c.isolate_clients = a->flags.isolate_clients; });
+  add(cmd->add_option("--max-window-mb", f.max_window_mb,
+                      "With --isolate-clients: the memory of every client's window together; a "
+                      "window gets what is left, a client that would get none is refused (0: "
+                      "twice the L1 pool)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.max_window_mb = a->flags.max_window_mb; });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")
       ->type_name("FILE");
   cmd->add_option("--log-level", args->log_level, "trace, debug, info, warn, error or off")
