@@ -117,7 +117,7 @@ struct ClientOptions {
   std::string socket_path;   // empty = DefaultSocketPath()
   KeyNamespace ns;           // REQUIRED: scopes every key this client sends
   uint64_t chunk_bytes = 0;  // REQUIRED: must equal the server's pool chunk size (0 = adopt it)
-  std::string token;         // the server's shared secret, if it has one
+  std::string token;         // the server's shared secret, or this client's tenant token
   std::string client_name;   // shown in server logs; printable UTF-8, at most 256 bytes
   // The uid the server must run as (checked with SO_PEERCRED before the token is sent). -1:
   // $KVTIER_SERVER_UID if set, else this process's uid or root.
@@ -163,7 +163,7 @@ class Client final : public ChunkStore {
 
   // An empty round trip (for health checks and latency measurements).
   Status Ping();
-  // The server's statistics as JSON (the document HTTP /stats serves).
+  // The server's statistics as JSON (protocol.md, `stats`; isolated: its tenant's clients only).
   Result<std::string> StatsJson();
   // False once the connection broke; the reason is in broken_status().
   bool connected() const;

@@ -1915,7 +1915,10 @@ void DefineStores(nb::module_& m) {
       .def_prop_ro("http_port", &PyServer::http_port,
                    "The HTTP port of /metrics, /healthz and /stats, or -1 without HTTP.")
       .def_prop_ro("stopped", &PyServer::stopped, "True after stop().")
-      .def("stats", &PyServer::Stats, "The /stats document as a dict.")
+      .def("stats", &PyServer::Stats,
+           "The statistics document as a dict, every client listed: the operator's view (under "
+           "isolate_clients, HTTP /stats lists no client and a client's stats() only its "
+           "tenant's).")
       .def("metrics", &PyServer::Metrics, "The /metrics text (Prometheus).")
       .def("stop", &PyServer::Stop,
            "Drains and stops; idempotent. Blocks: closes every connection (releasing what it "

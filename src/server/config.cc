@@ -1,14 +1,18 @@
 #include "server/config.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unordered_map>
 
 #include "common/model_presets.h"
 #include "common/strings.h"
@@ -214,6 +218,8 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetString(v, key, &c->token);
     } else if (key == "token_file") {
       s = GetString(v, key, &c->token_file);
+    } else if (key == "tenant_token_file") {
+      s = GetString(v, key, &c->tenant_token_file);
     } else if (key == "http_host") {
       s = GetString(v, key, &c->http_host);
     } else if (key == "http_port") {
@@ -293,6 +299,83 @@ L2Spec DefaultL2() {
   return s;
 }
 
+Result<std::vector<ServerOptions::TenantToken>> ReadTenantTokenFile(const std::string& path) {
+  auto fail = [&](std::string_view why) {
+    return Status::InvalidArgument(fmt::format("--tenant-token-file \"{}\": {}", path, why));
+  };
+  // Opened once, then checked and read through the same descriptor: what is checked is what is
+  // read, even if the name is replaced meanwhile.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) {
+    return Status::FromErrno(errno, fmt::format("cannot read --tenant-token-file \"{}\"", path));
+  }
+  std::string text;
+  Status checked = [&]() -> Status {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return Status::FromErrno(errno, "fstat");
+    if (!S_ISREG(st.st_mode)) return fail("not a regular file");
+    if ((st.st_mode & 077) != 0) {
+      return Status::PermissionDenied(fmt::format(
+          "--tenant-token-file \"{}\" has mode {:04o}: group and others must have no access "
+          "(its tokens are the tenants' credentials); chmod 600 it",
+          path, st.st_mode & 07777));
+    }
+    if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+      return Status::PermissionDenied(fmt::format(
+          "--tenant-token-file \"{}\" is owned by uid {}: it must be owned by this user (uid {}) "
+          "or root, since whoever may rewrite it may add a tenant",
+          path, st.st_uid, ::geteuid()));
+    }
+    static constexpr size_t kMaxBytes = 1 << 20;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(fd, buf, sizeof(buf))) != 0) {
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Status::FromErrno(errno, fmt::format("reading \"{}\"", path));
+      text.append(buf, static_cast<size_t>(n));
+      if (text.size() > kMaxBytes) return fail("larger than 1 MiB");
+    }
+    return Status::Ok();
+  }();
+  ::close(fd);
+  KVTIER_RETURN_IF_ERROR(checked);
+
+  std::vector<ServerOptions::TenantToken> out;
+  std::unordered_map<std::string, size_t> line_of;  // token -> its line, for duplicates
+  std::istringstream in(text);
+  std::string line;
+  for (size_t no = 1; std::getline(in, line); ++no) {
+    std::vector<std::string> fields;
+    std::istringstream words(line);
+    for (std::string w; words >> w;) fields.push_back(std::move(w));
+    if (fields.empty() || fields[0][0] == '#') continue;
+    // Messages name the line, never its text: it may hold a token.
+    if (fields.size() != 2) {
+      return fail(fmt::format("line {}: expected \"TENANT_NAME TOKEN\", found {} fields", no,
+                              fields.size()));
+    }
+    const std::string& name = fields[0];
+    const bool name_ok =
+        name.size() <= 128 && std::all_of(name.begin(), name.end(), [](unsigned char ch) {
+          return std::isalnum(ch) || ch == '.' || ch == '_' || ch == '@' || ch == '-';
+        });
+    if (!name_ok) {
+      return fail(fmt::format(
+          "line {}: a tenant name is 1 to 128 letters, digits or the characters ._@-", no));
+    }
+    if (fields[1].size() > 4096) {
+      return fail(fmt::format("line {}: the token is longer than 4096 bytes", no));
+    }
+    if (auto [at, fresh] = line_of.emplace(fields[1], no); !fresh) {
+      return fail(fmt::format("line {} repeats the token of line {}: a token must name one tenant",
+                              no, at->second));
+    }
+    out.push_back({name, fields[1]});
+  }
+  if (out.empty()) return fail("no \"TENANT_NAME TOKEN\" line: no client could connect");
+  return out;
+}
+
 Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
   ServerOptions o;
   if (c.chunk_size < 1 || c.chunk_size > (1u << 20)) {
@@ -361,6 +444,19 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     if (o.token.empty()) return Status::InvalidArgument("--token-file is empty");
   }
   if (o.token.size() > 4096) return Status::InvalidArgument("--token is longer than 4096 bytes");
+  if (!c.tenant_token_file.empty()) {
+    if (!c.token.empty() || !c.token_file.empty()) {
+      return Status::InvalidArgument(
+          "--tenant-token-file excludes --token and --token-file: with it each client presents "
+          "its own tenant's token, and there is no shared one");
+    }
+    if (!c.isolate_clients) {
+      return Status::InvalidArgument(
+          "--tenant-token-file needs --isolate-clients: with the shared pool every client can "
+          "read and write every chunk, so there are no tenants to tell apart");
+    }
+    KVTIER_ASSIGN_OR_RETURN(o.tenant_tokens, ReadTenantTokenFile(c.tenant_token_file));
+  }
   o.http_host = c.http_host;
   if (c.http_port < -1 || c.http_port > 65535) {
     return Status::InvalidArgument("--http-port must be in [0, 65535] (0: any free port; -1: off)");

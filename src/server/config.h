@@ -48,6 +48,7 @@ struct ServeConfig {
   std::string socket_group;
   std::string token;
   std::string token_file;
+  std::string tenant_token_file;  // lines "TENANT_NAME TOKEN" (ReadTenantTokenFile)
   std::string http_host = "127.0.0.1";
   int http_port = 8790;  // 0: any free port; -1: no HTTP
   int worker_threads = 2;
@@ -76,6 +77,15 @@ std::vector<std::string> ModelPresetNames();
 std::string DefaultCacheDir();
 // The default L2: a file tier in DefaultCacheDir(), 10 GiB.
 L2Spec DefaultL2();
+
+// Reads --tenant-token-file: one "TENANT_NAME TOKEN" per line, separated by spaces or tabs;
+// blank lines and lines whose first non-blank character is '#' are skipped. A name is 1 to 128
+// letters, digits or ._@-; a token at most 4096 bytes without blanks; a token may appear once,
+// a name on several lines (several tokens of one tenant). The file must be a regular file owned
+// by this user or root that neither group nor others may read or write, since its tokens are
+// credentials and whoever may write it may add a tenant. Errors name the file and the line, never
+// a token.
+Result<std::vector<ServerOptions::TenantToken>> ReadTenantTokenFile(const std::string& path);
 
 // Validates everything and builds the server's options.
 Result<ServerOptions> BuildServerOptions(const ServeConfig& config);

@@ -1,6 +1,11 @@
 #include "server/config.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "testing/temp_dir.h"
 
 namespace kvtier::server {
 namespace {
@@ -159,6 +164,38 @@ TEST(ServeConfigTest, EveryModelPresetResolvesPerRank) {
   c.model = "deepseek-v3";
   c.kv_dtype = "fp8";
   EXPECT_EQ(ResolveModelLayout(c)->ToString(), "latent(layers=61, latent_dim=576, float8_e4m3fn)");
+}
+
+TEST(ServeConfigTest, TenantTokenFileNeedsIsolationAndNoSharedToken) {
+  testing::TempDir dir("kvtier-config-test");
+  const std::string file = dir.Sub("tenants");
+  std::ofstream(file) << "# name token\nalice a-1\nalice a-2\nbob b-1\n";
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  ServeConfig c;
+  ASSERT_TRUE(
+      ApplyConfigJson(R"({"isolate_clients": true, "tenant-token-file": ")" + file + R"("})", &c)
+          .ok());
+  auto o = BuildServerOptions(c);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  ASSERT_EQ(o->tenant_tokens.size(), 3u);
+  EXPECT_EQ(o->tenant_tokens[1].tenant, "alice");
+  EXPECT_EQ(o->tenant_tokens[1].token, "a-2");
+  EXPECT_EQ(o->tenant_tokens[2].tenant, "bob");
+  EXPECT_TRUE(o->token.empty());
+
+  ServeConfig shared = c;
+  shared.token = "t";
+  EXPECT_NE(BuildServerOptions(shared).status().message().find("excludes --token"),
+            std::string::npos);
+  shared = c;
+  shared.token_file = file;
+  EXPECT_FALSE(BuildServerOptions(shared).ok());
+  ServeConfig pooled = c;
+  pooled.isolate_clients = false;
+  EXPECT_NE(BuildServerOptions(pooled).status().message().find("needs --isolate-clients"),
+            std::string::npos);
+  ASSERT_EQ(::chmod(file.c_str(), 0660), 0);
+  EXPECT_EQ(BuildServerOptions(c).status().code(), StatusCode::kPermissionDenied);
 }
 
 }  // namespace

@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "common/sha256.h"
 #include "common/task_pool.h"
 #include "kvtier/client.h"
 #include "server/client_window.h"
@@ -65,9 +66,11 @@ struct KeyDeriver::State {
   SHA256_CTX prefix;
 };
 
-KeyDeriver::KeyDeriver(const KeyNamespace& ns) : state_(std::make_unique<State>()) {
+KeyDeriver::KeyDeriver(const KeyNamespace& ns) : KeyDeriver(ns.Root()) {}
+
+KeyDeriver::KeyDeriver(const ChunkKey& root) : state_(std::make_unique<State>()) {
   uint8_t block[64] = {};
-  std::memcpy(block, ns.Root().data(), 32);
+  std::memcpy(block, root.data(), 32);
   static constexpr char kTag[] = "kvtier/server-key/v1";
   std::memcpy(block + 32, kTag, sizeof(kTag) - 1);
   SHA256_Init(&state_->prefix);
@@ -84,6 +87,22 @@ ChunkKey KeyDeriver::Derive(const ChunkKey& client_key) {
   return ChunkKey(out);
 }
 #pragma GCC diagnostic pop
+
+namespace {
+std::array<uint8_t, 32> Sha256Of(std::string_view s) {
+  Sha256 h;
+  h.Update(s.data(), s.size());
+  return h.Final();
+}
+}  // namespace
+
+ChunkKey TenantRoot(const KeyNamespace& ns, std::string_view tenant) {
+  Sha256 h;
+  h.UpdateString("kvtier/tenant/v1");
+  h.UpdateString(tenant);
+  h.Update(ns.Root().data(), ChunkKey::kSize);
+  return ChunkKey(h.Final());
+}
 
 namespace {
 
@@ -232,7 +251,7 @@ struct Metrics {
     for (const char* reason :
          {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
           "no_thread", "hello_timeout", "too_many_pending", "no_window", "too_many_from_process",
-          "no_window_memory"}) {
+          "no_window_memory", "no_credentials"}) {
       refused_by[reason] = &refused.Add({{"reason", reason}});
     }
     for (const char* reason : {"slow", "no_thread"}) {
@@ -312,8 +331,12 @@ struct Connection : std::enable_shared_from_this<Connection> {
   int fd = -1;
   pid_t peer_pid = 0;
   uid_t peer_uid = 0;
-  std::string name;  // printable UTF-8 (checked at hello)
+  bool peer_known = false;  // SO_PEERCRED answered (else peer_uid means nothing)
+  std::string name;         // printable UTF-8 (checked at hello)
   KeyNamespace ns;
+  // Under isolate_clients: "uid:<uid>" or "tenant:<name>", set at hello by the server alone.
+  // Empty with the shared pool, where every client is of one trust domain.
+  std::string tenant;
   std::unique_ptr<KeyDeriver> deriver;  // connection thread only
   std::thread thread;
   std::atomic<bool> finished{false};
@@ -508,7 +531,12 @@ class Server::Impl {
     std::unique_lock lock(stop_mu_);
     stop_cv_.wait(lock, [this] { return stopped_; });
   }
-  std::string StatsJson() const;
+  // Who asks for the statistics: the operator (in-process) sees every client; HTTP /stats is
+  // open to every local user and, under isolate_clients, lists none (a count only); a client's
+  // `stats` lists the clients of its own tenant only. Without isolate_clients every view lists
+  // every client: the shared pool is one trust domain.
+  enum class StatsView { kOperator, kHttp, kTenant };
+  std::string StatsJson(StatsView view = StatsView::kOperator, std::string_view tenant = {}) const;
   std::string MetricsText() const;
 
   ServerOptions options_;
@@ -556,10 +584,19 @@ class Server::Impl {
   // process's connections share one slot limit). REQUIRES: c.mu held; call after every change.
   void AccountLocked(Connection& c);
   size_t HeldByProcess(pid_t pid);
+  // The tenant whose token `token` is, or nullptr. Every entry is compared, in constant time,
+  // so the time taken tells nothing about which entry (if any) came close.
+  const std::string* TenantOfToken(std::string_view token) const;
   void ExpireReservations(Clock::time_point now);
 
   Metrics metrics_;
   OutputPump pump_;
+  // options_.tenant_tokens as (tenant, SHA-256 of the token): equal-length values to compare.
+  struct TenantDigest {
+    std::string tenant;
+    std::array<uint8_t, 32> digest;
+  };
+  std::vector<TenantDigest> tenant_digests_;
   // Slow prepare_loads (file-tier promotions) are answered from the engine's completion
   // callbacks, with no thread parked per operation. Stop closes the gate: a callback that comes
   // later only gives its pins back, since the members a reply needs may be gone by then.
@@ -634,6 +671,31 @@ Status Server::Impl::Init() {
   }
   if (options_.max_output_bytes < options_.max_message_bytes) {
     return Status::InvalidArgument("server: max_output_bytes must be >= max_message_bytes");
+  }
+  if (!options_.tenant_tokens.empty()) {
+    if (!options_.isolate_clients) {
+      return Status::InvalidArgument(
+          "server: tenant tokens need isolate_clients (with the shared pool every client can "
+          "read and write every chunk: there are no tenants to tell apart)");
+    }
+    if (!options_.token.empty()) {
+      return Status::InvalidArgument(
+          "server: a shared token and tenant tokens exclude each other (with tenant tokens a "
+          "client presents its tenant's token)");
+    }
+    std::unordered_set<std::string> seen;
+    for (const auto& t : options_.tenant_tokens) {
+      if (t.tenant.empty() || t.token.empty() || !IsPrintableUtf8(t.tenant)) {
+        return Status::InvalidArgument(
+            "server: a tenant token needs a printable tenant name and a non-empty token");
+      }
+      if (!seen.insert(t.token).second) {
+        return Status::InvalidArgument(fmt::format(
+            "server: tenants \"{}\" and another share a token; each token names one tenant",
+            t.tenant));
+      }
+      tenant_digests_.push_back({t.tenant, Sha256Of(t.token)});
+    }
   }
   // Refuse a socket path in use before allocating the pool.
   KVTIER_RETURN_IF_ERROR(CheckSocketPath());
@@ -819,7 +881,7 @@ Status Server::Impl::StartHttp() {
     }
   });
   http_->Get("/stats", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(StatsJson(), "application/json");
+    res.set_content(StatsJson(StatsView::kHttp), "application/json");
   });
   if (options_.http_port == 0) {
     http_port_ = http_->bind_to_any_port(options_.http_host);
@@ -924,6 +986,7 @@ void Server::Impl::AcceptNew(std::list<std::shared_ptr<Connection>>& pending,
     if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
       conn->peer_pid = cred.pid;
       conn->peer_uid = cred.uid;
+      conn->peer_known = true;
     }
     metrics_.connections.Increment();
     // A real client says hello at once; whoever holds connections open without one is the
@@ -1131,8 +1194,9 @@ void Server::Impl::Serve(std::shared_ptr<Connection> conn, std::vector<uint8_t> 
   }
   metrics_.connected.Increment();
   if (Send(c, hello_reply, c.window ? c.window->fd() : engine_->pool().fd)) {
-    spdlog::info("client {} connected: pid {}, uid {}, \"{}\", model \"{}\" rank {}/{}", c.id,
-                 c.peer_pid, c.peer_uid, c.name, c.ns.model_id, c.ns.rank, c.ns.world_size);
+    spdlog::info("client {} connected: pid {}, uid {}, \"{}\", model \"{}\" rank {}/{}{}", c.id,
+                 c.peer_pid, c.peer_uid, c.name, c.ns.model_id, c.ns.rank, c.ns.world_size,
+                 c.tenant.empty() ? "" : ", tenant " + c.tenant);
     FrameHeader h;
     std::span<const uint8_t> body;
     while (ReadFrame(c, buf, begin, end, &h, &body)) {
@@ -1225,6 +1289,30 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
       return false;
     }
   }
+  // The tenant comes from what the server knows of the peer (its uid) or from a token the
+  // operator issued, never from a field the client fills in: the namespace it declares is
+  // public (a model id anyone can name), so it cannot be what keeps tenants apart.
+  std::string tenant;
+  if (options_.isolate_clients) {
+    if (!tenant_digests_.empty()) {
+      const std::string* name = TenantOfToken(hello->token);
+      if (!name) {
+        Refuse(c, h, Status::PermissionDenied("wrong or missing token (not a tenant's token)"),
+               "token");
+        return false;
+      }
+      tenant = "tenant:" + *name;
+    } else if (c.peer_known) {
+      tenant = fmt::format("uid:{}", c.peer_uid);
+    } else {
+      Refuse(c, h,
+             Status::PermissionDenied(
+                 "the server cannot tell which user this connection is (SO_PEERCRED failed), "
+                 "so not its tenant either"),
+             "no_credentials");
+      return false;
+    }
+  }
   Status ns = hello->ns.Validate();
   if (!ns.ok()) {
     Refuse(c, h, ns.WithContext("namespace refused"), "namespace");
@@ -1246,7 +1334,9 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
     return false;
   }
   c.ns = hello->ns;
-  c.deriver = std::make_unique<KeyDeriver>(c.ns);
+  c.tenant = std::move(tenant);
+  c.deriver = c.tenant.empty() ? std::make_unique<KeyDeriver>(c.ns)
+                               : std::make_unique<KeyDeriver>(TenantRoot(c.ns, c.tenant));
   c.in = std::move(rest);
   const Engine::Pool pool = engine_->pool();
   HelloReply reply;
@@ -1595,7 +1685,7 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
         ProtocolError(c, h, s);
         return false;
       }
-      keep = reply(Status::Ok(), TextReplyFields(StatsJson()));
+      keep = reply(Status::Ok(), TextReplyFields(StatsJson(StatsView::kTenant, c.tenant)));
       break;
     }
     case Opcode::kPing: {
@@ -1613,6 +1703,15 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
   metrics_.op_latency[h.opcode]->Observe(
       std::chrono::duration<double>(Clock::now() - started).count());
   return keep;
+}
+
+const std::string* Server::Impl::TenantOfToken(std::string_view token) const {
+  const std::array<uint8_t, 32> digest = Sha256Of(token);
+  const std::string* found = nullptr;
+  for (const TenantDigest& t : tenant_digests_) {
+    if (CRYPTO_memcmp(t.digest.data(), digest.data(), digest.size()) == 0) found = &t.tenant;
+  }
+  return found;
 }
 
 size_t Server::Impl::ClientsPerProcess() const {
@@ -1797,7 +1896,7 @@ void Server::Impl::Stop() {
   stop_cv_.notify_all();
 }
 
-std::string Server::Impl::StatsJson() const {
+std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) const {
   EngineStats st = engine_->Stats();
   const MemoryTierStats& m = st.memory_detail;
   nlohmann::json j;
@@ -1853,12 +1952,19 @@ std::string Server::Impl::StatsJson() const {
     j["engine"]["write_through_dropped"] = st.write_through_dropped;
     j["pool"]["dirty"] = m.dirty;
   }
+  // The engine-wide numbers above are aggregates over every tenant, as in /metrics, which any
+  // local user may read; who the clients are is not (docs/security.md, "A tenant").
+  const bool isolated = options_.isolate_clients && view != StatsView::kOperator;
+  if (isolated && view == StatsView::kTenant) j["tenant"] = tenant;
   nlohmann::json clients = nlohmann::json::array();
+  size_t connected = 0;
   {
     std::lock_guard lock(conns_mu_);
     for (auto& c : conns_) {
       std::lock_guard conn_lock(c->mu);
       if (c->closed || !c->handshaken) continue;
+      ++connected;
+      if (isolated && (view == StatsView::kHttp || c->tenant != tenant)) continue;
       clients.push_back({{"id", c->id},
                          {"pid", c->peer_pid},
                          {"name", c->name},
@@ -1867,9 +1973,11 @@ std::string Server::Impl::StatsJson() const {
                          {"world_size", c->ns.world_size},
                          {"pins", c->pinned},
                          {"reservations", c->reservations.size()}});
+      if (view == StatsView::kOperator && !c->tenant.empty()) clients.back()["tenant"] = c->tenant;
     }
   }
-  j["clients"] = std::move(clients);
+  j["clients_connected"] = connected;
+  if (!isolated || view == StatsView::kTenant) j["clients"] = std::move(clients);
   // Paths come from the operator and names were checked at hello, but no byte sequence may make
   // a dump throw (it would take the server down): invalid UTF-8 is replaced.
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

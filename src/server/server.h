@@ -13,7 +13,10 @@
 // connection. Every connection's reservations and pins are tracked and released when it closes,
 // however it closes, and are capped per client process (max_slots_per_client). With
 // isolate_clients no client maps the pool: each gets a private window and the server copies
-// chunks through it. An HTTP listener serves /metrics (Prometheus text), /healthz and /stats.
+// chunks through it, and every connection belongs to a tenant the server determines (its peer
+// uid, or the tenant its token names): keys are derived per tenant and stats show a client only
+// its own tenant's clients. An HTTP listener serves /metrics (Prometheus text), /healthz and
+// /stats.
 //
 // Thread-safety: Start, Stop and Wait may be called from any thread; StatsJson and MetricsText
 // are thread-safe.
@@ -23,6 +26,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "kvtier/engine.h"
 #include "kvtier/status.h"
@@ -35,7 +40,7 @@ struct ServerOptions {
   EngineOptions engine;
   std::string socket_path;   // REQUIRED
   std::string socket_group;  // empty: owner-only socket (0600); else 0660 and this group
-  std::string token;         // empty: none required
+  std::string token;         // empty: none required (excludes tenant_tokens)
   std::string http_host = "127.0.0.1";
   int http_port = 8790;        // 0: pick a free port (see http_port()); -1: no HTTP listener
   uint32_t max_clients = 256;  // connections past the handshake served at once
@@ -55,10 +60,23 @@ struct ServerOptions {
   // No client maps the pool: each gets a private window of max_slots_per_client slots, and the
   // server copies chunks in at commit and out at load (docs/protocol.md, "Isolated clients").
   // Costs one copy per chunk each way; keeps tenants from reading or writing each other's bytes.
+  // With it every connection also belongs to a tenant, which the server determines and the
+  // client cannot choose: its keys are derived from the tenant as well as from the namespace it
+  // declares (so two tenants declaring the same namespace share nothing, in memory or in the
+  // file tier), and its stats list only its own tenant's clients (docs/security.md).
   bool isolate_clients = false;
   // The windows' memory, all connections together: a window gets what is left of it, a
   // connection that would get none is refused (kUnavailable). 0 = twice the pool.
   uint64_t max_window_bytes = 0;
+  // Who a connection's tenant is under isolate_clients. Empty: its peer uid (SO_PEERCRED), so
+  // every process of one user is one tenant. Else a client must present one of these tokens at
+  // hello and belongs to the tenant named with it (a tenant may have several tokens, e.g. while
+  // one is rotated); any other token is refused. REQUIRES isolate_clients; excludes `token`.
+  struct TenantToken {
+    std::string tenant;  // a name: letters, digits and ._@- (at most 128 bytes)
+    std::string token;   // at most 4096 bytes; unique across the list
+  };
+  std::vector<TenantToken> tenant_tokens;
   int http_threads = 8;  // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
   uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it
@@ -81,6 +99,8 @@ class Server {
 
   int http_port() const;  // the bound port, or -1 without HTTP
   const std::string& socket_path() const;
+  // The statistics document with every client listed: the operator's view. With isolate_clients
+  // HTTP /stats lists no client (counts only) and a client's `stats` only its tenant's clients.
   std::string StatsJson() const;
   std::string MetricsText() const;
   Engine& engine();
@@ -96,11 +116,18 @@ class Server {
 // chunk size so that a restarted server with the same chunk size finds its files again.
 KeyNamespace ServerNamespace(uint64_t chunk_bytes);
 
+// The root a tenant's keys are derived from under isolate_clients (protocol.md, "Tenants"):
+// SHA-256(str("kvtier/tenant/v1") || str(tenant) || ns.Root()), with str() as in
+// docs/chunk-key.md. `tenant` is "uid:<uid>" or "tenant:<name>".
+ChunkKey TenantRoot(const KeyNamespace& ns, std::string_view tenant);
+
 // Derives stored keys from a client's keys (protocol.md, "Namespaces"). Not thread-safe: one per
 // connection.
 class KeyDeriver {
  public:
+  // From ns.Root() (a shared pool), or from a root of the caller's (a tenant's, TenantRoot).
   explicit KeyDeriver(const KeyNamespace& ns);
+  explicit KeyDeriver(const ChunkKey& root);
   ~KeyDeriver();
   KeyDeriver(const KeyDeriver&) = delete;
   KeyDeriver& operator=(const KeyDeriver&) = delete;

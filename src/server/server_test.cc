@@ -2037,5 +2037,339 @@ TEST_F(ServerTest, IsolatedClientsCanNeitherReadNorOverwriteOtherTenantsChunks) 
   ASSERT_NO_FATAL_FAILURE(ExpectLoad(**again, keys, 12));
 }
 
+// --- Tenants under --isolate-clients: bound to what the server knows, not what a client says ---
+
+// The tenant root is part of every key a server stores for an isolated client, in L1 and in the
+// file tier: a restarted server finds a tenant's chunks again only while this derivation holds.
+TEST(KeyDeriverTest, TenantRootIsTheDocumentedHash) {
+  KeyNamespace ns;
+  ns.model_id = "m";
+  ns.chunk_tokens = 16;
+  Sha256 h;
+  h.UpdateString("kvtier/tenant/v1");
+  h.UpdateString("uid:1000");
+  h.Update(ns.Root().data(), 32);
+  EXPECT_EQ(server::TenantRoot(ns, "uid:1000"), ChunkKey(h.Final()));
+  EXPECT_NE(server::TenantRoot(ns, "uid:1000"), server::TenantRoot(ns, "uid:1001"));
+  EXPECT_NE(server::TenantRoot(ns, "uid:1000"), ns.Root());
+  const ChunkKey k(std::array<uint8_t, 32>{9});
+  server::KeyDeriver a(server::TenantRoot(ns, "tenant:a")), b(server::TenantRoot(ns, "tenant:b"));
+  EXPECT_NE(a.Derive(k), b.Derive(k));
+  EXPECT_NE(a.Derive(k), server::KeyDeriver(ns).Derive(k));
+}
+
+// Lets users other than root reach the server of `dir` (the socket is owner-only).
+void AdmitOtherUsers(const testing::TempDir& dir, const ServerProcess& server) {
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0711), 0);
+  ASSERT_EQ(::chmod(server.socket().c_str(), 0666), 0);
+}
+
+// Stores `keys` with every byte `fill`, in batches of `batch`; returns the chunks stored.
+size_t StoreFilled(Client& c, const std::vector<ChunkKey>& keys, uint8_t fill, size_t batch) {
+  std::vector<std::vector<uint8_t>> data(batch, std::vector<uint8_t>(kChunkBytes, fill));
+  size_t stored = 0;
+  for (size_t at = 0; at < keys.size(); at += batch) {
+    const size_t n = std::min(batch, keys.size() - at);
+    std::vector<std::span<const uint8_t>> src(data.begin(), data.begin() + n);
+    auto op = c.Store(std::span(keys).subspan(at, n), src);
+    if (!op.ok()) return stored;
+    stored += op->Wait().chunks;
+  }
+  return stored;
+}
+
+// Waits until the file tier holds at least `chunks` chunks (stores there are asynchronous).
+bool WaitForFileTierChunks(Client& c, uint64_t chunks) {
+  for (int i = 0; i < 500; ++i) {
+    auto text = c.StatsJson();
+    if (!text.ok()) return false;
+    auto j = nlohmann::json::parse(*text);
+    if (j["tiers"]["file"].value("chunks", uint64_t{0}) >= chunks) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+// Loads `keys`; returns how many leading chunks came back with every byte `fill`.
+size_t LoadFilled(Client& c, const std::vector<ChunkKey>& keys, uint8_t fill) {
+  std::vector<std::vector<uint8_t>> out(keys.size(), std::vector<uint8_t>(kChunkBytes));
+  std::vector<std::span<uint8_t>> dst(out.begin(), out.end());
+  auto op = c.Load(keys, dst);
+  if (!op.ok()) return 0;
+  const size_t n = op->Wait().chunks;
+  for (size_t i = 0; i < n; ++i) {
+    for (uint8_t b : out[i]) {
+      if (b != fill) return i;
+    }
+  }
+  return n;
+}
+
+// Issue 37: a second tenant (another uid) that declares exactly the first one's namespace, with
+// the default empty salt, finds none of its chunks (in L1 or the file tier), and what it stores
+// under the same key bytes after evicting the pool never reaches the first tenant's loads. Clients
+// of one tenant still share, and a restarted server gives each tenant its own chunks back.
+TEST_F(ServerTest, IsolatedTenantsOfOneNamespaceShareNothing) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to connect as another user";
+  const std::string l2 = R"({"type":"fs","path":")" + dir_.Sub("l2") + R"(","max_size_gb":1})";
+  // Write-through, and every store waited for in the file tier: no chunk is lost to an eviction
+  // that outruns the disk, so every miss below is the isolation's.
+  ServerProcess server(dir_, {"--isolate-clients", "--max-client-slots", "32", "--l2", l2,
+                              "--write-policy", "write_through"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  ASSERT_NO_FATAL_FAILURE(AdmitOtherUsers(dir_, server));
+  const auto keys = Keys(12, 80);     // stored by A, then attacked by B
+  const auto a_only = Keys(4, 81);    // stored by A alone
+  const auto filler = Keys(300, 82);  // more than the pool's 256 slots
+  {
+    auto a = server.Connect();
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ASSERT_NO_FATAL_FAILURE(StoreChunks(**a, keys));
+    ASSERT_EQ(StoreFilled(**a, a_only, 0xA0, 32), a_only.size());
+    ASSERT_TRUE(WaitForFileTierChunks(**a, keys.size() + a_only.size()));
+    struct stat st;
+    ASSERT_EQ(::stat(dir_.Sub("l2").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 077, 0u) << "the file tier's directory is open to other users";
+    // Another process of the same user is the same tenant: it shares every chunk.
+    const int same = WaitExit(Spawn([&] {
+      auto c = server.Connect();
+      if (!c.ok()) return 2;
+      return (*c)->Lookup(keys).total == keys.size() ? 0 : 3;
+    }));
+    EXPECT_EQ(same, 0) << "a second client of tenant A did not find A's chunks";
+  }
+  // B: same model, layout, rank and (empty) salt, another uid.
+  const int b = WaitExit(Spawn([&] {
+    BecomeNobody();
+    auto c = server.Connect();
+    if (!c.ok()) return 2;
+    if ((*c)->Lookup(keys).total != 0 || (*c)->Lookup(a_only).total != 0) return 3;
+    if (LoadFilled(**c, keys, 0) != 0) return 4;
+    // Evict everything A has in L1, then store garbage under A's key bytes.
+    uint64_t in_file_tier = keys.size() + a_only.size();
+    for (size_t at = 0; at < filler.size(); at += 32) {
+      std::vector<ChunkKey> batch(filler.begin() + at,
+                                  filler.begin() + std::min(at + 32, filler.size()));
+      if (StoreFilled(**c, batch, 0x11, 32) != batch.size()) return 5;
+      if (!WaitForFileTierChunks(**c, in_file_tier += batch.size())) return 9;
+    }
+    if (StoreFilled(**c, keys, 0xEE, 32) != keys.size()) return 6;
+    if (!WaitForFileTierChunks(**c, in_file_tier + keys.size())) return 10;
+    if (LoadFilled(**c, keys, 0xEE) != keys.size()) return 7;  // its own garbage, for itself
+    return (*c)->Lookup(a_only).total == 0 ? 0 : 8;  // A's are in the file tier now: not B's
+  }));
+  ASSERT_EQ(b, 0) << "tenant B (exit code above) reached tenant A's chunks\n" << server.Log();
+  {
+    auto a = server.Connect();
+    ASSERT_TRUE(a.ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectLoad(**a, keys, keys.size()));
+    EXPECT_EQ(LoadFilled(**a, a_only, 0xA0), a_only.size());
+  }
+  // Restarted on the same file tier: the same derivation, so each tenant finds its own again.
+  EXPECT_EQ(server.Kill(SIGTERM), 0);
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  ASSERT_NO_FATAL_FAILURE(AdmitOtherUsers(dir_, server));
+  {
+    auto a = server.Connect();
+    ASSERT_TRUE(a.ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectLoad(**a, keys, keys.size()));
+    EXPECT_EQ(LoadFilled(**a, a_only, 0xA0), a_only.size());
+  }
+  const int b_again = WaitExit(Spawn([&] {
+    BecomeNobody();
+    auto c = server.Connect();
+    if (!c.ok()) return 2;
+    if ((*c)->Lookup(a_only).total != 0) return 3;
+    return LoadFilled(**c, keys, 0xEE) == keys.size() ? 0 : 4;
+  }));
+  EXPECT_EQ(b_again, 0) << server.Log();
+}
+
+// Issue 37: under isolation a client's stats list only its own tenant's clients, and HTTP
+// /stats (open to every local user) names no client, pid or model at all.
+TEST_F(ServerTest, IsolatedStatsShowATenantOnlyItsOwnClients) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to connect as another user";
+  ServerProcess server(dir_, {"--isolate-clients", "--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  ASSERT_NO_FATAL_FAILURE(AdmitOtherUsers(dir_, server));
+  ClientOptions oa = server.Options("model-of-tenant-a");
+  oa.client_name = "client-of-tenant-a";
+  auto a = Client::Connect(oa);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto a2 = Client::Connect(oa);
+  ASSERT_TRUE(a2.ok());
+  int ready[2], done[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  pid_t b = Spawn([&] {
+    BecomeNobody();
+    ClientOptions ob = server.Options("model-of-tenant-b");
+    ob.client_name = "client-of-tenant-b";
+    auto c = Client::Connect(ob);
+    if (!c.ok()) return 2;
+    auto text = (*c)->StatsJson();
+    if (!text.ok()) return 3;
+    auto j = nlohmann::json::parse(*text);
+    if (j.value("tenant", "") != "uid:65534") return 4;
+    if (j["clients"].size() != 1 || j["clients"][0]["pid"] != ::getpid()) return 5;
+    if (text->find("tenant-a") != std::string::npos) return 6;
+    if (j.value("clients_connected", 0) != 3) return 7;
+    if (::write(ready[1], "r", 1) != 1) return 8;
+    char x;
+    return ReadWithin(done[0], &x, 1, 20s) ? 0 : 9;
+  });
+  ::close(ready[1]);
+  char x;
+  const bool b_connected = ReadWithin(ready[0], &x, 1, 20s);
+  if (b_connected) {
+    // A's view: both of A's clients, none of B's, while B is connected.
+    auto text = (*a)->StatsJson();
+    ASSERT_TRUE(text.ok());
+    auto j = nlohmann::json::parse(*text);
+    EXPECT_EQ(j.value("tenant", ""), "uid:0");
+    ASSERT_EQ(j["clients"].size(), 2u) << *text;
+    for (auto& c : j["clients"]) {
+      EXPECT_EQ(c["name"], "client-of-tenant-a");
+      EXPECT_NE(c["pid"], b);
+    }
+    EXPECT_EQ(text->find("tenant-b"), std::string::npos) << *text;
+    EXPECT_EQ(j.value("clients_connected", 0), 3);
+    // HTTP: counts only.
+    httplib::Client http("127.0.0.1", server.HttpPort());
+    auto res = http.Get("/stats");
+    ASSERT_TRUE(res);
+    auto h = nlohmann::json::parse(res->body);
+    EXPECT_FALSE(h.contains("clients")) << res->body;
+    EXPECT_EQ(h.value("clients_connected", 0), 3);
+    for (const char* secret : {"tenant-a", "tenant-b", "\"pid\"", "model_id", "uid:"}) {
+      EXPECT_EQ(res->body.find(secret), std::string::npos) << secret << " in\n" << res->body;
+    }
+  }
+  EXPECT_EQ(::write(done[1], "d", 1), 1);
+  ::close(ready[0]);
+  ::close(done[0]);
+  ::close(done[1]);
+  EXPECT_EQ(WaitExit(b), 0) << "tenant B's view of the stats (exit code above)";
+  ASSERT_TRUE(b_connected) << server.Log();
+}
+
+// Writes `text` to `path` with `mode`.
+void WriteFile(const std::string& path, const std::string& text, mode_t mode = 0600) {
+  std::ofstream(path) << text;
+  ASSERT_EQ(::chmod(path.c_str(), mode), 0);
+}
+
+// Issue 37: with --tenant-token-file the token a client presents, not its uid, selects its
+// tenant; a token not in the file is refused.
+TEST_F(ServerTest, TenantTokensSelectTheTenant) {
+  const std::string file = dir_.Sub("tenants");
+  ASSERT_NO_FATAL_FAILURE(WriteFile(file,
+                                    "# tenants of this node\n"
+                                    "alice  alice-token-1\n"
+                                    "\n"
+                                    "\talice\talice-token-2  \n"
+                                    "bob bob-token\n"));
+  ServerProcess server(dir_, {"--isolate-clients", "--no-l2", "--tenant-token-file", file});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto connect = [&](const std::string& token) {
+    ClientOptions o = server.Options();
+    o.token = token;
+    return Client::Connect(o);
+  };
+  for (const char* bad : {"", "alice", "alice-token-", "alice-token-10", "bob-token "}) {
+    auto c = connect(bad);
+    EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied) << "token '" << bad << "'";
+  }
+  auto alice1 = connect("alice-token-1");
+  ASSERT_TRUE(alice1.ok()) << alice1.status().ToString();
+  auto keys = Keys(5, 90);
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**alice1, keys));
+  // Alice's other token is alice; bob, of the same uid and namespace, is not.
+  auto alice2 = connect("alice-token-2");
+  ASSERT_TRUE(alice2.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**alice2, keys, keys.size()));
+  auto bob = connect("bob-token");
+  ASSERT_TRUE(bob.ok());
+  EXPECT_EQ((*bob)->Lookup(keys).total, 0u);
+  ASSERT_EQ(StoreFilled(**bob, keys, 0xEE, keys.size()), keys.size());
+  ASSERT_NO_FATAL_FAILURE(ExpectLoad(**alice1, keys, keys.size()));
+  auto bob_view = Stats(**bob);
+  EXPECT_EQ(bob_view.value("tenant", ""), "tenant:bob");
+  EXPECT_EQ(bob_view["clients"].size(), 1u) << bob_view.dump();
+  auto alice_view = Stats(**alice2);
+  EXPECT_EQ(alice_view.value("tenant", ""), "tenant:alice");
+  EXPECT_EQ(alice_view["clients"].size(), 2u) << alice_view.dump();
+  EXPECT_GE(Metric(server.HttpPort(), "kvtier_handshakes_refused_total{reason=\"token\"}"), 5);
+}
+
+// Issue 37: a tenant token file the server cannot trust, or settings that contradict it, stop
+// the start with a message naming the problem (and never a token).
+TEST_F(ServerTest, BadTenantTokenFilesRefuseToStart) {
+  const std::string sock = dir_.Sub("bad.sock");
+  auto start = [&](const std::string& file, std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {"--socket", sock, "--no-l2", "--http-port", "-1"};
+    args.insert(args.end(), {"--isolate-clients", "--tenant-token-file", file});
+    args.insert(args.end(), more.begin(), more.end());
+    return RunServeFailing(dir_, args);
+  };
+  struct Case {
+    const char* what;
+    std::string text;
+    mode_t mode;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"world-readable", "alice secret-1\n", 0644, "mode 0644"},
+      {"group-readable", "alice secret-1\n", 0640, "mode 0640"},
+      {"one field", "alice secret-1\nbob\n", 0600, "line 2: expected"},
+      {"three fields", "# c\nalice secret-1 extra\n", 0600, "line 2: expected"},
+      {"bad name", "al/ice secret-1\n", 0600, "line 1: a tenant name"},
+      {"duplicate token", "alice secret-1\nbob secret-2\ncarol secret-1\n", 0600,
+       "line 3 repeats the token of line 1"},
+      {"no tenant", "# nobody yet\n\n", 0600, "no \"TENANT_NAME TOKEN\" line"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string file = dir_.Sub("tenants-" + std::to_string(&c - cases.data()));
+    ASSERT_NO_FATAL_FAILURE(WriteFile(file, c.text, c.mode));
+    auto [rc, out] = start(file);
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find("tenant-token-file"), std::string::npos) << out;
+    EXPECT_NE(out.find(c.expect), std::string::npos) << out;
+    EXPECT_EQ(out.find("secret-"), std::string::npos) << "a token in the message: " << out;
+  }
+  auto [rc_missing, out_missing] = start(dir_.Sub("no-such-file"));
+  EXPECT_EQ(rc_missing, 1);
+  EXPECT_NE(out_missing.find("no-such-file"), std::string::npos) << out_missing;
+
+  const std::string good = dir_.Sub("tenants-good");
+  ASSERT_NO_FATAL_FAILURE(WriteFile(good, "alice secret-1\n"));
+  if (::getuid() == 0) {
+    const std::string foreign = dir_.Sub("tenants-foreign");
+    ASSERT_NO_FATAL_FAILURE(WriteFile(foreign, "alice secret-1\n"));
+    ASSERT_EQ(::chown(foreign.c_str(), kNobody, kNobody), 0);
+    auto [rc, out] = start(foreign);
+    EXPECT_EQ(rc, 1);
+    EXPECT_NE(out.find("owned by uid 65534"), std::string::npos) << out;
+  }
+  auto [rc_token, out_token] = start(good, {"--token", "shared"});
+  EXPECT_EQ(rc_token, 1);
+  EXPECT_NE(out_token.find("excludes --token"), std::string::npos) << out_token;
+  auto [rc_shared, out_shared] =
+      RunServeFailing(dir_, {"--socket", sock, "--no-l2", "--tenant-token-file", good});
+  EXPECT_EQ(rc_shared, 1);
+  EXPECT_NE(out_shared.find("needs --isolate-clients"), std::string::npos) << out_shared;
+  // The configuration file's key is checked the same way.
+  const std::string loose = dir_.Sub("tenants-loose");
+  ASSERT_NO_FATAL_FAILURE(WriteFile(loose, "alice secret-1\n", 0604));
+  std::ofstream(dir_.Sub("tenants.json"))
+      << R"({"isolate_clients": true, "tenant_token_file": ")" << loose << R"("})";
+  auto [rc_config, out_config] = RunServeFailing(
+      dir_,
+      {"--socket", sock, "--no-l2", "--http-port", "-1", "--config", dir_.Sub("tenants.json")});
+  EXPECT_EQ(rc_config, 1);
+  EXPECT_NE(out_config.find("mode 0604"), std::string::npos) << out_config;
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -84,7 +85,8 @@ int RunServe(ServeArgs& args) {
       config.l2.push_back(*spec);
     }
   }
-  if (config.token.empty() && config.token_file.empty()) {
+  // $KVTIER_TOKEN is the shared token's fallback: tenant tokens replace the shared token.
+  if (config.token.empty() && config.token_file.empty() && config.tenant_token_file.empty()) {
     if (const char* t = std::getenv("KVTIER_TOKEN"); t && *t) config.token = t;
   }
   auto options = server::BuildServerOptions(config);
@@ -154,6 +156,20 @@ int RunServe(ServeArgs& args) {
   } else {
     spdlog::info("L2: none");
   }
+  if (options->isolate_clients) {
+    // Chunk files are named by stored keys, which no tenant can compute for another, but whoever
+    // may enter the file tier's directory can list and read them all, past the isolation. What
+    // the server creates from now on is its user's alone; a directory already open is reported.
+    ::umask(077);
+    struct stat st;
+    if (eo.file && !IsRemoteUrl(eo.file->root) && ::stat(eo.file->root.c_str(), &st) == 0 &&
+        (st.st_mode & 011) != 0) {
+      spdlog::warn(
+          "--isolate-clients: the file tier's directory {} may be entered by {} (mode {:04o}), "
+          "and whoever may read its files reads every tenant's chunks: chmod 700 it",
+          eo.file->root, (st.st_mode & 001) ? "every user" : "its group", st.st_mode & 07777);
+    }
+  }
   auto srv = server::Server::Start(*options);
   if (!srv.ok()) return Fail(srv.status());
   {
@@ -164,8 +180,11 @@ int RunServe(ServeArgs& args) {
   const Engine::Pool pool = (*srv)->engine().pool();
   spdlog::info("listening on {} ({}{}); pool {} slots, {:.2f} GiB shared", options->socket_path,
                options->socket_group.empty() ? "owner only" : "group " + options->socket_group,
-               options->token.empty() ? "" : ", token required", pool.num_slots,
-               pool.bytes / double(1ull << 30));
+               !options->tenant_tokens.empty()
+                   ? fmt::format(", {} tenant tokens", options->tenant_tokens.size())
+               : options->token.empty() ? ""
+                                        : ", token required",
+               pool.num_slots, pool.bytes / double(1ull << 30));
   if ((*srv)->http_port() >= 0) {
     spdlog::info("HTTP: http://{}:{}/metrics  /healthz  /stats", options->http_host,
                  (*srv)->http_port());
@@ -266,6 +285,16 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
       [a](ServeConfig& c) { c.token = a->flags.token; });
   add(cmd->add_option("--token-file", f.token_file, "File holding the shared secret"),
       [a](ServeConfig& c) { c.token_file = a->flags.token_file; });
+  add(cmd->add_option(
+             "--tenant-token-file", f.tenant_token_file,
+             "With --isolate-clients: a file of \"TENANT_NAME TOKEN\" lines (# comments), "
+             "owned by this user or root and closed to group and others (else the server "
+             "refuses to start). A client must present one of its tokens and belongs to the "
+             "tenant named with it, whatever its uid; any other token is refused. Replaces "
+             "--token, --token-file and $KVTIER_TOKEN (giving one of the flags too is an "
+             "error). Read once at start")
+          ->type_name("FILE"),
+      [a](ServeConfig& c) { c.tenant_token_file = a->flags.tenant_token_file; });
   add(cmd->add_option("--http-host", f.http_host, "Address of the HTTP listener")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.http_host = a->flags.http_host; });
@@ -303,12 +332,26 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                       "A connection that has not said hello within this is closed")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.hello_timeout_ms = a->flags.hello_timeout_ms; });
-  add(cmd->add_flag("--huge-pages", f.huge_pages, "Try 2 MiB pages for the pool"),
+  add(cmd->add_flag("--huge-pages", f.huge_pages,
+                    "Ask for 2 MiB pages for the pool (transparent huge pages for shared "
+                    "memory: /sys/kernel/mm/transparent_hugepage/shmem_enabled must be advise, "
+                    "within_size or always; 4 KiB pages with a warning otherwise)"),
       [a](ServeConfig& c) { c.huge_pages = a->flags.huge_pages; });
-  add(cmd->add_flag("--isolate-clients", f.isolate_clients,
-                    "No client maps the shared pool: each gets a private window of "
-                    "--max-client-slots slots and the server copies chunks in and out (one copy "
-                    "per chunk each way), so clients cannot read or write each other's chunks"),
+  add(cmd->add_flag(
+          "--isolate-clients", f.isolate_clients,
+          "Separate tenants. No client maps the shared pool: each gets a private window of "
+          "--max-client-slots slots and the server copies chunks in and out (one copy per chunk "
+          "each way). Each connection belongs to a tenant the server determines, never the "
+          "client: its uid (SO_PEERCRED), or with --tenant-token-file the tenant of its token. "
+          "Keys are derived from the tenant too, so a tenant can neither read, find, nor "
+          "overwrite another's chunks, in L1 or in the file tier, whatever namespace it "
+          "declares; clients of one tenant share theirs. A client's stats list only its "
+          "tenant's clients; HTTP /stats lists none. Files the server creates are its user's "
+          "alone; an existing file-tier directory open to others is reported at start. Not "
+          "separated: root, processes of one uid, the pool's and the file tier's capacity (a "
+          "tenant's stores evict others' chunks), engine-wide counters (/metrics) and timing "
+          "(docs/security.md). Without this flag every client can read and write every chunk: "
+          "one trust domain"),
       [a](ServeConfig& c) { c.isolate_clients = a->flags.isolate_clients; });
   add(cmd->add_option("--max-window-mb", f.max_window_mb,
                       "With --isolate-clients: the memory of every client's window together; a "
