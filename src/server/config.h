@@ -57,7 +57,7 @@ struct ServeConfig {
   uint32_t reservation_timeout_ms = 30000;  // 0: reservations never expire
   uint32_t max_client_slots = 0;  // slots one client process may hold reserved or pinned; 0 = half the pool
   bool isolate_clients = false;   // private windows, server-side copies (ServerOptions)
-  uint32_t max_window_mb = 0;     // isolated clients' windows together; 0 = twice L1
+  uint32_t max_window_mb = 0;     // isolated clients' windows together; 0 = 4x L1
   uint32_t max_pending_handshakes = 64;
   uint32_t hello_timeout_ms = 5000;
   bool huge_pages = false;

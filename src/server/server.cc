@@ -1349,7 +1349,7 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
     // As many window slots as the connection may hold, so one is always free for them, within
     // what the windows' memory bound leaves.
     const uint64_t limit =
-        options_.max_window_bytes > 0 ? options_.max_window_bytes : 2 * pool.bytes;
+        options_.max_window_bytes > 0 ? options_.max_window_bytes : 4 * pool.bytes;
     uint64_t slots = SlotQuota();
     {
       std::lock_guard lock(window_budget_->mu);

@@ -66,7 +66,7 @@ struct ServerOptions {
   // file tier), and its stats list only its own tenant's clients (docs/security.md).
   bool isolate_clients = false;
   // The windows' memory, all connections together: a window gets what is left of it, a
-  // connection that would get none is refused (kUnavailable). 0 = twice the pool.
+  // connection that would get none is refused (kUnavailable). 0 = four times the pool.
   uint64_t max_window_bytes = 0;
   // Who a connection's tenant is under isolate_clients. Empty: its peer uid (SO_PEERCRED), so
   // every process of one user is one tenant. Else a client must present one of these tokens at

@@ -356,7 +356,7 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
   add(cmd->add_option("--max-window-mb", f.max_window_mb,
                       "With --isolate-clients: the memory of every client's window together; a "
                       "window gets what is left, a client that would get none is refused (0: "
-                      "twice the L1 pool)")
+                      "four times the L1 pool)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_window_mb = a->flags.max_window_mb; });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")

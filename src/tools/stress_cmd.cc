@@ -58,6 +58,7 @@ using namespace std::chrono_literals;
 constexpr int kExitOk = 0;
 constexpr int kExitWrongByte = 3;  // a verifying client saw a wrong byte
 constexpr int kExitBroken = 4;     // a role could not work at all (bad setup)
+constexpr int kExitLeak = 5;       // another tenant found a verifying client's chunk
 
 struct StressArgs {
   std::string role = "driver";
@@ -79,7 +80,17 @@ struct StressArgs {
   double until_unix = 0;  // clients and the adversary stop at this wall-clock time
   int client_id = 0;
   int http_port = -1;  // the fault-injecting server's HTTP port
+  // With isolate_clients the servers take tenant tokens (<dir>/tenants): the verifying clients
+  // are one tenant, the adversary another. This role's token.
+  std::string token;
 };
+
+// The tenant token file of an isolated run, and the two tenants' tokens (from the seed).
+std::string TenantFile(const StressArgs& a) { return a.dir + "/tenants"; }
+std::string VerifierToken(const StressArgs& a) { return fmt::format("verifiers-{:x}", a.seed); }
+std::string IntruderToken(const StressArgs& a) {
+  return fmt::format("intruder-{:x}", a.seed * 31 + 7);
+}
 
 // The current server's HTTP port, for the adversary: <dir>/http-port, rewritten at every start.
 std::string HttpPortFile(const StressArgs& a) { return a.dir + "/http-port"; }
@@ -167,6 +178,7 @@ int RunClient(const StressArgs& a) {
       o.ns = StressNamespace();
       o.chunk_bytes = a.chunk_bytes;
       o.client_name = fmt::format("stress-client-{}", a.client_id);
+      o.token = a.token;
       o.connect_timeout = 1000ms;
       o.rpc_timeout = 5000ms;
       auto c = Client::Connect(o);
@@ -285,6 +297,7 @@ void ScribbleAsAnotherTenant(const StressArgs& a, std::mt19937_64& rng) {
   o.ns.tenant_salt = "stress-adversary";
   o.chunk_bytes = a.chunk_bytes;
   o.client_name = "stress-adversary-tenant";
+  o.token = a.token;
   o.connect_timeout = 1000ms;
   o.rpc_timeout = 2000ms;
   auto c = Client::Connect(o);
@@ -408,6 +421,48 @@ void AttackHttp(const StressArgs& a, std::mt19937_64& rng) {
   }
 }
 
+// Another tenant declaring exactly the verifying clients' namespace (isolated runs). Probing the
+// conversations of odd prefix groups (c / 4: groups share their first chunk), which it never
+// stores, it must find nothing of theirs; under the keys of the even groups it stores garbage,
+// which the verifying clients must never be served. Returns false on a leak.
+bool IntrudeAsAnotherTenant(const StressArgs& a, std::mt19937_64& rng) {
+  ClientOptions o;
+  o.socket_path = a.socket;
+  o.ns = StressNamespace();
+  o.chunk_bytes = a.chunk_bytes;
+  o.client_name = "stress-intruder";
+  o.token = a.token;
+  o.connect_timeout = 1000ms;
+  o.rpc_timeout = 2000ms;
+  auto c = Client::Connect(o);
+  if (!c.ok()) return true;
+  // Conversation c of group g = c / 4: odd groups are probed, even ones stored.
+  auto in_group = [&](int parity) {
+    const int g = parity + 2 * static_cast<int>(rng() % (kConversations / 8));
+    return 4 * g + static_cast<int>(rng() % 4);
+  };
+  const int probe = in_group(1);
+  auto theirs = ConversationKeys(probe);
+  LookupResult found = (*c)->Lookup(theirs);
+  if (found.total > 0) {
+    fmt::print(stderr,
+               "stress adversary: LEAK: another tenant found {} chunks of conversation {} of the "
+               "verifying clients\n",
+               found.total, probe);
+    return false;
+  }
+  auto target = ConversationKeys(in_group(0));
+  target.resize(1 + rng() % target.size());
+  auto slots = (*c)->ReserveSlots(target);
+  if (slots.ok()) {
+    for (SlotId s : *slots) {
+      if (s != kNoSlot) std::memset((*c)->SlotData(s).data(), 0x5A, (*c)->SlotData(s).size());
+    }
+    (void)(*c)->CommitSlots(std::span(target).first(slots->size()), *slots);
+  }
+  return true;
+}
+
 int RunAdversary(const StressArgs& a) {
   namespace codec = server;
   std::mt19937_64 rng(a.seed * 7919 + 17);
@@ -417,6 +472,7 @@ int RunAdversary(const StressArgs& a) {
     h.ns = StressNamespace();
     h.chunk_bytes = chunk_bytes;
     h.client_name = "stress-adversary";
+    h.token = a.token;
     SendAll(fd, codec::EncodeHelloRequest(1, h));
     Drain(fd, 50ms);
   };
@@ -441,6 +497,11 @@ int RunAdversary(const StressArgs& a) {
     if (a.isolate_clients && rng() % 10 == 0) {
       ::close(fd);
       ScribbleAsAnotherTenant(a, rng);
+      continue;
+    }
+    if (a.isolate_clients && rng() % 10 == 0) {
+      ::close(fd);
+      if (!IntrudeAsAnotherTenant(a, rng)) return kExitLeak;
       continue;
     }
     if (rng() % 8 == 0) {
@@ -537,6 +598,7 @@ server::ServeConfig ServerConfig(const StressArgs& a) {
   c.http_port = a.http_port;
   c.write_policy = a.write_policy;
   c.isolate_clients = a.isolate_clients;
+  if (a.isolate_clients) c.tenant_token_file = TenantFile(a);
   return c;
 }
 
@@ -727,6 +789,7 @@ void Driver::StartServer() {
             "warn"};
   }
   argv = WithIsolation(std::move(argv));
+  if (a_.isolate_clients && !faulty) argv.insert(argv.end(), {"--tenant-token-file", TenantFile(a_)});
   server_ = {Spawn(argv, a_.dir + "/server.log"),
              !faulty          ? "kvtier serve"
              : fault_rate > 0 ? "fault-injecting server"
@@ -740,6 +803,7 @@ void Driver::StartServer() {
     o.socket_path = a_.socket;
     o.ns = StressNamespace();
     o.chunk_bytes = a_.chunk_bytes;
+    o.token = a_.isolate_clients ? VerifierToken(a_) : "";
     o.connect_timeout = 500ms;
     if (Client::Connect(o).ok()) return;
     int status;
@@ -788,13 +852,16 @@ bool Driver::StopServer(bool kill) {
 void Driver::StartClient(int id) {
   auto argv = RoleArgs("client");
   argv.insert(argv.end(), {"--client-id", std::to_string(id)});
+  if (a_.isolate_clients) argv.insert(argv.end(), {"--token", VerifierToken(a_)});
   pid_t pid = Spawn(argv, fmt::format("{}/client-{}.log", a_.dir, id));
   clients_[pid] = {pid, fmt::format("client {}", id), false};
   client_ids_[pid] = id;
 }
 
 void Driver::StartAdversary() {
-  pid_t pid = Spawn(WithIsolation(RoleArgs("adversary")), a_.dir + "/adversary.log");
+  auto argv = WithIsolation(RoleArgs("adversary"));
+  if (a_.isolate_clients) argv.insert(argv.end(), {"--token", IntruderToken(a_)});
+  pid_t pid = Spawn(argv, a_.dir + "/adversary.log");
   clients_[pid] = {pid, "adversary", false};
   client_ids_[pid] = -1;
 }
@@ -820,6 +887,10 @@ void Driver::Reap(bool final) {
     it = clients_.erase(it);
     if (WIFEXITED(status) && WEXITSTATUS(status) == kExitWrongByte) {
       Fail(fmt::format("{} was served a wrong byte (see {}/client-{}.log)", c.what, a_.dir, id));
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) == kExitLeak) {
+      Fail(fmt::format("another tenant found the verifying clients' chunks (see "
+                       "{}/adversary.log)",
+                       a_.dir));
     } else if (!c.killed_by_us && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
       Fail(fmt::format("{} ended with {}", c.what, Describe(status)));
     }
@@ -872,6 +943,7 @@ std::optional<nlohmann::json> Driver::Stats() {
   o.ns = StressNamespace();
   o.chunk_bytes = a_.chunk_bytes;
   o.client_name = "stress-driver";
+  o.token = a_.isolate_clients ? VerifierToken(a_) : "";
   auto c = Client::Connect(o);
   if (!c.ok()) return std::nullopt;
   auto text = (*c)->StatsJson();
@@ -995,6 +1067,14 @@ int RunStress(StressArgs a) {
   }
   std::filesystem::create_directories(a.dir);
   a.socket = a.dir + "/kvtier.sock";
+  if (a.isolate_clients) {
+    // Two tenants: the verifying clients and the adversary. Owner-only, as the server demands.
+    const std::string path = TenantFile(a);
+    std::ofstream(path) << "verifiers " << VerifierToken(a) << "\nintruder " << IntruderToken(a)
+                        << "\n";
+    std::filesystem::permissions(path, std::filesystem::perms::owner_read |
+                                           std::filesystem::perms::owner_write);
+  }
   ::signal(SIGPIPE, SIG_IGN);
   int rc = Driver(a).Run();
   if (rc == 0 && made_dir) {
@@ -1037,6 +1117,7 @@ void AddStress(CLI::App& parent, CommandContext& ctx) {
   cmd->add_option("--client-id", a->client_id)->group("");
   cmd->add_option("--write-policy", a->write_policy)->group("");
   cmd->add_option("--http-port", a->http_port)->group("");
+  cmd->add_option("--token", a->token)->group("");
   cmd->callback([a, &ctx] { ctx.exit_code = RunStress(*a); });
 }
 
