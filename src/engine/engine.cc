@@ -710,15 +710,18 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
                      has_parent = i > 0, out, pin_for_caller] {
       // Another store or promotion may have put the chunk in L1 meanwhile: serve it from there.
       auto serve_pinned = [&](SlotId slot) {
+        bool unpinned = false;
         bool taken = state->ChunkDone(i, Status::Ok(), [&] {
           if (pin_for_caller) {
             state->slots[i] = slot;
           } else {
             std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
+            impl_->l1->Unpin(slot);  // before the operation can finish (see Engine::Load)
+            unpinned = true;
           }
           impl_->memory.served++;
         });
-        if (!taken || !pin_for_caller) impl_->l1->Unpin(slot);
+        if (!unpinned && (!taken || !pin_for_caller)) impl_->l1->Unpin(slot);
       };
       if (auto slot = impl_->l1->Pin(key); slot.ok()) return serve_pinned(*slot);
       FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out, pin_for_caller](
@@ -894,13 +897,18 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
     tasks.reserve(from_memory.size());
     for (size_t i : from_memory) {
       tasks.push_back([this, state, i, slot = pinned[i], out = dst[i]] {
-        // Counted before the caller can see the chunk delivered, so stats never lag a Wait().
+        // Counted before the caller can see the chunk delivered, so stats never lag a Wait(),
+        // and unpinned before too: unpinned after, a caller that stores right after its Wait()
+        // found the slots still pinned, and its stores evicted what it had just stored instead.
+        bool unpinned = false;
         state->ChunkDone(i, Status::Ok(), [&] {
           std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
           impl_->l1->AddBytesOut(out.size());
           impl_->memory.served++;
+          impl_->l1->Unpin(slot);
+          unpinned = true;
         });
-        impl_->l1->Unpin(slot);
+        if (!unpinned) impl_->l1->Unpin(slot);
       });
     }
     Status submitted = impl_->pool.TrySubmit(std::move(tasks));
