@@ -48,12 +48,17 @@ Status CudaError(cudaError_t err, std::string_view what) {
   } while (0)
 
 // Makes `device` current for the scope and restores the caller's device afterwards, so that a
-// copier never changes which device the calling thread works on.
+// copier never changes which device the calling thread works on. cudaSetDevice runs even when
+// cudaGetDevice already names `device`: on a thread that never used CUDA, cudaGetDevice answers 0
+// with no context current, and cudaPointerGetAttributes there finds no device address for memory
+// registered elsewhere in the process (by PyTorch's runtime, say): the first load on a new thread
+// failed with "not mapped contiguously". cudaSetDevice binds the device's primary context.
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
     if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) status_ = cudaSetDevice(device);
+    status_ = cudaSetDevice(device);
+    if (previous_ == device) previous_ = -1;  // nothing to restore
   }
   ~DeviceScope() {
     if (previous_ >= 0) (void)cudaSetDevice(previous_);
@@ -127,8 +132,10 @@ Result<char*> MappedHostAddress(const void* ptr, uint64_t bytes, int device) {
           static_cast<ptrdiff_t>(bytes - 1)) {
     return Status::InvalidArgument(
         fmt::format("chunk buffer is not mapped contiguously into device {}'s address space (one "
-                    "registration must cover it)",
-                    device));
+                    "registration must cover it; device addresses of its first and last byte: "
+                    "{}, {})",
+                    device, static_cast<const void*>(first.devicePointer),
+                    static_cast<const void*>(last.devicePointer)));
   }
   return static_cast<char*>(first.devicePointer);
 }

@@ -23,7 +23,9 @@ directory on --disk-dir; before each hit, new prompts of more than the CPU tier'
 prefix out of it and the page cache is dropped, so the hit reads the ``fs`` tier, cold), ``kvtier`` (in-process, L1 of --cpu-gb), ``server`` (``kvtier serve``,
 L1 of --cpu-gb, file tier on --disk-dir) and ``file`` (the server arm's file tier, cold: kvtier
 serve restarted with an empty L1 and the page cache dropped before each hit; the file tier reads
-with O_DIRECT). Every hit is checked: its first --check-tokens greedy tokens must equal those of
+with O_DIRECT) and ``lmcache`` (LMCache in process, vLLM's LMCacheConnectorV1 with its
+``local_cpu`` tier of --cpu-gb and 256-token chunks; LMCache from --lmcache-site or the
+environment; an arm that does not start is left out with its error). Every hit is checked: its first --check-tokens greedy tokens must equal those of
 the ``gpu`` arm's hit of the same prompt (the same weights in every server: a model directory
 with a fixed seed's random weights, written by --make-model), and a different prefix must give
 different tokens somewhere in the run (a check that cannot pass on a constant model). The
@@ -52,7 +54,7 @@ import urllib.request
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
-ALL_ARMS = ("gpu", "native", "tiering", "kvtier", "server", "file")
+ALL_ARMS = ("gpu", "native", "tiering", "kvtier", "server", "file", "lmcache")
 
 
 def log(msg: str) -> None:
@@ -192,6 +194,12 @@ class Vllm:
         cmd += args.vllm_args.split()
         self.log_path = workdir / f"vllm-{arm}.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        if arm == "lmcache":
+            env.update(LMCACHE_CHUNK_SIZE=str(args.chunk_tokens), LMCACHE_LOCAL_CPU="True",
+                       LMCACHE_MAX_LOCAL_CPU_SIZE=str(args.cpu_gb))
+            if args.lmcache_site:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (str(args.lmcache_site), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"),
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -240,6 +248,11 @@ class Serve:
                     "--model", str(args.model / "config.json"), "--chunk-size",
                     str(args.chunk_tokens), "--l1-size-gb", str(args.cpu_gb),
                     "--write-policy", "write_through",
+                    # as the in-process connector's own server: the scheduler may pin a whole
+                    # long prompt for a layer-wise load (the default limit is half the pool)
+                    "--max-client-slots",
+                    str(int(args.cpu_gb * 2**30 * 3 / 4 // (kv_bytes_per_token(args.model)
+                                                             * args.chunk_tokens))),
                     "--l2", json.dumps({"type": "fs", "path": str(directory),
                                         "max_size_gb": args.disk_gb})]
         self.proc = None
@@ -324,6 +337,8 @@ def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
                     "cpu_bytes_to_use": int(args.tiering_cpu_gb * 1e9),
                     "block_size": args.chunk_tokens,
                     "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}}
+    if arm == "lmcache":
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
               "kv_role": "kv_both"}
     extra = json.loads(args.kvtier_extra) if args.kvtier_extra else {}
@@ -346,7 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-config", default="qwen3-8b",
                     help="config for --make-model: a name in kvtier/bench/configs or a path")
     ap.add_argument("--contexts", default="8k,16k,24k,32k")
-    ap.add_argument("--arms", default=",".join(ALL_ARMS),
+    ap.add_argument("--arms", default=",".join(a for a in ALL_ARMS if a != "lmcache"),
                     help=f"comma-separated, of {', '.join(ALL_ARMS)} (file needs server)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix")
@@ -374,6 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-dir", type=Path, default=None,
                     help="file tiers' directory (default: a fresh one under --out)")
     ap.add_argument("--kvtier", default=shutil.which("kvtier") or "kvtier")
+    ap.add_argument("--lmcache-site", type=Path, default=None,
+                    help="a directory holding the lmcache package (pip install --target), put "
+                         "on the lmcache arm's PYTHONPATH")
     ap.add_argument("--out", type=Path, default=Path("build/vllm-ttft"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -619,7 +637,7 @@ def print_table(results: dict, arms: list[str]) -> None:
         med = row["median"]
         ratios = []
         if "native" in med:
-            for a in ("kvtier", "server"):
+            for a in ("kvtier", "server", "lmcache"):
                 if a in med:
                     ratios.append(f"{a}/native hit {med[a]['hit'] / med['native']['hit']:.2f}")
         for a in arms:

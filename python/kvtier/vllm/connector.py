@@ -73,7 +73,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs only once its blocks are filled
+        # A layer-wise load: the compute stream waits for this layer's copy (asynchronous loads
+        # need nothing: their requests run only once their blocks are filled).
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # saves are queued once per step, in wait_for_save

@@ -22,8 +22,15 @@ class ChunkJob:
     req_id: str
     keys: list[bytes]
     block_ids: list[list[list[int]]]
-    # A load done within the step, layer by layer (all its chunks in L1); else between steps.
+    # A load done within the step, layer by layer; else between steps.
     layerwise: bool = False
+    # A layer-wise load's chunks, pinned in the L1 pool by the scheduler when it looked them up
+    # (so that nothing can evict them before the step runs): pinned_slots[rank][i] is chunk i's
+    # slot in that rank's pool. The scheduler releases the pins once the step has run.
+    pinned_slots: list[list[int]] | None = None
+    # The server holding the pins (its start, store.server_started): a worker reads their slots
+    # in that server's pool, even after the server is gone or replaced.
+    server_started: float = 0.0
 
 
 @dataclass

@@ -13,6 +13,16 @@ The scheduler loop never waits on the store for long: a lookup runs on a backgro
 when its answer is not there within LOOKUP_WAIT_S, the request is answered "ask again next step"
 (vLLM skips it for this step and schedules the others). A lookup that fails (a stalled or dead
 server) makes every lookup a miss for LOOKUP_BACKOFF_S.
+
+A prefix whose every chunk is in L1 is pinned there by the lookup itself (as vLLM's own
+offloading pins at schedule time), and loaded layer by layer within the step that computes the
+rest of the prompt. Nothing can then evict it before the workers copy it, and even a server that
+dies meanwhile leaves the pinned slots readable in the workers' mapping of its pool: such a load
+cannot fail, which matters because a failure within the step is reported in the same step, and
+vLLM's asynchronous scheduling (the default from 0.26) does not survive that. The scheduler
+releases the pins once the step that copies them has run: vLLM has at most
+max_concurrent_batches steps in flight, so the step RELEASE_AFTER_STEPS builds after it is done.
+Prefixes that go on into the file tier, or that cannot all be pinned, load asynchronously.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 import kvtier
 
@@ -40,6 +51,20 @@ LOOKUP_TIMEOUT_MS = 1000
 # (a lookup in kvtier's index takes tens of microseconds).
 LOOKUP_WAIT_S = 0.005
 LOOKUP_BACKOFF_S = 2.0
+# Steps built after the one carrying a layer-wise load before its pins are released, on top of
+# vLLM's steps in flight (pipeline stages, and one more for asynchronous scheduling).
+RELEASE_AFTER_STEPS = 2
+
+
+@dataclass
+class _Answer:
+    """A lookup's answer: leading chunks every rank has, of those the leading ones in every
+    rank's L1, and, for a layer-wise load, the pinned slots of chunks [first, hits) per rank."""
+    hits: int = 0
+    in_memory: int = 0
+    first: int = 0
+    pins: list[list[int]] | None = None
+    server_started: float = 0.0  # the server the pins belong to (store.server_started)
 
 
 @dataclass
@@ -53,8 +78,9 @@ class _Request:
     # A load was handed to the workers since the request last (re)entered the waiting queue:
     # no second one, so that a load that fails is recomputed, never retried for ever.
     load_issued: bool = False
-    lookup: tuple[int, concurrent.futures.Future] | None = None  # (chunks asked, answer)
-    layerwise: bool = False  # the planned load runs within the step (every chunk in L1)
+    # ((chunks asked, first chunk not in vLLM's cache), the _Answer's future)
+    lookup: tuple[tuple[int, int], concurrent.futures.Future] | None = None
+    layerwise: bool = False  # the planned load runs within the step (every chunk pinned in L1)
     in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
     hit_sources: dict | None = None  # the planned load's tokens per tier, for vLLM's metrics
 
@@ -82,18 +108,15 @@ class SchedulerSide:
                            len(self.groups))
         from vllm.platforms import current_platform
 
-        # A load within the step cannot fail quietly: its failed blocks are reported in the same
-        # step, which vLLM's asynchronous scheduling (the default from 0.26) does not survive:
-        # seen on vLLM 0.26, a wrong first token, or its engine dead on an assertion. Layer-wise
-        # only where vLLM schedules synchronously (--no-async-scheduling), unless asked.
-        async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._layerwise = len(self.groups) == 1 and (
-            cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()
-                                             and not async_scheduling))
-        if cfg.load_mode == "auto" and current_platform.is_cuda() and async_scheduling:
-            logger.info("kvtier: vLLM schedules asynchronously: hits load between steps (start "
-                        "vLLM with --no-async-scheduling for layer-wise L1 hits)")
-        self._pool_slots = 0  # L1 slots of the store, once a lookup has reached it
+            cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()))
+        async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._steps_in_flight = (vllm_config.parallel_config.pipeline_parallel_size
+                                 + int(async_scheduling))
+        self._step = 0  # build_connector_meta calls so far
+        # Pins of layer-wise loads handed to the workers: (step, request id, pins per rank,
+        # server), released RELEASE_AFTER_STEPS + steps in flight later.
+        self._held: list[tuple[int, str, list[list[int]], float]] = []
         self._tables = BlockTables()
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
@@ -115,33 +138,86 @@ class SchedulerSide:
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes]) -> tuple[int, int]:
-        """(leading chunks every rank has, of those the leading ones in every rank's L1);
-        (0, 0) when the store is unreachable. Runs on the lookup thread."""
+    def _lookup(self, keys: list[bytes], first: int) -> _Answer:
+        """Runs on the lookup thread. A miss when the store is unreachable. With layer-wise
+        loads on, a prefix whose every chunk is in L1 has chunks [first, hits) pinned."""
         if not keys or time.monotonic() < self._lookups_down_until:
-            return 0, 0
+            return _Answer()
         hits = in_memory = len(keys)
+        clients = []
         for server in self._servers:
             client = server.get()
             if client is None:
-                return 0, 0
-            self._pool_slots = client.num_slots
+                return _Answer()
             try:
                 total, memory = client.lookup(keys)
             except kvtier.KvtierError as e:
                 logger.warning("kvtier: a lookup failed (%s); every lookup is a miss for %.0f s",
                                e, LOOKUP_BACKOFF_S)
                 self._lookups_down_until = time.monotonic() + LOOKUP_BACKOFF_S
-                return 0, 0
+                return _Answer()
             hits, in_memory = min(hits, total), min(in_memory, memory)
-        return hits, min(hits, in_memory)
+            clients.append((client, server.started))
+        answer = _Answer(hits, min(hits, in_memory), first)
+        if self._layerwise and first < hits <= in_memory:
+            answer.pins, answer.server_started = self._pin(clients, keys[first:hits])
+        return answer
 
-    def _lookup_now(self, st: _Request, keys: list[bytes]) -> tuple[int, int] | None:
+    def _pin(self, clients, keys: list[bytes]) -> tuple[list[list[int]] | None, float]:
+        """Every rank's slots of `keys`, pinned; (None, 0) unless every rank pinned them all
+        (evicted meanwhile, or over the server's per-client limit: the load goes asynchronous)."""
+        started = {s for _, s in clients}
+        if len(started) != 1 or 0.0 in started:
+            return None, 0.0  # ranks on different servers, or one's start unknown
+        pins = []
+        for client, _ in clients:
+            try:
+                slots = list(client.prepare_load(keys).wait().slots)
+            except kvtier.KvtierError as e:
+                logger.debug("kvtier: pinning %d chunks failed: %s", len(keys), e)
+                slots = []
+            pins.append(slots)
+            if len(slots) < len(keys):
+                self._unpin(pins)
+                return None, 0.0
+        return pins, started.pop()
+
+    def _unpin(self, pins: list[list[int]]) -> None:
+        """Runs on the lookup thread. Pins of a server that is gone went with it."""
+        for rank, slots in enumerate(pins):
+            if not slots:
+                continue
+            client = self._servers[rank].get()
+            if client is None:
+                continue
+            try:
+                client.unpin(slots)
+            except kvtier.KvtierError as e:  # a new server: these pins died with the old one
+                logger.debug("kvtier: releasing %d pins failed: %s", len(slots), e)
+
+    def _release(self, pins: list[list[int]] | None) -> None:
+        if pins and any(pins):
+            try:
+                self._lookup_thread.submit(self._unpin, pins)
+            except RuntimeError:  # shut down: the connections' close releases every pin
+                pass
+
+    def _drop_lookup(self, st: _Request) -> None:
+        """Forgets the request's lookup, releasing its pins (once it is answered)."""
+        if st.lookup is None:
+            return
+        future = st.lookup[1]
+        st.lookup = None
+        future.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() else self._release(f.result().pins))
+
+    def _lookup_now(self, st: _Request, keys: list[bytes], first: int) -> _Answer | None:
         """The lookup's answer, or None when it is still under way (vLLM asks again next
-        step). One lookup per request and prompt length: a repeated question is answered from
-        the last answer."""
-        if st.lookup is None or st.lookup[0] != len(keys):
-            st.lookup = (len(keys), self._lookup_thread.submit(self._lookup, keys))
+        step). One lookup per request, prompt length and local prefix: a repeated question is
+        answered from the last answer (and its pins)."""
+        if st.lookup is None or st.lookup[0] != (len(keys), first):
+            self._drop_lookup(st)
+            st.lookup = ((len(keys), first), self._lookup_thread.submit(self._lookup, keys, first))
         try:
             return st.lookup[1].result(timeout=LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
@@ -184,32 +260,40 @@ class SchedulerSide:
         if st.load_issued or not self._loads_enabled or skips_external_kv(request):
             return 0, False
         n_tokens = request.num_tokens
-        answer = self._lookup_now(st, self._keys(st, n_tokens // self.cfg.chunk_tokens))
+        ct = self.cfg.chunk_tokens
+        answer = self._lookup_now(st, self._keys(st, n_tokens // ct), num_computed_tokens // ct)
         if answer is None:
             return None, False
-        hits, in_memory = answer
         # vLLM must compute at least the last token itself.
-        hit_tokens = min(hits * self.cfg.chunk_tokens, n_tokens - 1)
-        st.in_memory_tokens = min(in_memory * self.cfg.chunk_tokens, hit_tokens)
+        hit_tokens = min(answer.hits * ct, n_tokens - 1)
+        st.in_memory_tokens = min(answer.in_memory * ct, hit_tokens)
         external = hit_tokens - num_computed_tokens
-        if external <= 0:
+        if external < self.block_size:
+            # Less than a block beyond vLLM's own cache (its hits stop a block short of the
+            # prompt's end): computing it costs nothing, a load would cost a pin and a copy.
+            self._drop_lookup(st)
             return 0, False
         st.load = (num_computed_tokens, hit_tokens)
-        # Every chunk in L1: loaded within this step, layer by layer, overlapped with the compute.
-        # Otherwise asynchronous: the request waits while the workers read the file tier, and
-        # other requests keep running.
-        # A client may pin half the pool; the worker's saves need room beside a load's pins.
-        st.layerwise = self._layerwise and in_memory >= hits and hits <= self._pool_slots // 4
+        # Every chunk pinned in L1: loaded within this step, layer by layer, overlapped with
+        # the compute. Otherwise asynchronous: the request waits while the workers read the
+        # file tier, and other requests keep running.
+        st.layerwise = answer.pins is not None
         return external, not st.layerwise
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
-        if st is None or num_external_tokens == 0 or st.load is None:
+        if st is None:
+            return
+        if num_external_tokens == 0 or st.load is None:
+            self._drop_lookup(st)
             return
         local, hit_tokens = st.load
         st.load = None
         st.load_issued = True
-        st.lookup = None
+        answer = None
+        if st.lookup is not None and st.lookup[1].done():
+            answer = st.lookup[1].result()
+        st.lookup = None  # its pins, if any, go to the load below
         from_memory = min(max(st.in_memory_tokens - local, 0), num_external_tokens)
         st.hit_sources = {"host": from_memory, "disk": num_external_tokens - from_memory}
         ct = self.cfg.chunk_tokens
@@ -225,8 +309,17 @@ class SchedulerSide:
                 per_group.append([SKIP_BLOCK if start + j < first_new_block else b
                                   for j, b in enumerate(ids)])
             chunk_blocks.append(per_group)
-        self._pending_loads.append(ChunkJob(request.request_id, st.keys[first:end], chunk_blocks,
-                                            layerwise=st.layerwise))
+        job = ChunkJob(request.request_id, st.keys[first:end], chunk_blocks,
+                       layerwise=st.layerwise)
+        pins = answer.pins if answer is not None else None
+        if st.layerwise and pins is not None and answer.first == first:
+            n = end - first
+            self._release([p[n:] for p in pins])  # past the last token vLLM takes from kvtier
+            job.pinned_slots = [p[:n] for p in pins]
+            job.server_started = answer.server_started
+        else:  # an asynchronous load (the workers pin), or, never expected, a layer-wise one
+            self._release(pins)  # without its pins: the workers report its blocks failed
+        self._pending_loads.append(job)
         if request.num_preemptions > 0:
             self.resumed_from_kvtier += 1
             logger.info("kvtier: preempted request %s resumes with %d tokens from kvtier "
@@ -250,6 +343,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._step += 1
+        self._held += [(self._step, job.req_id, job.pinned_slots, job.server_started)
+                       for job in meta.loads if job.pinned_slots is not None]
+        done = self._step - RELEASE_AFTER_STEPS - self._steps_in_flight
+        while self._held and self._held[0][0] <= done:
+            self._release(self._held.pop(0)[2])
         self._tables.update(scheduler_output)
         meta.preempted_req_ids = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted_req_ids:
@@ -257,7 +356,8 @@ class SchedulerSide:
             if st is not None:
                 # Its blocks are freed once the workers' saves of it are done (handle_preemptions);
                 # it may come back through a load, and saves after that are new ones.
-                st.load = st.lookup = None
+                st.load = None
+                self._drop_lookup(st)
                 st.load_issued = st.saves_scheduled = False
         ct = self.cfg.chunk_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -288,6 +388,16 @@ class SchedulerSide:
     def request_finished(self, request) -> tuple[bool, dict | None]:
         st = self._requests.pop(request.request_id, None)
         self._tables.forget(request.request_id)
+        if st is not None:
+            self._drop_lookup(st)  # pins of a load never scheduled
+            if request.status in (RequestStatus.FINISHED_STOPPED,
+                                  RequestStatus.FINISHED_LENGTH_CAPPED):
+                # It finished on the output of a step after its load's: that has run. (An
+                # aborted one may be in a step still running: its pins wait for the steps.)
+                mine = [h for h in self._held if h[1] == request.request_id]
+                self._held = [h for h in self._held if h[1] != request.request_id]
+                for h in mine:
+                    self._release(h[2])
         # The workers report a request with saves through finished_sending once its saves are
         # done; until then vLLM keeps its blocks. A request finished while its load runs has no
         # saves (saves start once it runs): vLLM itself keeps its blocks until the load is done.

@@ -80,7 +80,11 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
     settings = {"chunk_bytes": chunk_bytes, "chunk_size": cfg.chunk_tokens,
                 "l1_size_gb": cfg.l1_size_gb, "write_policy": cfg.write_policy,
                 "eviction_policy": cfg.eviction_policy, "worker_threads": cfg.worker_threads,
-                "socket": socket_path, "http_port": cfg.http_port}
+                "socket": socket_path, "http_port": cfg.http_port,
+                # Its clients are this vLLM's scheduler and worker (one process, or two): the
+                # scheduler's pins of a layer-wise load may take up to three quarters of the
+                # pool (a whole long prompt), the rest stays for the worker's saves.
+                "max_client_slots": max(1, int(cfg.l1_size_gb * 2**30 * 3 / 4 // chunk_bytes))}
     if cfg.l2:
         settings["l2"] = cfg.l2
     else:
@@ -95,16 +99,38 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
     return server
 
 
+# Two stamps of one server's start (wall clock, from its uptime) that differ by less than this
+# name the same server: a restarted one takes longer to map its pool and take the socket.
+SAME_SERVER_S = 0.25
+
+
+def server_started(client) -> float:
+    """When the server behind `client` started (wall clock), as the server says. Stamps of the
+    same server taken by different processes agree within a few milliseconds."""
+    return time.time() - float(client.stats()["uptime_s"])
+
+
 class ServerConnection:
-    """A kvtier client that reconnects in the background when the server comes back."""
+    """A kvtier client that reconnects in the background when the server comes back.
+
+    With keep_mappings, the last clients stay open (their pool mapped) after the server is lost
+    or replaced, until newer ones push them out: a slot pinned in a server's pool stays readable
+    in that pool's mapping even after the server died (nothing else writes a pinned slot), so a
+    load whose chunks were pinned before the server was lost can still complete. on_close(client)
+    runs before a client is closed (to unregister its pool from the GPU, say)."""
 
     def __init__(self, cfg: ConnectorConfig, socket_path: str, ns: kvtier.KeyNamespace,
-                 chunk_bytes: int, client_name: str, rpc_timeout_ms: int):
+                 chunk_bytes: int, client_name: str, rpc_timeout_ms: int,
+                 keep_mappings: bool = False, on_close=None):
         self._cfg, self._socket, self._ns = cfg, socket_path, ns
         self._chunk_bytes, self._name = chunk_bytes, client_name
         self._rpc_timeout_ms = rpc_timeout_ms
+        self._keep = 2 if keep_mappings else 0
+        self._on_close = on_close
         self._lock = threading.Lock()
         self._client: kvtier.ServerClient | None = None
+        self.started = 0.0  # the current client's server_started(), 0 if unknown
+        self._kept: list[tuple[float, kvtier.ServerClient]] = []  # newest last
         self._connecting = False
         self._next_attempt = 0.0
         self._logged_down = False
@@ -122,18 +148,41 @@ class ServerConnection:
             client = self._client
             if client is not None and client.connected:
                 return client
+            broken = None
             if client is not None:
                 logger.warning("kvtier: lost the server at %s; recomputing until it is back",
                                self._socket)
                 self._client = None
+                self.started = 0.0
                 self._logged_down = True
-            if self._connecting or self._closed or time.monotonic() < self._next_attempt:
-                return None
-            self._connecting = True
-        if client is not None:
-            client.close()
-        threading.Thread(target=self._connect_quietly, name="kvtier-connect", daemon=True).start()
+                broken = None if self._keep else client  # else it stays open in _kept
+            start = not (self._connecting or self._closed
+                         or time.monotonic() < self._next_attempt)
+            if start:
+                self._connecting = True
+        if broken is not None:
+            self._close_client(broken)
+        if start:
+            threading.Thread(target=self._connect_quietly, name="kvtier-connect",
+                             daemon=True).start()
         return None
+
+    def client_of_server(self, started: float) -> kvtier.ServerClient | None:
+        """The client, connected or not, whose pool is that of the server started at `started`
+        (a server_started() stamp); None if none is kept."""
+        with self._lock:
+            for stamp, client in reversed(self._kept):
+                if abs(stamp - started) < SAME_SERVER_S:
+                    return client
+        return None
+
+    def _close_client(self, client) -> None:
+        if self._on_close is not None:
+            try:
+                self._on_close(client)
+            except Exception:  # closing must go on
+                logger.exception("kvtier: cleaning up a client before closing it failed")
+        client.close()
 
     def _connect_quietly(self) -> None:
         try:
@@ -143,11 +192,14 @@ class ServerConnection:
 
     def _connect(self) -> None:
         client = None
+        started = 0.0
+        dropped = []
         try:
             client = kvtier.connect(
                 self._ns, self._chunk_bytes, socket_path=self._socket, token=self._cfg.token,
                 client_name=self._name, connect_timeout_ms=min(2000, self._rpc_timeout_ms),
                 rpc_timeout_ms=self._rpc_timeout_ms)
+            started = server_started(client)
         except kvtier.InvalidArgumentError as e:
             # A configuration mismatch does not heal by retrying: say what to change.
             raise ConfigError(
@@ -169,13 +221,23 @@ class ServerConnection:
                     stale.close()
                 if client is not None:
                     self._client = client
+                    self.started = started
+                    if self._keep:
+                        self._kept.append((started, client))
+                        dropped = [c for _, c in self._kept[:-self._keep]]
+                        del self._kept[:-self._keep]
                     if self._logged_down:
                         logger.info("kvtier: connected to the server at %s", self._socket)
                         self._logged_down = False
+            for stale in dropped:
+                self._close_client(stale)
 
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
             self._closed = True
-        if client is not None:
-            client.close()
+            kept, self._kept = [c for _, c in self._kept], []
+        for c in kept:
+            self._close_client(c)
+        if client is not None and client not in kept:
+            self._close_client(client)

@@ -4,17 +4,20 @@ Zero-copy in both modes: a save reserves chunk slots in kvtier's L1 pool (the se
 pool, or the in-process engine's arena) and the copier gathers the request's blocks straight into
 them; a load pins the chunks' slots and scatters them straight into the blocks. Loads take one of
 two paths, chosen per request by the scheduler:
-  * layer-wise, for a hit whose every chunk is in L1 on a CUDA KV cache: start_load_kv pins the
-    chunks and queues, on a copy stream of its own, each layer's scatter of every chunk (one
-    copier per layer: a chunk is layer-major, so layer i is one contiguous range of it), with an
-    event per layer; wait_for_layer_load makes the compute stream wait for that layer's event
-    only, so layer i's copy overlaps layer i-1's attention and the request runs in the step it
-    was scheduled in; the slots are unpinned once the last layer's copy is done. Chunks that
-    could not be pinned are reported as failed blocks in the same step (vLLM recomputes them);
+  * layer-wise, for a hit whose every chunk the scheduler pinned in L1 at lookup: start_load_kv
+    queues, on a copy stream of its own, each layer's scatter of every chunk (one copier per
+    layer: a chunk is layer-major, so layer i is one contiguous range of it), with an event per
+    layer; wait_for_layer_load makes the compute stream wait for that layer's event only, so
+    layer i's copy overlaps layer i-1's attention and the request runs in the step it was
+    scheduled in. The scheduler releases the pins after the step; the slots are read in the
+    pool of the server that pinned them, which stays mapped even if that server died since;
 Everything else runs on background threads (the copier and the store release the GIL), off the
 forward pass:
   * loads are asynchronous in vLLM's sense: the request waits (WAITING_FOR_REMOTE_KVS) while
-    other requests run, and is reported in finished_recving when its blocks are filled; chunks
+    other requests run, and is reported in finished_recving when its blocks are filled (only
+    after the kernels queued before the load was handed over: with asynchronous scheduling, a
+    step still running may write a token into a block that was freed and given to the load);
+    chunks
     that could not be loaded (evicted meanwhile, past the load deadline, server gone, corrupt)
     are reported as failed blocks, which vLLM recomputes;
   * saves of a step are queued after its forward pass; a finished request's blocks stay
@@ -45,6 +48,9 @@ from .store import (Namespaces, ServerConnection, engine_core_pid, in_process_so
                     start_in_process_server)
 
 logger = init_logger("vllm.kvtier")
+
+# Layers of a layer-wise load queued ahead of the layer the forward pass is at.
+LAYERS_AHEAD = 3
 
 
 class _JobThread:
@@ -115,7 +121,6 @@ class WorkerSide:
         self._failed_reqs: set[str] = set()  # several groups: block ids are ambiguous
         self._loader: _JobThread | None = None
         self._saver: _JobThread | None = None
-        self._unpinner: _JobThread | None = None
         self._pool_lock = threading.Lock()
         # Layer-wise loads: one copier per layer of the (single) KV cache group.
         self._layer_copiers: list[kvtier.KvCopier] = []
@@ -124,6 +129,7 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._load_stream = None
         self._layer_events: list | None = None  # this step's layer-wise load, one per layer
+        self._layer_plan = None  # (block ids, chunk addresses, raw stream) of this step's load
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -149,7 +155,8 @@ class WorkerSide:
             self._embedded_server = start_in_process_server(self.cfg, self.chunk_bytes,
                                                             self._socket)
         self._server = ServerConnection(self.cfg, self._socket, self.ns, self.chunk_bytes,
-                                        f"vllm-worker-{self.rank}", self.cfg.rpc_timeout_ms)
+                                        f"vllm-worker-{self.rank}", self.cfg.rpc_timeout_ms,
+                                        keep_mappings=True, on_close=self._unregister_pool)
         self._server.connect_now()  # if the server is up; a configuration it refuses raises
         self._setup_layerwise(kv_caches, num_blocks, device)
         self._get_store()  # registers the pool for DMA now, not in the first request's time
@@ -158,7 +165,6 @@ class WorkerSide:
                     self.cfg.chunk_tokens, self.rank, self.world_size)
         self._loader = _JobThread("kvtier-load", self._load)
         self._saver = _JobThread("kvtier-save", self._save)
-        self._unpinner = _JobThread("kvtier-unpin", self._unpin_after)
 
     def _setup_layerwise(self, kv_caches, num_blocks: int, device: int) -> None:
         cuda = self._device.type == "cuda"
@@ -206,6 +212,16 @@ class WorkerSide:
                 raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
             self._registered_pools.add(base)
 
+    def _unregister_pool(self, store: kvtier.ChunkStore) -> None:
+        # Before its mapping goes: a later mapping at the same address is another pool.
+        if store.closed:
+            return
+        base = store.pool_base
+        with self._pool_lock:
+            if base in self._registered_pools:
+                self._registered_pools.discard(base)
+                torch.cuda.cudart().cudaHostUnregister(base)
+
     def _kernel_ids(self, block_ids: list[int], group: int) -> list[int]:
         r = self._kernel_ratios[group]
         if r == 1:
@@ -216,10 +232,15 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._layer_events = None
-        layerwise = [job for job in meta.loads if job.layerwise and self._layer_copiers]
-        for job in meta.loads:
-            if not (job.layerwise and self._layer_copiers):
-                self._loader.put(job)
+        layerwise = [job for job in meta.loads if job.layerwise]
+        later = [job for job in meta.loads if not job.layerwise]
+        if later:
+            ready = None
+            if self._device is not None and self._device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()  # every kernel queued so far, the previous steps' included
+            for job in later:
+                self._loader.put((job, ready))
         if layerwise:
             self._start_layerwise(layerwise)
 
@@ -229,65 +250,53 @@ class WorkerSide:
             return
         i = self._layer_of.get(layer_name)
         if i is not None:
-            torch.cuda.current_stream().wait_event(events[i])  # the GPU waits, not this thread
+            self._queue_layers(i + 1 + LAYERS_AHEAD)
+            if i < len(events):  # else the load failed, its blocks are reported
+                torch.cuda.current_stream().wait_event(events[i])  # the GPU waits, not the host
 
     def _start_layerwise(self, jobs: list[ChunkJob]) -> None:
-        """Pins the jobs' chunks and queues every layer's scatter on the copy stream."""
+        """Queues every layer's scatter of the jobs' chunks, pinned by the scheduler, on the
+        copy stream (or copies them now, on a host KV cache)."""
         ct = self.cfg.chunk_tokens
-        ids, addrs, pins, failed = [], [], [], set()
+        ids, addrs, failed = [], [], set()
         loaded_chunks = loaded_tokens = 0
-        store = None
-        try:
-            store = self._get_store()
-        except kvtier.KvtierError as e:
-            logger.warning("kvtier: no store for a layer-wise load: %s", e)
         for job in jobs:
-            slots = []
-            if store is not None:
-                try:
-                    slots = list(store.prepare_load(job.keys).wait().slots)
-                except kvtier.KvtierError as e:
-                    logger.warning("kvtier: pinning %s failed: %s", job.req_id, e)
+            store = self._server.client_of_server(job.server_started)
+            slots = job.pinned_slots[self.rank] if job.pinned_slots else []
+            if store is None or len(slots) != len(job.keys) or not self._layer_copiers:
+                # Not expected: this worker never reached the server that pinned them.
+                logger.warning("kvtier: a layer-wise load of %s has no pool to read from; vLLM "
+                               "recomputes its %d chunks", job.req_id, len(job.keys))
+                failed |= {b for chunk in job.block_ids for b in chunk[0] if b != SKIP_BLOCK}
+                continue
+            if self._device.type == "cuda":
+                self._pin_pool(store)
             for i, slot in enumerate(slots):
                 ids.append(self._kernel_ids(job.block_ids[i][0], 0))
                 addrs.append(store.slot_address(slot))
                 loaded_tokens += self.block_size * sum(
                     1 for b in job.block_ids[i][0] if b != SKIP_BLOCK)
-            pins += slots
             loaded_chunks += len(slots)
-            failed |= {b for chunk in job.block_ids[len(slots):] for b in chunk[0]
-                       if b != SKIP_BLOCK}
-            if len(slots) < len(job.keys):
-                logger.info("kvtier: %d of %d chunks of %s were not in kvtier at load time; "
-                            "vLLM recomputes them", len(job.keys) - len(slots), len(job.keys),
-                            job.req_id)
-        events = []
-        try:
-            if addrs:
-                stream = self._load_stream
-                if stream is not None:
-                    # Blocks just allocated may still be read by the last step's kernels.
-                    stream.wait_stream(torch.cuda.current_stream())
-                raw = stream.cuda_stream if stream is not None else 0
-                for i, copier in enumerate(self._layer_copiers):
-                    off = self._layer_offsets[i]
-                    copier.scatter_chunks(ids, ct, [a + off for a in addrs],
-                                          self._layer_bytes[i], stream=raw)
-                    if stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                        events.append(event)
-        except kvtier.KvtierError as e:  # nothing usable was queued for these chunks
-            logger.warning("kvtier: a layer-wise load failed: %s", e)
-            failed |= {b for job in jobs for chunk in job.block_ids for b in chunk[0]
-                       if b != SKIP_BLOCK}
-            loaded_chunks = loaded_tokens = 0
-            if events:
-                events[-1].synchronize()
-            events = []
-        self._layer_events = events or None
-        if pins:
-            self._unpinner.put((events[-1] if events else None, store, pins))
+        self._layer_events = None
+        self._layer_plan = None
+        if addrs:
+            stream = self._load_stream
+            if stream is not None:
+                # Blocks just allocated may still be read by the last step's kernels.
+                stream.wait_stream(torch.cuda.current_stream())
+            self._layer_events = []
+            blocks = {b for job in jobs for chunk in job.block_ids for b in chunk[0]
+                      if b != SKIP_BLOCK}
+            self._layer_plan = (ids, addrs, stream, blocks)
+            # On a GPU the first layers are queued now and each later one as the forward pass
+            # reaches the layer LAYERS_AHEAD before it, so that queuing (host time) overlaps
+            # the compute instead of holding up the forward pass's start. Host copies are
+            # synchronous: all of them now.
+            if not self._queue_layers(LAYERS_AHEAD if stream is not None
+                                      else len(self._layer_copiers)):
+                loaded_chunks = loaded_tokens = 0
+            if stream is None:
+                self._layer_events = self._layer_plan = None
         with self._lock:
             self._failed_blocks |= failed
             self._stats.add("chunks_loaded", loaded_chunks)
@@ -295,13 +304,45 @@ class WorkerSide:
             self._stats.add("load_errors", sum(len(j.keys) for j in jobs) - loaded_chunks)
             self._stats.add("layerwise_loads", len(jobs))
 
-    def _unpin_after(self, item) -> None:
-        event, store, slots = item
-        if event is not None:
-            event.synchronize()
-        store.unpin(slots)
+    def _queue_layers(self, end: int) -> bool:
+        """Queues the scatters of this step's layer-wise load up to layer `end` (exclusive),
+        each followed by its event. False if a copy could not be queued: then what was queued
+        is waited for and every block of the load is reported failed (vLLM recomputes them;
+        not expected: the chunks are pinned)."""
+        plan, events = self._layer_plan, self._layer_events
+        if plan is None:
+            return True
+        ids, addrs, stream, blocks = plan
+        raw = stream.cuda_stream if stream is not None else 0
+        try:
+            for i in range(len(events), min(end, len(self._layer_copiers))):
+                off = self._layer_offsets[i]
+                self._layer_copiers[i].scatter_chunks(ids, self.cfg.chunk_tokens,
+                                                      [a + off for a in addrs],
+                                                      self._layer_bytes[i], stream=raw)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
+                else:
+                    events.append(None)
+            return True
+        except kvtier.KvtierError as e:
+            logger.warning("kvtier: a layer-wise load failed: %s", e)
+            self._layer_plan = None
+            if stream is not None:
+                stream.synchronize()
+            with self._lock:
+                self._failed_blocks |= blocks
+            return False
 
     def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
+        # Every layer of a layer-wise load is queued by now (a layer vLLM never waited for
+        # included) and the compute stream waits for the last one.
+        if self._layer_plan is not None and self._queue_layers(len(self._layer_copiers)) \
+                and self._layer_events:
+            torch.cuda.current_stream().wait_event(self._layer_events[-1])
+        self._layer_plan = None
         if not meta.saves:
             return
         ready = None
@@ -329,7 +370,7 @@ class WorkerSide:
 
     def drain(self) -> None:
         """Waits for every queued load and save (vLLM's sleep mode frees the KV cache next)."""
-        for thread in (self._loader, self._saver, self._unpinner):
+        for thread in (self._loader, self._saver):
             if thread is not None:
                 thread.join()
 
@@ -359,10 +400,10 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
-        for thread in (self._loader, self._saver, self._unpinner):
+        for thread in (self._loader, self._saver):
             if thread is not None:
                 thread.stop()
-        self._loader = self._saver = self._unpinner = None
+        self._loader = self._saver = None
         if self._server is not None:
             self._server.close()
         if self._embedded_server is not None:
@@ -426,12 +467,15 @@ class WorkerSide:
                 self._stats.add("saves_skipped", skipped)
                 self._stats.add("save_errors", errors)
 
-    def _load(self, job: ChunkJob) -> None:
+    def _load(self, item) -> None:
+        job, ready = item
         loaded = 0
         start = time.monotonic()
         try:
             store = self._get_store()
             if store is not None:
+                if ready is not None:
+                    ready.synchronize()
                 result = store.prepare_load(job.keys).wait()
                 slots = list(result.slots)
                 try:
