@@ -136,6 +136,15 @@ def features() -> Features:
     return _FEATURES
 
 
+def full_cuda_graphs(vllm_config: Any) -> bool:
+    """vLLM will replay whole forward passes as CUDA graphs (connector hooks inside are not
+    run). vLLM turns them off for a connector whose requires_piecewise_for_cudagraph says so,
+    where it has that hook; older versions keep them."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    return bool(has_full()) if callable(has_full) else False
+
+
 def skips_external_kv(request: Any) -> bool:
     """The request asked not to read cached KV (prompt logprobs of every token, say). Some vLLM
     versions apply this to connector hits themselves, others do not: the connector always does."""

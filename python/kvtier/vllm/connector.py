@@ -57,6 +57,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # A full CUDA graph replays the forward pass without calling wait_for_layer_load: a
+        # step with a layer-wise load would read layers before their copies landed.
+        return (extra_config or {}).get("kvtier.load_mode", "auto") != "async"
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future miss, nothing more

@@ -38,7 +38,7 @@ from vllm.v1.request import RequestStatus
 
 import kvtier
 
-from .compat import BlockTables, features, skips_external_kv
+from .compat import BlockTables, features, full_cuda_graphs, skips_external_kv
 from .config import ConfigError, ConnectorConfig
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
@@ -110,6 +110,12 @@ class SchedulerSide:
 
         self._layerwise = len(self.groups) == 1 and (
             cfg.load_mode == "layerwise" or (cfg.load_mode == "auto" and current_platform.is_cuda()))
+        if self._layerwise and full_cuda_graphs(vllm_config):
+            # vLLM kept full CUDA graphs (a version without requires_piecewise_for_cudagraph):
+            # their replay skips wait_for_layer_load, so every hit loads between steps.
+            logger.warning("kvtier: vLLM replays full CUDA graphs; hits load between steps, not "
+                           "layer by layer (use a piecewise cudagraph_mode for layer-wise loads)")
+            self._layerwise = False
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._steps_in_flight = (vllm_config.parallel_config.pipeline_parallel_size
                                  + int(async_scheduling))

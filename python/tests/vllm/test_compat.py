@@ -122,3 +122,25 @@ def test_block_tables_from_0_34_resumed_requests_among_the_new():
     assert t.get("a") == [[4, 6], [9]]
     t.forget("a")
     assert t.get("a") is None
+
+
+def _config_with_cudagraph_mode(mode):
+    return types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
+
+
+def test_full_cuda_graphs_turn_layerwise_loads_off():
+    """A full CUDA graph's replay skips wait_for_layer_load. vLLM drops full graphs for a
+    connector that asks (requires_piecewise_for_cudagraph, in every supported version read);
+    where a version kept them, the connector must notice and load between steps."""
+    from vllm.config import CUDAGraphMode
+
+    from kvtier.vllm.connector import KvtierConnector
+
+    assert compat.full_cuda_graphs(_config_with_cudagraph_mode(CUDAGraphMode.FULL_AND_PIECEWISE))
+    assert compat.full_cuda_graphs(_config_with_cudagraph_mode(CUDAGraphMode.FULL_DECODE_ONLY))
+    assert not compat.full_cuda_graphs(_config_with_cudagraph_mode(CUDAGraphMode.PIECEWISE))
+    assert not compat.full_cuda_graphs(_config_with_cudagraph_mode(CUDAGraphMode.NONE))
+    assert not compat.full_cuda_graphs(types.SimpleNamespace())  # a version without the mode
+    assert KvtierConnector.requires_piecewise_for_cudagraph({})
+    assert KvtierConnector.requires_piecewise_for_cudagraph({"kvtier.load_mode": "layerwise"})
+    assert not KvtierConnector.requires_piecewise_for_cudagraph({"kvtier.load_mode": "async"})
