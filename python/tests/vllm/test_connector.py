@@ -194,6 +194,15 @@ def scheduler_pins(server: KvtierServer) -> int:
     return sum(c["pins"] for c in server.stats()["clients"] if c["name"] == "vllm-scheduler")
 
 
+def assert_pins_released(vllm: Vllm, server: KvtierServer, seed: int) -> None:
+    """The scheduler's pins go once later steps have run (a few short requests make them)."""
+    deadline = time.monotonic() + 30
+    while scheduler_pins(server) > 0:
+        assert time.monotonic() < deadline, "the scheduler's pins were never released"
+        vllm.complete(random_prompt(seed, 20), max_tokens=4)
+        seed += 1
+
+
 class Thrasher:
     """Another client of the same server storing new chunks as fast as it can, so that L1 evicts
     all the time (between a lookup and its load, too)."""
@@ -247,13 +256,7 @@ def test_layerwise_loads_within_the_step(workdir: Path, expected):
         assert c.complete(LONG) == expected["long"]
         assert transfer_metric(c, "layerwise_loads") >= 1
         assert transfer_metric(c, "tokens_loaded") >= 1792
-        # Released once later steps have run (a few short requests make them).
-        deadline = time.monotonic() + 30
-        seed = 3000
-        while scheduler_pins(server) > 0:
-            assert time.monotonic() < deadline, "the scheduler's pins were never released"
-            c.complete(random_prompt(seed, 20), max_tokens=4)
-            seed += 1
+        assert_pins_released(c, server, 3000)
         thrasher = Thrasher(server.socket)
         for _ in range(3):
             c.reset_prefix_cache()
@@ -310,13 +313,7 @@ def test_requests_aborted_during_their_load(workdir: Path, expected, load_mode):
         c.reset_prefix_cache()
         assert c.complete(LONG) == expected["long"]
         assert c.complete(PROMPTS[0]) == expected[0]
-        # Pins of aborted requests go once later steps have run.
-        deadline = time.monotonic() + 30
-        seed = 5000
-        while scheduler_pins(server) > 0:
-            assert time.monotonic() < deadline, "pins of aborted requests were never released"
-            c.complete(random_prompt(seed, 20), max_tokens=4)
-            seed += 1
+        assert_pins_released(c, server, 5000)  # aborted requests' pins too
         assert c.alive() and "EngineDeadError" not in c.log()
     finally:
         server.proc.send_signal(signal.SIGCONT)
