@@ -1,7 +1,7 @@
 #include "planner/live_metrics.h"
 
+#include <cpp-httplib/httplib.h>
 #include <fmt/format.h>
-#include <httplib.h>
 
 #include <algorithm>
 #include <cmath>

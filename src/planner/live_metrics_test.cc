@@ -1,7 +1,7 @@
 #include "planner/live_metrics.h"
 
+#include <cpp-httplib/httplib.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 
 #include <thread>
 

@@ -1,10 +1,10 @@
 #include "server/server.h"
 
 #include <arpa/inet.h>
+#include <cpp-httplib/httplib.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <grp.h>
-#include <httplib.h>
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <poll.h>

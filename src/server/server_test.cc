@@ -3,10 +3,10 @@
 #include "server/server.h"
 
 #include <arpa/inet.h>
+#include <cpp-httplib/httplib.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>

@@ -5,8 +5,8 @@
 // nor checks clocks; this is how the client's handling of those answers is tested.
 #pragma once
 
+#include <cpp-httplib/httplib.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 
 #include <atomic>
 #include <chrono>

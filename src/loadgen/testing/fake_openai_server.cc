@@ -1,6 +1,6 @@
 #include "loadgen/testing/fake_openai_server.h"
 
-#include <httplib.h>
+#include <cpp-httplib/httplib.h>
 
 #include <chrono>
 #include <condition_variable>
