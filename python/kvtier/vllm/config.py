@@ -43,6 +43,13 @@ class ConnectorConfig:
     # else asynchronously between steps (file-tier hits: the request waits, others run).
     # layerwise / async: always that way (layerwise also on a CPU KV cache, for tests).
     load_mode: str = "auto"
+    # Cost-aware lookups (cost.py): with a prefill table (seconds to prefill prompts of so many
+    # tokens on this machine), a file-tier hit is loaded only where reading it is predicted to be
+    # faster than computing its tokens; below min_file_read_gbps (the file tier's read rate
+    # measured on loads) file-tier hits are never loaded. cost_aware = false turns both off.
+    cost_aware: bool = True
+    prefill_table: tuple = ()
+    min_file_read_gbps: float = 0.0
 
     @property
     def server_mode(self) -> bool:
@@ -72,6 +79,12 @@ def _coerce(name: str, value: Any) -> Any:
             if len(value) > 1:
                 raise ValueError("one L2 tier is supported")
             return value
+        if name == "prefill_table":
+            from .cost import PrefillCost, parse_prefill_table
+
+            table = tuple(parse_prefill_table(value))
+            PrefillCost(list(table))  # refuses an empty or shrinking table
+            return table
         if name == "socket" and value == "":
             # An empty socket means the server's default path.
             from kvtier import default_socket_path
@@ -129,6 +142,9 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if config.load_mode not in ("auto", "layerwise", "async"):
         raise ConfigError(f"'{_PREFIX}load_mode' must be auto, layerwise or async, got "
                           f"{config.load_mode!r}")
+    if config.min_file_read_gbps < 0:
+        raise ConfigError(f"'{_PREFIX}min_file_read_gbps' must not be negative, got "
+                          f"{config.min_file_read_gbps}")
     if config.write_policy not in ("write_back", "write_through", "none"):
         raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
                           f"got {config.write_policy!r}")

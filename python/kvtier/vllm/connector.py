@@ -115,7 +115,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self):
-        return self._worker.get_stats() if self._worker is not None else None
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.get_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
@@ -140,6 +141,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KvtierConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler.request_finished(request)

@@ -31,6 +31,8 @@ class ChunkJob:
     # The server holding the pins (its start, store.server_started): a worker reads their slots
     # in that server's pool, even after the server is gone or replaced.
     server_started: float = 0.0
+    # Chunks of this load expected from the file tier (its read rate is measured on them).
+    disk_chunks: int = 0
 
 
 @dataclass

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +41,10 @@ import kvtier
 
 from .compat import BlockTables, features, full_cuda_graphs, skips_external_kv
 from .config import ConfigError, ConnectorConfig
+from .cost import CostModel, PrefillCost
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
+from .stats import KvtierConnectorStats
 from .store import Namespaces, ServerConnection, in_process_socket
 
 logger = init_logger("vllm.kvtier")
@@ -65,6 +68,9 @@ class _Answer:
     first: int = 0
     pins: list[list[int]] | None = None
     server_started: float = 0.0  # the server the pins belong to (store.server_started)
+    declined: int = 0  # chunks kvtier has that the cost model chose not to load
+    read_s: float = 0.0  # predicted file-tier read time of the load
+    counted: bool = False  # its decision is in the stats
 
 
 @dataclass
@@ -78,7 +84,7 @@ class _Request:
     # A load was handed to the workers since the request last (re)entered the waiting queue:
     # no second one, so that a load that fails is recomputed, never retried for ever.
     load_issued: bool = False
-    # ((chunks asked, first chunk not in vLLM's cache), the _Answer's future)
+    # ((prompt tokens, tokens in vLLM's cache), the _Answer's future)
     lookup: tuple[tuple[int, int], concurrent.futures.Future] | None = None
     layerwise: bool = False  # the planned load runs within the step (every chunk pinned in L1)
     in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
@@ -124,6 +130,9 @@ class SchedulerSide:
         # server), released RELEASE_AFTER_STEPS + steps in flight later.
         self._held: list[tuple[int, str, list[list[int]], float]] = []
         self._tables = BlockTables()
+        self._stats = KvtierConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._cost: CostModel | None = None  # made at the first lookup (it needs the chunk size)
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
         self._lookups_down_until = 0.0
@@ -144,9 +153,19 @@ class SchedulerSide:
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes], first: int) -> _Answer:
-        """Runs on the lookup thread. A miss when the store is unreachable. With layer-wise
-        loads on, a prefix whose every chunk is in L1 has chunks [first, hits) pinned."""
+    def _cost_model(self, chunk_bytes: int) -> CostModel | None:
+        cfg = self.cfg
+        if self._cost is None and cfg.cost_aware and (cfg.prefill_table or
+                                                      cfg.min_file_read_gbps > 0):
+            prefill = PrefillCost(list(cfg.prefill_table)) if cfg.prefill_table else None
+            self._cost = CostModel(prefill, cfg.chunk_tokens, chunk_bytes,  # one rank's share
+                                   cfg.min_file_read_gbps * 1e9)
+        return self._cost
+
+    def _lookup(self, keys: list[bytes], first: int, n_tokens: int, local: int) -> _Answer:
+        """Runs on the lookup thread. A miss when the store is unreachable. The cost model may
+        shorten the hit (cost.py). With layer-wise loads on, a hit whose every chunk is in L1
+        has chunks [first, hits) pinned."""
         if not keys or time.monotonic() < self._lookups_down_until:
             return _Answer()
         hits = in_memory = len(keys)
@@ -165,6 +184,13 @@ class SchedulerSide:
             hits, in_memory = min(hits, total), min(in_memory, memory)
             clients.append((client, server.started))
         answer = _Answer(hits, min(hits, in_memory), first)
+        cost = self._cost_model(clients[0][0].chunk_bytes)
+        if cost is not None and answer.hits > answer.in_memory:
+            choice = cost.choose(n_tokens, local, answer.in_memory, answer.hits)
+            answer.declined = max(0, answer.hits - max(choice.chunks, first))
+            answer.hits, answer.read_s = choice.chunks, choice.read_s
+            answer.in_memory = min(answer.in_memory, answer.hits)
+            hits, in_memory = answer.hits, answer.in_memory
         if self._layerwise and first < hits <= in_memory:
             answer.pins, answer.server_started = self._pin(clients, keys[first:hits])
         return answer
@@ -217,13 +243,15 @@ class SchedulerSide:
         future.add_done_callback(
             lambda f: None if f.cancelled() or f.exception() else self._release(f.result().pins))
 
-    def _lookup_now(self, st: _Request, keys: list[bytes], first: int) -> _Answer | None:
+    def _lookup_now(self, st: _Request, keys: list[bytes], first: int, n_tokens: int,
+                    local: int) -> _Answer | None:
         """The lookup's answer, or None when it is still under way (vLLM asks again next
         step). One lookup per request, prompt length and local prefix: a repeated question is
         answered from the last answer (and its pins)."""
-        if st.lookup is None or st.lookup[0] != (len(keys), first):
+        if st.lookup is None or st.lookup[0] != (n_tokens, local):
             self._drop_lookup(st)
-            st.lookup = ((len(keys), first), self._lookup_thread.submit(self._lookup, keys, first))
+            st.lookup = ((n_tokens, local),
+                         self._lookup_thread.submit(self._lookup, keys, first, n_tokens, local))
         try:
             return st.lookup[1].result(timeout=LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
@@ -267,9 +295,13 @@ class SchedulerSide:
             return 0, False
         n_tokens = request.num_tokens
         ct = self.cfg.chunk_tokens
-        answer = self._lookup_now(st, self._keys(st, n_tokens // ct), num_computed_tokens // ct)
+        answer = self._lookup_now(st, self._keys(st, n_tokens // ct), num_computed_tokens // ct,
+                                  n_tokens, num_computed_tokens)
         if answer is None:
             return None, False
+        if answer.declined and not answer.counted:
+            answer.counted = True
+            self._count("tokens_declined", answer.declined * ct)
         # vLLM must compute at least the last token itself.
         hit_tokens = min(answer.hits * ct, n_tokens - 1)
         st.in_memory_tokens = min(answer.in_memory * ct, hit_tokens)
@@ -316,7 +348,10 @@ class SchedulerSide:
                                   for j, b in enumerate(ids)])
             chunk_blocks.append(per_group)
         job = ChunkJob(request.request_id, st.keys[first:end], chunk_blocks,
-                       layerwise=st.layerwise)
+                       layerwise=st.layerwise,
+                       disk_chunks=max(0, end - max(first, -(-st.in_memory_tokens // ct))))
+        if answer is not None and job.disk_chunks:
+            self._count("file_read_predicted_us", int(answer.read_s * 1e6))
         pins = answer.pins if answer is not None else None
         if st.layerwise and pins is not None and answer.first == first:
             n = end - first
@@ -390,6 +425,27 @@ class SchedulerSide:
             st.saved = n_chunks
             st.saves_scheduled = True
         return meta
+
+    def _count(self, name: str, value: int) -> None:
+        with self._stats_lock:
+            self._stats.add(name, value)
+
+    def get_stats(self) -> KvtierConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KvtierConnectorStats()
+        return stats
+
+    def update_connector_output(self, output) -> None:
+        """The workers' counters of this step: the file tier's measured reads feed the cost
+        model."""
+        stats = getattr(output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None)
+        if self._cost is None or not isinstance(data, dict):
+            return
+        self._cost.file_rate.observe(data.get("file_read_bytes", 0),
+                                     data.get("file_read_us", 0) / 1e6)
 
     def request_finished(self, request) -> tuple[bool, dict | None]:
         st = self._requests.pop(request.request_id, None)

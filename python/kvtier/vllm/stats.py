@@ -7,8 +7,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+# tokens_declined: tokens kvtier had that the cost model chose not to load (cost.py);
+# file_read_predicted_us / file_read_us: the file tier's reads of loads, predicted at lookup and
+# measured by the workers (with file_read_bytes, the rate the cost model learns).
 COUNTERS = ("tokens_loaded", "tokens_saved", "chunks_loaded", "chunks_saved", "load_errors",
-            "save_errors", "saves_skipped", "layerwise_loads")
+            "save_errors", "saves_skipped", "layerwise_loads", "tokens_declined",
+            "file_read_predicted_us", "file_read_us", "file_read_bytes")
 
 
 @dataclass

@@ -476,8 +476,16 @@ class WorkerSide:
             if store is not None:
                 if ready is not None:
                     ready.synchronize()
+                read_start = time.monotonic()
                 result = store.prepare_load(job.keys).wait()
                 slots = list(result.slots)
+                # The file tier's part, as this load saw it (the cost model's read rate).
+                from_disk = len(slots) - (len(job.keys) - job.disk_chunks)
+                if job.disk_chunks and from_disk > 0:
+                    with self._lock:
+                        self._stats.add("file_read_bytes", from_disk * self.chunk_bytes)
+                        self._stats.add("file_read_us",
+                                        int((time.monotonic() - read_start) * 1e6))
                 try:
                     for i, slot in enumerate(slots):
                         self._copy(False, job.block_ids[i], store.slot_address(slot))

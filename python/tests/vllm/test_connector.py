@@ -319,3 +319,36 @@ def test_requests_aborted_during_their_load(workdir: Path, expected, load_mode):
         server.proc.send_signal(signal.SIGCONT)
         c.stop()
         server.stop()
+
+
+def test_cost_aware_lookups_load_only_what_pays(workdir: Path, expected):
+    """A prefix only on the file tier (kvtier serve restarted with an empty L1): with a prefill
+    table that makes computing it dearer than reading it, it is loaded, and the file tier's
+    reads are predicted and measured; with one that makes computing it almost free, it is
+    declined (counted) and recomputed. The answers are vLLM's own either way."""
+    l2 = workdir / "l2-cost"
+    server = KvtierServer(workdir, l2)
+    try:
+        plain = Vllm(workdir, "cost-store", connector_config(**{"kvtier.socket": server.socket}))
+        try:
+            assert plain.complete(LONG) == expected["long"]
+        finally:
+            plain.stop()
+    finally:
+        server.stop()  # write-back: L1 drains to the file tier
+    for table, loads in (("4096:1000", True), ("4096:0.000001", False)):
+        server = KvtierServer(workdir, l2)  # an empty L1: the prefix is on the file tier only
+        cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefill_table": table})
+        c = Vllm(workdir, f"cost-{'load' if loads else 'decline'}", cfg)
+        try:
+            assert c.complete(LONG) == expected["long"]
+            if loads:
+                assert transfer_metric(c, "tokens_loaded") >= 1792
+                assert transfer_metric(c, "file_read_us") > 0
+                assert transfer_metric(c, "file_read_predicted_us") > 0
+            else:
+                assert transfer_metric(c, "tokens_declined") >= 1792
+                assert transfer_metric(c, "tokens_loaded", timeout=2) == 0
+        finally:
+            c.stop()
+            server.stop()

@@ -1,0 +1,147 @@
+"""Cost-aware lookups: load from kvtier only what is cheaper to load than to compute.
+
+A file-tier hit is read before the request runs (an asynchronous load), so it pays off only when
+reading its chunks takes less time than computing their tokens; on a slow disk it can make the
+request several times slower than recomputing (docs/benchmarks.md). L1 hits are loaded layer by
+layer inside the step and cost little. For a prompt of n tokens whose first `local` tokens vLLM
+has, whose chunks up to `memory` are in kvtier's L1 and up to `hits` in kvtier at all, the
+connector can hand vLLM a prefix ending at any of those points, and compares the predicted
+time to first token of each:
+
+    load the whole hit:   read(file-tier chunks) + compute(hits .. n)
+    load L1's part only:  compute(memory .. n)         (its copy overlaps the compute)
+    load nothing:         compute(local .. n)
+
+compute(a .. b) comes from a table of whole-prompt prefill times (tokens, seconds), measured on
+the machine beforehand (the recompute arm of kvtier's TTFT benchmark, say): the time of the
+tokens [a, b) with [0, a) cached is P(b) - P(a), P the table interpolated. Attention makes P
+convex, so a prefix shorter than the whole hit is never better than both ends when the reads
+and the compute run one after the other: the choice is between the three points above.
+
+read() uses the file tier's read rate as the connector measures it on real loads (bytes per
+second of the loads' wall time), decayed with a half-life towards an optimistic prior, so that a
+tier judged slow is tried again after a while and a wrong estimate corrects itself within a few
+loads. A floor on that rate (kvtier.min_file_read_gbps) turns file-tier hits off below it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+
+class PrefillCost:
+    """P(tokens): seconds vLLM takes to prefill a prompt of that many tokens from scratch, from a
+    table of (tokens, seconds) pairs; linear between the points, through the origin below the
+    first, and along the last segment's slope beyond the last."""
+
+    def __init__(self, table: list[tuple[int, float]]):
+        points = sorted((int(t), float(s)) for t, s in table)
+        if not points:
+            raise ValueError("the prefill table is empty")
+        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+            if t1 == t0 or s1 < s0:
+                raise ValueError(f"the prefill table must grow with the tokens: {t0} tokens in "
+                                 f"{s0} s, {t1} in {s1} s")
+        if points[0][0] <= 0 or points[0][1] <= 0:
+            raise ValueError("the prefill table's entries must be positive")
+        self._tokens = [0] + [t for t, _ in points]
+        self._seconds = [0.0] + [s for _, s in points]
+
+    def total(self, tokens: int) -> float:
+        t, s = self._tokens, self._seconds
+        i = min(max(bisect.bisect_right(t, tokens), 1), len(t) - 1)
+        slope = (s[i] - s[i - 1]) / (t[i] - t[i - 1])
+        return s[i - 1] + (tokens - t[i - 1]) * slope
+
+    def compute(self, start: int, end: int) -> float:
+        """Seconds to compute tokens [start, end) with [0, start) cached."""
+        return max(0.0, self.total(end) - self.total(start))
+
+
+def parse_prefill_table(value) -> list[tuple[int, float]]:
+    """[[tokens, seconds], ...] or "TOKENS:S,..." (kvtier plan --prefill-table's form)."""
+    if isinstance(value, str):
+        pairs = []
+        for item in value.split(","):
+            tokens, _, seconds = item.strip().partition(":")
+            pairs.append((int(tokens), float(seconds)))
+        return pairs
+    return [(int(t), float(s)) for t, s in value]
+
+
+class ReadRate:
+    """A tier's read rate in bytes per second, from loads' bytes and wall time, each weighted by
+    exp(-age / half-life * ln 2), plus a prior worth `prior_s` seconds of reading that never
+    decays: with no recent loads the estimate returns to the prior."""
+
+    def __init__(self, prior_bps: float, prior_s: float = 0.02, half_life_s: float = 60.0):
+        self._prior_bytes, self._prior_s = prior_bps * prior_s, prior_s
+        self._half_life = half_life_s
+        self._bytes = self._seconds = 0.0
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _decay(self, now: float) -> None:
+        factor = math.exp(-(now - self._at) / self._half_life * math.log(2))
+        self._bytes *= factor
+        self._seconds *= factor
+        self._at = now
+
+    def observe(self, nbytes: float, seconds: float, now: float | None = None) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._decay(time.monotonic() if now is None else now)
+            self._bytes += nbytes
+            self._seconds += seconds
+
+    def bytes_per_s(self, now: float | None = None) -> float:
+        with self._lock:
+            self._decay(time.monotonic() if now is None else now)
+            return (self._bytes + self._prior_bytes) / (self._seconds + self._prior_s)
+
+
+@dataclass
+class Choice:
+    chunks: int  # leading chunks to take from kvtier (0: none)
+    predicted_s: float  # predicted time to the first token of the chosen option
+    read_s: float  # of which reading the file tier
+
+
+class CostModel:
+    """Chooses how much of a hit to load (module docstring)."""
+
+    # Until a load was measured, the file tier is assumed this fast: tried, then measured.
+    PRIOR_READ_BPS = 4e9
+
+    def __init__(self, prefill: PrefillCost | None, chunk_tokens: int, chunk_bytes: int,
+                 min_file_read_bps: float = 0.0):
+        self.prefill = prefill
+        self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
+        self.min_file_read_bps = min_file_read_bps
+        self.file_rate = ReadRate(self.PRIOR_READ_BPS)
+
+    def choose(self, n_tokens: int, local: int, memory: int, hits: int) -> Choice:
+        """local: tokens vLLM has; memory and hits: leading chunks in L1 and in kvtier (memory
+        <= hits). The chunks to take: hits, memory, or 0 (vLLM computes the rest)."""
+        ct = self.chunk_tokens
+        end = lambda chunks: min(chunks * ct, n_tokens - 1)  # noqa: E731 (vLLM computes the last)
+        disk = max(0, hits - max(memory, local // ct))
+        rate = self.file_rate.bytes_per_s()
+        read_s = disk * self.chunk_bytes / rate
+        if disk == 0:
+            return Choice(hits, 0.0, 0.0)
+        if rate < self.min_file_read_bps:
+            fallback = memory if end(memory) > local else 0
+            return Choice(fallback, 0.0, 0.0)
+        if self.prefill is None:
+            return Choice(hits, read_s, read_s)
+        options = [Choice(hits, read_s + self.prefill.compute(end(hits), n_tokens), read_s)]
+        if end(memory) > local:
+            options.append(Choice(memory, self.prefill.compute(end(memory), n_tokens), 0.0))
+        options.append(Choice(0, self.prefill.compute(local, n_tokens), 0.0))
+        return min(options, key=lambda c: c.predicted_s)

@@ -1,0 +1,79 @@
+"""The cost model of cost-aware lookups (kvtier.vllm.cost): the prefill table, the read rate's
+estimate and decay, and the choice on both sides of the break-even."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.vllm.config import ConfigError, parse_config
+from kvtier.vllm.cost import CostModel, PrefillCost, ReadRate, parse_prefill_table
+
+MB = 1 << 20
+# A machine where prefill is quadratic-ish: 8k in 0.25 s, 16k in 0.6 s, 32k in 1.6 s.
+TABLE = [(8192, 0.25), (16384, 0.6), (32768, 1.6)]
+
+
+def test_prefill_table_interpolates_and_extrapolates():
+    p = PrefillCost(TABLE)
+    assert p.total(0) == 0
+    assert p.total(4096) == pytest.approx(0.125)  # through the origin below the first point
+    assert p.total(12288) == pytest.approx(0.425)
+    assert p.total(49152) == pytest.approx(2.6)  # the last segment's slope beyond
+    assert p.compute(16384, 32768) == pytest.approx(1.0)
+    assert p.compute(100, 100) == 0
+    assert parse_prefill_table("8192:0.25,16384:0.6") == [(8192, 0.25), (16384, 0.6)]
+    for bad in ([], [(8192, 0.5), (16384, 0.2)], [(0, 0.1)], [(8192, 0.1), (8192, 0.2)]):
+        with pytest.raises(ValueError):
+            PrefillCost(bad)
+
+
+def test_config_takes_and_checks_the_table():
+    cfg = parse_config({"kvtier.prefill_table": "8192:0.25,16384:0.6",
+                        "kvtier.min_file_read_gbps": 1.5})
+    assert cfg.prefill_table == ((8192, 0.25), (16384, 0.6)) and cfg.cost_aware
+    assert parse_config({"kvtier.prefill_table": [[8192, 0.25]]}).prefill_table == ((8192, 0.25),)
+    with pytest.raises(ConfigError, match="prefill_table"):
+        parse_config({"kvtier.prefill_table": "8192:0.5,16384:0.1"})
+    with pytest.raises(ConfigError, match="prefill_table"):
+        parse_config({"kvtier.prefill_table": "lots"})
+    with pytest.raises(ConfigError, match="min_file_read_gbps"):
+        parse_config({"kvtier.min_file_read_gbps": -1})
+
+
+def test_read_rate_corrects_itself_within_a_few_loads_and_decays_back():
+    rate = ReadRate(prior_bps=4e9, prior_s=0.02, half_life_s=60)
+    assert rate.bytes_per_s(now=0) == pytest.approx(4e9)
+    for i in range(3):  # a disk at 1 GB/s: three loads of 512 MB
+        rate.observe(512e6, 0.512, now=i)
+    assert rate.bytes_per_s(now=3) < 1.1e9
+    assert rate.bytes_per_s(now=3 + 3600) > 3.9e9  # an hour later: back to the prior, tried again
+
+
+def choose(read_bps: float, n: int, local: int, memory: int, hits: int, floor: float = 0):
+    model = CostModel(PrefillCost(TABLE), 256, 36 * MB, floor)
+    model.file_rate = ReadRate(prior_bps=read_bps, prior_s=1.0)
+    return model.choose(n, local, memory, hits)
+
+
+def test_choice_on_both_sides_of_the_break_even():
+    # 16k prompt, 63 chunks on disk only (2.3 GB). Recomputing them takes about 0.59 s.
+    n, hits = 16384, 63
+    assert choose(10e9, n, 0, 0, hits).chunks == hits  # 0.23 s of reading: load
+    assert choose(1e9, n, 0, 0, hits).chunks == 0  # 2.3 s of reading: recompute
+    # Half of it in L1: at 1 GB/s the L1 part is still worth taking, the disk part is not.
+    c = choose(1e9, n, 0, 32, hits)
+    assert c.chunks == 32 and c.read_s == 0
+    # Everything in L1: nothing to decide.
+    assert choose(1e6, n, 0, hits, hits).chunks == hits
+    # vLLM already has the first 40 chunks: only the rest counts.
+    assert choose(1e9, n, 40 * 256, 0, hits).chunks == 0
+    assert choose(50e9, n, 40 * 256, 0, hits).chunks == hits
+
+
+def test_floor_turns_file_tier_hits_off():
+    model = CostModel(None, 256, 36 * MB, min_file_read_bps=2e9)
+    model.file_rate = ReadRate(prior_bps=1e9, prior_s=1.0)
+    assert model.choose(16384, 0, 10, 63).chunks == 10  # L1's part only
+    assert model.choose(16384, 0, 0, 63).chunks == 0
+    model.file_rate = ReadRate(prior_bps=3e9, prior_s=1.0)
+    assert model.choose(16384, 0, 0, 63).chunks == 63  # no table: above the floor, load
