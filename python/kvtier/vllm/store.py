@@ -99,6 +99,8 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
     return server
 
 
+# How long a lost or replaced server's pool stays mapped (ServerConnection, keep_mappings).
+KEEP_LOST_S = 10.0
 # Two stamps of one server's start (wall clock, from its uptime) that differ by less than this
 # name the same server: a restarted one takes longer to map its pool and take the socket.
 SAME_SERVER_S = 0.25
@@ -113,11 +115,12 @@ def server_started(client) -> float:
 class ServerConnection:
     """A kvtier client that reconnects in the background when the server comes back.
 
-    With keep_mappings, the last clients stay open (their pool mapped) after the server is lost
-    or replaced, until newer ones push them out: a slot pinned in a server's pool stays readable
-    in that pool's mapping even after the server died (nothing else writes a pinned slot), so a
-    load whose chunks were pinned before the server was lost can still complete. on_close(client)
-    runs before a client is closed (to unregister its pool from the GPU, say)."""
+    With keep_mappings, a client stays open (its pool mapped) for KEEP_LOST_S after its server
+    is lost or replaced: a slot pinned in a server's pool stays readable in that pool's mapping
+    even after the server died (nothing else writes a pinned slot), so a load whose chunks were
+    pinned just before (the step after the lookup, milliseconds) can still complete. Not longer:
+    the mapping holds the lost pool's memory. on_close(client) runs before a client is closed
+    (to unregister its pool from the GPU, say)."""
 
     def __init__(self, cfg: ConnectorConfig, socket_path: str, ns: kvtier.KeyNamespace,
                  chunk_bytes: int, client_name: str, rpc_timeout_ms: int,
@@ -125,12 +128,14 @@ class ServerConnection:
         self._cfg, self._socket, self._ns = cfg, socket_path, ns
         self._chunk_bytes, self._name = chunk_bytes, client_name
         self._rpc_timeout_ms = rpc_timeout_ms
-        self._keep = 2 if keep_mappings else 0
+        self._keep = keep_mappings
         self._on_close = on_close
         self._lock = threading.Lock()
         self._client: kvtier.ServerClient | None = None
         self.started = 0.0  # the current client's server_started(), 0 if unknown
-        self._kept: list[tuple[float, kvtier.ServerClient]] = []  # newest last
+        # With keep_mappings: (server stamp, client, monotonic time it was lost or replaced or
+        # None while current), newest last.
+        self._kept: list[list] = []
         self._connecting = False
         self._next_attempt = 0.0
         self._logged_down = False
@@ -145,36 +150,50 @@ class ServerConnection:
         server is retried on a background thread at most every RETRY_SECONDS (a stalled server
         would hold a connection attempt for its whole timeout)."""
         with self._lock:
+            to_close = self._expire_locked()
             client = self._client
-            if client is not None and client.connected:
-                return client
-            broken = None
-            if client is not None:
+            if client is not None and not client.connected:
                 logger.warning("kvtier: lost the server at %s; recomputing until it is back",
                                self._socket)
                 self._client = None
                 self.started = 0.0
                 self._logged_down = True
-                broken = None if self._keep else client  # else it stays open in _kept
-            start = not (self._connecting or self._closed
-                         or time.monotonic() < self._next_attempt)
+                if self._keep:
+                    self._lost_locked(client)  # stays open a while in _kept
+                else:
+                    to_close.append(client)
+            start = self._client is None and not (
+                self._connecting or self._closed or time.monotonic() < self._next_attempt)
             if start:
                 self._connecting = True
-        if broken is not None:
-            self._close_client(broken)
+            current = self._client
+        for c in to_close:
+            self._close_client(c)
         if start:
             threading.Thread(target=self._connect_quietly, name="kvtier-connect",
                              daemon=True).start()
-        return None
+        return current
 
     def client_of_server(self, started: float) -> kvtier.ServerClient | None:
         """The client, connected or not, whose pool is that of the server started at `started`
         (a server_started() stamp); None if none is kept."""
         with self._lock:
-            for stamp, client in reversed(self._kept):
+            for stamp, client, _ in reversed(self._kept):
                 if abs(stamp - started) < SAME_SERVER_S:
                     return client
         return None
+
+    def _lost_locked(self, client) -> None:
+        for entry in self._kept:
+            if entry[1] is client and entry[2] is None:
+                entry[2] = time.monotonic()
+
+    def _expire_locked(self) -> list:
+        """Kept clients lost or replaced more than KEEP_LOST_S ago, taken out (to be closed)."""
+        now = time.monotonic()
+        expired = [e[1] for e in self._kept if e[2] is not None and now - e[2] > KEEP_LOST_S]
+        self._kept = [e for e in self._kept if e[1] not in expired]
+        return expired
 
     def _close_client(self, client) -> None:
         if self._on_close is not None:
@@ -193,7 +212,6 @@ class ServerConnection:
     def _connect(self) -> None:
         client = None
         started = 0.0
-        dropped = []
         try:
             client = kvtier.connect(
                 self._ns, self._chunk_bytes, socket_path=self._socket, token=self._cfg.token,
@@ -223,20 +241,19 @@ class ServerConnection:
                     self._client = client
                     self.started = started
                     if self._keep:
-                        self._kept.append((started, client))
-                        dropped = [c for _, c in self._kept[:-self._keep]]
-                        del self._kept[:-self._keep]
+                        for entry in self._kept:  # replaced: kept a while for pinned loads
+                            if entry[2] is None:
+                                entry[2] = time.monotonic()
+                        self._kept.append([started, client, None])
                     if self._logged_down:
                         logger.info("kvtier: connected to the server at %s", self._socket)
                         self._logged_down = False
-            for stale in dropped:
-                self._close_client(stale)
 
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
             self._closed = True
-            kept, self._kept = [c for _, c in self._kept], []
+            kept, self._kept = [e[1] for e in self._kept], []
         for c in kept:
             self._close_client(c)
         if client is not None and client not in kept:

@@ -352,3 +352,43 @@ def test_cost_aware_lookups_load_only_what_pays(workdir: Path, expected):
         finally:
             c.stop()
             server.stop()
+
+
+def test_a_lost_servers_pool_stays_mapped_a_while(workdir: Path, monkeypatch):
+    """The worker's connection keeps a lost server's pool mapped (slots pinned before the loss
+    are still read by the step that follows), found by the server's start stamp, and closes it
+    once KEEP_LOST_S has passed (the mapping holds the lost pool's memory)."""
+    import kvtier
+    from kvtier.vllm import store
+    from kvtier.vllm.config import ConnectorConfig
+
+    monkeypatch.setattr(store, "KEEP_LOST_S", 0.5)
+    server = KvtierServer(workdir, None)
+    closed = []
+    conn = store.ServerConnection(ConnectorConfig(socket=server.socket), server.socket,
+                                  kvtier.KeyNamespace("kept"), 0, "kept-test", 1000,
+                                  keep_mappings=True, on_close=closed.append)
+    try:
+        conn.connect_now()
+        client = conn.get()
+        stamp = conn.started
+        assert client is not None and stamp > 0
+        assert conn.client_of_server(stamp) is client
+        assert conn.client_of_server(stamp - 5) is None  # another server's stamp
+        server.kill()
+        deadline = time.monotonic() + 10
+        while conn.get() is not None:
+            assert time.monotonic() < deadline, "the lost server was not noticed"
+            try:
+                client.ping()  # a call finds the connection broken
+            except kvtier.KvtierError:
+                pass
+            time.sleep(0.05)
+        assert conn.client_of_server(stamp) is client and not client.closed
+        assert bytes(client.slot_view(0)[:1]) is not None  # still mapped
+        time.sleep(0.6)
+        conn.get()
+        assert closed == [client] and conn.client_of_server(stamp) is None
+    finally:
+        conn.close()
+        server.stop()
