@@ -126,9 +126,9 @@ class SchedulerSide:
         self._steps_in_flight = (vllm_config.parallel_config.pipeline_parallel_size
                                  + int(async_scheduling))
         self._step = 0  # build_connector_meta calls so far
-        # Pins of layer-wise loads handed to the workers: (step, request id, pins per rank,
-        # server), released RELEASE_AFTER_STEPS + steps in flight later.
-        self._held: list[tuple[int, str, list[list[int]], float]] = []
+        # Pins of layer-wise loads handed to the workers: (step, request id, pins per rank),
+        # released RELEASE_AFTER_STEPS + steps in flight later.
+        self._held: list[tuple[int, str, list[list[int]]]] = []
         self._tables = BlockTables()
         self._stats = KvtierConnectorStats()
         self._stats_lock = threading.Lock()
@@ -385,7 +385,7 @@ class SchedulerSide:
         meta = KvtierConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         self._step += 1
-        self._held += [(self._step, job.req_id, job.pinned_slots, job.server_started)
+        self._held += [(self._step, job.req_id, job.pinned_slots)
                        for job in meta.loads if job.pinned_slots is not None]
         done = self._step - RELEASE_AFTER_STEPS - self._steps_in_flight
         while self._held and self._held[0][0] <= done:
