@@ -129,7 +129,8 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._load_stream = None
         self._layer_events: list | None = None  # this step's layer-wise load, one per layer
-        self._layer_plan = None  # (block ids, chunk addresses, raw stream) of this step's load
+        # This step's layer-wise load: (block ids, chunk addresses, copy stream, its blocks).
+        self._layer_plan = None
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -257,7 +258,6 @@ class WorkerSide:
     def _start_layerwise(self, jobs: list[ChunkJob]) -> None:
         """Queues every layer's scatter of the jobs' chunks, pinned by the scheduler, on the
         copy stream (or copies them now, on a host KV cache)."""
-        ct = self.cfg.chunk_tokens
         ids, addrs, failed = [], [], set()
         loaded_chunks = loaded_tokens = 0
         for job in jobs:
