@@ -5,6 +5,8 @@
 #include <atomic>
 #include <future>
 
+#include "testing/wait.h"
+
 namespace kvtier {
 namespace {
 
@@ -97,10 +99,8 @@ TEST(TaskPoolTest, StalledTaskIsReplacedAndAbandonedAtShutdown) {
   pool.reset();  // the stuck thread is detached; the pool object can go
   EXPECT_EQ(TaskPool::DetachedRunning(), 1u);  // before the gate opens: it could finish at once
   gate.set_value();
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  EXPECT_TRUE(testing::WaitUntil([] { return TaskPool::DetachedRunning() == 0; }))
+      << TaskPool::DetachedRunning() << " detached threads still running";
   EXPECT_TRUE(stuck_done->load());
 }
 
