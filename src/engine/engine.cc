@@ -25,6 +25,7 @@
 #endif
 
 #include "common/log_limiter.h"
+#include "common/sync_point.h"
 #include "common/task_pool.h"
 #include "engine/engine_internals.h"
 
@@ -768,6 +769,7 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
       // A read of this chunk already under way (another load's promotion) serves this load
       // too: one read, one promotion, every waiter handed the same bytes.
       const FileReadJoin join = JoinFileRead(key, on_read);
+      TEST_SYNC_POINT("Engine::StartFileReads:AfterJoin");
       if (join.in_l1) return serve_pinned(*join.in_l1);
       if (!join.generation) return;
       FileTier::ReadDone shared = [this, key, g = *join.generation](Status st,
