@@ -1,0 +1,312 @@
+#include "server/metrics.h"
+
+#include <prometheus/text_serializer.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "server/server_impl.h"
+
+namespace kvtier::server {
+
+namespace {
+
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  // 5 us .. ~10 s, x2.5 per bucket.
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 5e-6; v < 12; v *= 2.5) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry(std::make_shared<prometheus::Registry>()),
+      requests(prometheus::BuildCounter()
+                   .Name("kvtier_rpc_requests_total")
+                   .Help("Protocol requests received, by operation")
+                   .Register(*registry)),
+      rpc_latency(prometheus::BuildHistogram()
+                      .Name("kvtier_rpc_latency_seconds")
+                      .Help("Server-side handling time of a request, by operation")
+                      .Register(*registry)),
+      load_latency(prometheus::BuildHistogram()
+                       .Name("kvtier_load_latency_seconds")
+                       .Help("prepare_load: request received to chunks pinned and the reply ready")
+                       .Register(*registry)
+                       .Add({}, LatencyBuckets())),
+      store_latency(prometheus::BuildHistogram()
+                        .Name("kvtier_store_latency_seconds")
+                        .Help("Store: slots reserved to slots committed (includes the "
+                              "client's copy)")
+                        .Register(*registry)
+                        .Add({}, LatencyBuckets())),
+      connected(prometheus::BuildGauge()
+                    .Name("kvtier_connected_clients")
+                    .Help("Client connections open now")
+                    .Register(*registry)
+                    .Add({})),
+      connections(prometheus::BuildCounter()
+                      .Name("kvtier_connections_total")
+                      .Help("Client connections accepted")
+                      .Register(*registry)
+                      .Add({})),
+      refused(prometheus::BuildCounter()
+                  .Name("kvtier_handshakes_refused_total")
+                  .Help("Handshakes refused, by reason")
+                  .Register(*registry)),
+      protocol_errors(prometheus::BuildCounter()
+                          .Name("kvtier_protocol_errors_total")
+                          .Help("Connections closed for a malformed, oversized or "
+                                "out-of-order message")
+                          .Register(*registry)
+                          .Add({})),
+      request_errors(prometheus::BuildCounter()
+                         .Name("kvtier_request_errors_total")
+                         .Help("Requests answered with an error (connection kept)")
+                         .Register(*registry)
+                         .Add({})),
+      released_on_disconnect(prometheus::BuildCounter()
+                                 .Name("kvtier_released_on_disconnect_total")
+                                 .Help("Pins and reservations released because their "
+                                       "connection closed")
+                                 .Register(*registry)
+                                 .Add({})),
+      dropped(prometheus::BuildCounter()
+                  .Name("kvtier_connections_dropped_total")
+                  .Help("Connections closed by the server, by reason (slow: replies left "
+                        "unread; no_thread: no thread could be started for it)")
+                  .Register(*registry)),
+      accept_errors(prometheus::BuildCounter()
+                        .Name("kvtier_accept_errors_total")
+                        .Help("accept() failures (e.g. out of file descriptors)")
+                        .Register(*registry)
+                        .Add({})),
+      quota_limited(prometheus::BuildCounter()
+                        .Name("kvtier_quota_limited_total")
+                        .Help("reserve/prepare_load requests cut short by the per-client "
+                              "slot quota")
+                        .Register(*registry)
+                        .Add({})),
+      reservations_expired(prometheus::BuildCounter()
+                               .Name("kvtier_reservations_expired_total")
+                               .Help("Reserved slots taken back, not committed within "
+                                     "--reservation-timeout-ms")
+                               .Register(*registry)
+                               .Add({})) {
+  for (uint16_t op = 1; op <= kMaxOpcode; ++op) {
+    std::string name(OpcodeName(op));
+    op_requests[op] = &requests.Add({{"op", name}});
+    op_latency[op] = &rpc_latency.Add({{"op", name}}, LatencyBuckets());
+  }
+  for (const char* reason :
+       {"version", "token", "namespace", "chunk_size", "draining", "too_many_clients", "bad_name",
+        "no_thread", "hello_timeout", "too_many_pending", "no_window", "too_many_from_process",
+        "no_window_memory", "no_credentials"}) {
+    refused_by[reason] = &refused.Add({{"reason", reason}});
+  }
+  for (const char* reason : {"slow", "no_thread"}) {
+    dropped_by[reason] = &dropped.Add({{"reason", reason}});
+  }
+}
+
+std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) const {
+  EngineStats st = engine_->Stats();
+  const MemoryTierStats& m = st.memory_detail;
+  nlohmann::json j;
+  j["version"] = KVTIER_VERSION;
+  j["protocol_version"] = kProtocolVersion;
+  j["uptime_s"] = std::chrono::duration<double>(Clock::now() - started_at_).count();
+  j["draining"] = stopping_.load();
+  j["socket"] = options_.socket_path;
+  j["write_policy"] = WritePolicyName(engine_->options().write_policy);
+  j["pool"] = {{"capacity_bytes", m.capacity_bytes},
+               {"slot_bytes", m.slot_bytes},
+               {"chunk_bytes", engine_->options().chunk_bytes},
+               {"num_slots", m.num_slots},
+               {"resident", m.resident},
+               {"pinned", m.pinned},
+               {"huge_pages", m.huge_pages},
+               {"eviction_policy", EvictionPolicyName(engine_->options().memory.eviction)}};
+  auto tier = [](const TierCounters& t) {
+    return nlohmann::json{{"lookups", t.lookups},        {"hits", t.hits},
+                          {"served", t.served},          {"misses", t.misses},
+                          {"bytes_written", t.bytes_in}, {"bytes_read", t.bytes_out},
+                          {"evictions", t.evictions},    {"rejections", t.rejections},
+                          {"errors", t.errors}};
+  };
+  j["tiers"]["memory"] = tier(st.memory);
+  j["engine"] = {{"stores", st.stores}, {"loads", st.loads}, {"rejected_ops", st.rejected_ops}};
+  if (st.has_file) {
+    const FileTierStats& f = st.file_detail;
+    j["tiers"]["file"] = tier(st.file);
+    j["tiers"]["file"]["path"] = engine_->options().file->root;
+    j["tiers"]["file"]["chunks"] = f.chunks;
+    j["tiers"]["file"]["bytes"] = f.bytes;
+    j["tiers"]["file"]["capacity_bytes"] = f.capacity_bytes;
+    j["tiers"]["file"]["o_direct"] = f.o_direct;
+    j["tiers"]["file"]["io_engine"] = f.io_engine;
+    j["tiers"]["file"]["corrupt"] = f.corrupt;
+    j["tiers"]["file"]["queued_writes"] = f.queued_writes;
+    j["tiers"]["file"]["index"] = {{"rescans", f.rescans},
+                                   {"rescan_failures", f.rescan_failures},
+                                   {"last_rescan_us", f.last_rescan_us},
+                                   {"probes", f.probes},
+                                   {"probe_hits", f.probe_hits},
+                                   {"probes_dropped", f.probes_dropped},
+                                   {"negative_cache_entries", f.negative_cache_entries},
+                                   {"found_on_disk", f.found_on_disk}};
+    j["engine"]["promotions"] = st.promotions;
+    j["engine"]["shared_reads"] = st.shared_reads;
+    j["engine"]["deadline_misses"] = st.deadline_misses;
+    j["engine"]["write_backs"] = st.write_backs;
+    j["engine"]["write_back_failures"] = st.write_back_failures;
+    j["engine"]["dirty_evictions"] = st.dirty_evictions;
+    j["engine"]["dirty_refusals"] = m.dirty_refusals;
+    j["engine"]["write_through_dropped"] = st.write_through_dropped;
+    j["pool"]["dirty"] = m.dirty;
+  }
+  // The engine-wide numbers above are aggregates over every tenant, as in /metrics, which any
+  // local user may read; who the clients are is not (docs/security.md, "A tenant").
+  const bool isolated = options_.isolate_clients && view != StatsView::kOperator;
+  if (isolated && view == StatsView::kTenant) j["tenant"] = tenant;
+  nlohmann::json clients = nlohmann::json::array();
+  size_t connected = 0;
+  {
+    std::lock_guard lock(conns_mu_);
+    for (auto& c : conns_) {
+      std::lock_guard conn_lock(c->mu);
+      if (c->closed || !c->handshaken) continue;
+      ++connected;
+      if (isolated && (view == StatsView::kHttp || c->tenant != tenant)) continue;
+      clients.push_back({{"id", c->id},
+                         {"pid", c->peer_pid},
+                         {"name", c->name},
+                         {"model_id", c->ns.model_id},
+                         {"rank", c->ns.rank},
+                         {"world_size", c->ns.world_size},
+                         {"pins", c->pinned},
+                         {"reservations", c->reservations.size()}});
+      if (view == StatsView::kOperator && !c->tenant.empty()) clients.back()["tenant"] = c->tenant;
+    }
+  }
+  j["clients_connected"] = connected;
+  if (!isolated || view == StatsView::kTenant) j["clients"] = std::move(clients);
+  // Paths come from the operator and names were checked at hello, but no byte sequence may make
+  // a dump throw (it would take the server down): invalid UTF-8 is replaced.
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+std::string MetricsText(const Metrics& metrics, const EngineStats& st) {
+  std::vector<prometheus::MetricFamily> families = metrics.registry->Collect();
+  using prometheus::ClientMetric;
+  using prometheus::MetricFamily;
+  using prometheus::MetricType;
+  auto counter = [&](const char* name, const char* help,
+                     std::vector<std::pair<std::string, double>> per_tier) {
+    MetricFamily f{name, help, MetricType::Counter, {}};
+    for (auto& [tier, v] : per_tier) {
+      ClientMetric m;
+      m.label.push_back({"tier", tier});
+      m.counter.value = v;
+      f.metric.push_back(std::move(m));
+    }
+    families.push_back(std::move(f));
+  };
+  auto d = [](uint64_t v) { return static_cast<double>(v); };
+  auto tiers = [&](auto field) {
+    std::vector<std::pair<std::string, double>> v{{"memory", d(field(st.memory))}};
+    if (st.has_file) v.emplace_back("file", d(field(st.file)));
+    return v;
+  };
+  counter("kvtier_lookups_total", "Lookups per tier",
+          tiers([](const TierCounters& t) { return t.lookups; }));
+  counter("kvtier_hits_total", "Chunks lookups found per tier",
+          tiers([](const TierCounters& t) { return t.hits; }));
+  counter("kvtier_served_total", "Chunks delivered to loads per tier",
+          tiers([](const TierCounters& t) { return t.served; }));
+  counter("kvtier_misses_total", "Chunks not found per tier",
+          tiers([](const TierCounters& t) { return t.misses; }));
+  counter("kvtier_bytes_written_total", "Chunk bytes written into each tier",
+          tiers([](const TierCounters& t) { return t.bytes_in; }));
+  counter("kvtier_bytes_read_total", "Chunk bytes read out of each tier",
+          tiers([](const TierCounters& t) { return t.bytes_out; }));
+  counter("kvtier_evictions_total", "Chunks evicted per tier",
+          tiers([](const TierCounters& t) { return t.evictions; }));
+  counter("kvtier_rejections_total", "Operations refused (pool or queue full) per tier",
+          tiers([](const TierCounters& t) { return t.rejections; }));
+  counter("kvtier_errors_total", "Errors per tier",
+          tiers([](const TierCounters& t) { return t.errors; }));
+  {
+    MetricFamily f{"kvtier_engine_ops_total", "Engine operations", MetricType::Counter, {}};
+    for (auto [name, v] :
+         {std::pair{"store", st.stores}, std::pair{"load", st.loads},
+          std::pair{"rejected", st.rejected_ops}, std::pair{"promotion", st.promotions},
+          std::pair{"shared_read", st.shared_reads}, std::pair{"deadline_miss", st.deadline_misses},
+          std::pair{"write_back", st.write_backs},
+          std::pair{"write_back_failure", st.write_back_failures},
+          std::pair{"dirty_eviction", st.dirty_evictions},
+          std::pair{"dirty_refusal", st.memory_detail.dirty_refusals}}) {
+      ClientMetric m;
+      m.label.push_back({"op", name});
+      m.counter.value = d(v);
+      f.metric.push_back(std::move(m));
+    }
+    families.push_back(std::move(f));
+  }
+  auto gauge = [&](const char* name, const char* help,
+                   std::vector<std::pair<std::string, double>> by_state, const char* label) {
+    MetricFamily f{name, help, MetricType::Gauge, {}};
+    for (auto& [k, v] : by_state) {
+      ClientMetric m;
+      if (label) m.label.push_back({label, k});
+      m.gauge.value = v;
+      f.metric.push_back(std::move(m));
+    }
+    families.push_back(std::move(f));
+  };
+  const MemoryTierStats& m = st.memory_detail;
+  gauge(
+      "kvtier_pool_slots", "L1 pool slots by state",
+      {{"total", m.num_slots}, {"resident", m.resident}, {"pinned", m.pinned}, {"dirty", m.dirty}},
+      "state");
+  gauge("kvtier_pool_bytes", "L1 pool bytes",
+        {{"capacity", d(m.capacity_bytes)},
+         {"used", d(static_cast<uint64_t>(m.resident) * m.slot_bytes)}},
+        "kind");
+  if (st.has_file) {
+    gauge("kvtier_file_tier_bytes", "File tier bytes",
+          {{"used", d(st.file_detail.bytes)}, {"capacity", d(st.file_detail.capacity_bytes)}},
+          "kind");
+    gauge("kvtier_file_tier_queued", "File tier operations queued now",
+          {{"read", d(st.file_detail.queued_reads)}, {"write", d(st.file_detail.queued_writes)}},
+          "op");
+    const FileTierStats& f = st.file_detail;
+    MetricFamily index{"kvtier_file_tier_index_total",
+                       "File tier index upkeep: rescans of the directory, probes of lookup misses",
+                       MetricType::Counter,
+                       {}};
+    for (auto [name, v] :
+         {std::pair{"rescan", f.rescans}, std::pair{"rescan_failure", f.rescan_failures},
+          std::pair{"probe", f.probes}, std::pair{"probe_hit", f.probe_hits},
+          std::pair{"probe_dropped", f.probes_dropped}}) {
+      ClientMetric m;
+      m.label.push_back({"op", name});
+      m.counter.value = d(v);
+      index.metric.push_back(std::move(m));
+    }
+    families.push_back(std::move(index));
+    gauge("kvtier_file_tier_negative_cache_entries", "File tier keys known absent now",
+          {{"", d(f.negative_cache_entries)}}, nullptr);
+    gauge("kvtier_file_tier_last_rescan_seconds", "Duration of the file tier's last rescan",
+          {{"", f.last_rescan_us / 1e6}}, nullptr);
+  }
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+std::string Server::Impl::MetricsText() const {
+  return server::MetricsText(metrics_, engine_->Stats());
+}
+
+}  // namespace kvtier::server
