@@ -10,7 +10,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -35,20 +38,24 @@ class S3FaultFront {
     server_.set_payload_max_length(1ull << 32);
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
-    while (!server_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    server_.wait_until_ready();
   }
   ~S3FaultFront() {
-    mode_ = Mode::kPass;
+    Inject(Mode::kPass);  // releases hung requests
     server_.stop();
     thread_.join();
   }
 
   std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  // The next `count` requests (all of them for -1) are answered per `mode`; then pass.
+  // The next `count` requests (all of them for -1) are answered per `mode`; then pass. A hung
+  // request waits `hang`, or until the next Inject, then passes.
   void Inject(Mode mode, int count = -1, std::chrono::milliseconds hang = std::chrono::seconds(3)) {
+    std::lock_guard lock(hang_mu_);
     hang_ms_ = static_cast<int>(hang.count());
     remaining_ = count;
     mode_ = mode;
+    ++injections_;
+    hang_cv_.notify_all();
   }
   int requests() const { return requests_.load(); }
   int injected() const { return injected_.load(); }
@@ -86,7 +93,10 @@ class S3FaultFront {
     }
     if (mode == Mode::kHang) {
       injected_.fetch_add(1);
-      std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_.load()));
+      std::unique_lock lock(hang_mu_);
+      const uint64_t injection = injections_;
+      hang_cv_.wait_for(lock, std::chrono::milliseconds(hang_ms_.load()),
+                        [&] { return injections_ != injection; });
     }
     httplib::Client up(upstream_);
     up.set_read_timeout(std::chrono::seconds(30));
@@ -144,6 +154,9 @@ class S3FaultFront {
   std::atomic<Mode> mode_{Mode::kPass};
   std::atomic<int> remaining_{0}, hang_ms_{3000};
   std::atomic<int> requests_{0}, injected_{0};
+  std::mutex hang_mu_;
+  std::condition_variable hang_cv_;
+  uint64_t injections_ = 0;  // guarded by hang_mu_
 };
 
 // A fixture with a fault front before the test server: skipped without a server, failed

@@ -15,7 +15,7 @@ inline constexpr std::chrono::seconds kWaitDeadline{30};
 // last call). Polls every `poll`. Use as ASSERT_TRUE(WaitUntil(...)) << "what did not happen".
 template <typename Predicate>
 bool WaitUntil(Predicate&& done, std::chrono::milliseconds deadline = kWaitDeadline,
-               std::chrono::milliseconds poll = std::chrono::milliseconds(10)) {
+               std::chrono::microseconds poll = std::chrono::milliseconds(10)) {
   const auto end = std::chrono::steady_clock::now() + deadline;
   while (!done()) {
     if (std::chrono::steady_clock::now() >= end) return done();
