@@ -1,4 +1,4 @@
-// Client of a `kvtier serve` daemon, and the ChunkStore interface that lets an integration switch
+// Client of a `kvtier serve` daemon: a ChunkStore (kvtier/store.h), so that an integration switches
 // between an in-process Engine and a shared server with one setting (kvtier/chunk_store.h opens
 // either).
 //
@@ -36,82 +36,11 @@
 #include <vector>
 
 #include "kvtier/chunk_key.h"
-#include "kvtier/engine.h"
+#include "kvtier/socket_path.h"
+#include "kvtier/store.h"
 #include "kvtier/status.h"
 
 namespace kvtier {
-
-// A handle to an asynchronous operation of a ChunkStore, with the shape of Engine's OpHandle.
-// Copyable. An AsyncOp of PrepareLoad whose result is never taken (Wait/WaitFor) releases its
-// pins itself when the last copy is destroyed.
-class AsyncOp {
- public:
-  class Impl {
-   public:
-    virtual ~Impl() = default;
-    virtual bool Done() = 0;
-    virtual std::optional<OpResult> WaitFor(std::optional<std::chrono::nanoseconds> timeout) = 0;
-  };
-  explicit AsyncOp(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-  // An already finished operation.
-  static AsyncOp Finished(OpResult result);
-
-  bool Done() const { return impl_->Done(); }
-  OpResult Wait() const { return *impl_->WaitFor(std::nullopt); }
-  // The result if done within `timeout`, else nullopt (the operation goes on).
-  std::optional<OpResult> WaitFor(std::chrono::nanoseconds timeout) const {
-    return impl_->WaitFor(timeout);
-  }
-
- private:
-  std::shared_ptr<Impl> impl_;
-};
-
-// What an inference integration needs from the KV store, in process or through a server.
-class ChunkStore {
- public:
-  virtual ~ChunkStore() = default;
-
-  // Bytes of one chunk; every buffer passed to Store/Load has exactly this size.
-  virtual uint64_t chunk_bytes() const = 0;
-  // Leading chunks of `keys` a Load would find now. In server mode a broken connection reports
-  // zero hits (the caller recomputes). Never blocks on file I/O.
-  virtual LookupResult Lookup(std::span<const ChunkKey> keys) = 0;
-  // Stores src[i] under keys[i] (idempotent: keys already stored are skipped). kInvalidArgument
-  // for mismatched sizes, kRejected if the copy queue is full, kUnavailable if the server is
-  // gone; otherwise a handle whose result counts the chunks now stored. Caller buffers must stay
-  // valid until the handle is done.
-  virtual Result<AsyncOp> Store(std::span<const ChunkKey> keys,
-                                std::span<const std::span<const uint8_t>> src) = 0;
-  // Copies the longest available prefix of `keys` into dst; result.chunks says how many.
-  virtual Result<AsyncOp> Load(std::span<const ChunkKey> keys,
-                               std::span<const std::span<uint8_t>> dst) = 0;
-
-  // --- Zero-copy: the caller reads and writes pool slots itself (see SlotData). ---
-  // Reserves a slot per key; kNoSlot where the key is already stored. The vector may be shorter
-  // than `keys` when the pool is full of pinned chunks. Fill, then CommitSlots or AbortSlots.
-  virtual Result<std::vector<SlotId>> ReserveSlots(std::span<const ChunkKey> keys) = 0;
-  // REQUIRES: keys and slots as given to and returned by ReserveSlots.
-  virtual Status CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) = 0;
-  virtual Status AbortSlots(std::span<const SlotId> slots) = 0;
-  // Pins the longest available prefix of `keys` in the pool (promoting from lower tiers).
-  // result.slots lists the pinned slots; give each back with Unpin.
-  virtual Result<AsyncOp> PrepareLoad(std::span<const ChunkKey> keys) = 0;
-  virtual Status Unpin(std::span<const SlotId> slots) = 0;
-  // The pool's bytes of `slot`: writable while reserved, readable while pinned.
-  virtual std::span<uint8_t> SlotData(SlotId slot) const = 0;
-  // The whole pool, e.g. for cudaHostRegister.
-  virtual uint8_t* pool_base() const = 0;
-  virtual uint64_t pool_bytes() const = 0;
-};
-
-// Where `kvtier serve` listens by default: $XDG_RUNTIME_DIR/kvtier.sock, else
-// PrivateSocketDir()/kvtier.sock.
-std::string DefaultSocketPath();
-// $TMPDIR/kvtier-<uid> (TMPDIR defaulting to /tmp): the owner-only directory (0700) the server
-// creates for its default socket when $XDG_RUNTIME_DIR is unset, so that no other user can bind
-// the path first.
-std::string PrivateSocketDir();
 
 struct ClientOptions {
   std::string socket_path;   // empty = DefaultSocketPath()

@@ -47,6 +47,7 @@
 #include "kvtier/file_tier.h"
 #include "kvtier/memory_tier.h"
 #include "kvtier/status.h"
+#include "kvtier/store.h"
 
 namespace kvtier {
 
@@ -71,19 +72,6 @@ struct EngineOptions {
   // Larger absorbs longer bursts of stores without losing chunks to L2, at the price of
   // writing chunks that might have been overwritten or evicted clean later.
   double flush_headroom = 0.125;
-};
-
-struct LookupResult {
-  size_t total = 0;   // leading chunks available, each in one tier or another
-  size_t memory = 0;  // leading chunks resident in L1 (a prefix of the total)
-};
-
-struct OpResult {
-  Status status;      // OK if every chunk was done
-  size_t chunks = 0;  // Load: leading chunks delivered; Store: chunks now stored
-  // PrepareLoad only: the pinned L1 slot of each of the `chunks` leading chunks. The caller
-  // owns these pins and must give each back with Engine::Unpin.
-  std::vector<SlotId> slots;
 };
 
 // A handle to an asynchronous Store or Load. Copyable; thread-safe.

@@ -22,11 +22,9 @@
 #include <string_view>
 
 #include "kvtier/status.h"
+#include "kvtier/store.h"
 
 namespace kvtier {
-
-using SlotId = uint32_t;
-inline constexpr SlotId kNoSlot = UINT32_MAX;
 
 enum class EvictionPolicyKind : uint8_t { kLru, kPrefixAware };
 Result<EvictionPolicyKind> ParseEvictionPolicy(std::string_view name);  // "lru", "prefix-aware"

@@ -30,17 +30,6 @@ using Clock = std::chrono::steady_clock;
 using server::FrameHeader;
 using server::Opcode;
 
-std::string DefaultSocketPath() {
-  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
-  if (xdg && *xdg) return std::string(xdg) + "/kvtier.sock";
-  return PrivateSocketDir() + "/kvtier.sock";
-}
-
-std::string PrivateSocketDir() {
-  const char* tmp = std::getenv("TMPDIR");
-  return fmt::format("{}/kvtier-{}", tmp && *tmp ? tmp : "/tmp", ::getuid());
-}
-
 namespace {
 
 // An operation whose result is computed by someone else and handed over once.
@@ -71,15 +60,7 @@ class PromiseOp final : public AsyncOp::Impl {
   std::optional<OpResult> result_;
 };
 
-std::shared_ptr<PromiseOp> FinishedOp(OpResult r) {
-  auto op = std::make_shared<PromiseOp>();
-  op->Set(std::move(r));
-  return op;
-}
-
 }  // namespace
-
-AsyncOp AsyncOp::Finished(OpResult result) { return AsyncOp(FinishedOp(std::move(result))); }
 
 // ---------------------------------------------------------------------------------------------
 // Client::Impl

@@ -16,7 +16,7 @@
 
 #include "common/model_presets.h"
 #include "common/strings.h"
-#include "kvtier/client.h"
+#include "kvtier/socket_path.h"
 #include "kvtier/io.h"
 
 namespace kvtier::server {

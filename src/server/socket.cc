@@ -11,7 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "kvtier/client.h"
+#include "kvtier/socket_path.h"
 
 namespace kvtier::server {
 
