@@ -20,12 +20,21 @@
 # Only processes this script started are ever signalled, by the PIDs it recorded, and only after
 # checking /proc/PID/cmdline still names that program (and, for ganesha, this STATE_DIR's config):
 # a recycled PID or somebody else's server is left alone.
+#
+# The skeleton (command line, STATE_DIR lock, launching, waiting, signalling) is
+# scripts/lib/test-server.sh, shared with scripts/s3-server.sh; what is here is ganesha's.
+# shellcheck disable=SC2154  # state and launched_pid are set by lib/test-server.sh
 set -euo pipefail
+# shellcheck source=lib/test-server.sh disable=SC1091  # followed with shellcheck -x
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/lib/test-server.sh"
 
 readonly URL=nfs://127.0.0.1/export
 readonly READY_TIMEOUT_S=20
-readonly STOP_TIMEOUT_S=10
 readonly PACKAGES=(nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-dev libnfs-utils)
+# shellcheck disable=SC2034  # read by lib/test-server.sh
+readonly PROG=nfs-server DEFAULT_STATE_DIR=/tmp/kvtier-nfs SERVER=ganesha \
+  SERVER_PID_FILE=ganesha.pid ROOT_REASON="ganesha's VFS FSAL needs it" EXTRA_COMMANDS=() \
+  WAKE_PAUSED_ON_STOP=0
 
 usage() {
   cat <<EOF
@@ -54,39 +63,9 @@ when missing: ${PACKAGES[*]}.
 EOF
 }
 
-die() { echo "nfs-server: $*" >&2; exit 1; }
-
-now() { echo "${EPOCHREALTIME/,/.}"; }
-
 # --- processes -----------------------------------------------------------------------------
 
-# True if PID is alive (not a zombie). Alone, for a child this script has just launched: until
-# the child has exec'd its program (launch closes its descriptors first), its command line is
-# still this script's, and a loaded machine has been seen to lose rpcbind and ganesha starts to
-# that window. An unreaped child keeps its PID, so it cannot have been reused meanwhile.
-running() {
-  [[ $1 =~ ^[0-9]+$ ]] || return 1
-  local stat
-  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  # Field 3, after the parenthesised command name (which may itself contain spaces).
-  [[ ${stat##*) } != Z* ]]
-}
-
-# True if PID runs and its command line contains every further argument.
-pid_is() {
-  local pid=$1; shift
-  running "$pid" || return 1
-  local cmd want
-  cmd=$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null) || return 1
-  for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
-}
-
-# The PID of this STATE_DIR's ganesha, or nothing.
-our_ganesha() {
-  local pid
-  pid=$(cat "$state/ganesha.pid" 2>/dev/null) || return 0
-  if pid_is "$pid" ganesha.nfsd -f "$state/ganesha.conf"; then echo "$pid"; fi
-}
+is_server() { pid_is "$1" ganesha.nfsd -f "$state/ganesha.conf"; }  # PID
 
 # The PID of the rpcbind this script started for this STATE_DIR, or nothing.
 our_rpcbind() {
@@ -105,55 +84,11 @@ other_ganesha_alive() {
   return 1
 }
 
-# Runs "$@" in the background in a session of its own, with stdin from /dev/null, stdout and
-# stderr appended to LOG and no other file descriptor of ours (a test that calls this script
-# must not find its pipes or sockets held open by the server). Sets launched_pid. In a shell
-# without job control the background child is not a process-group leader, so setsid execs in
-# place: the PID is the server's own.
-launch() {
-  local log=$1; shift
-  (
-    local fd
-    for fd in /proc/self/fd/*; do
-      fd=${fd##*/}
-      if ((fd > 2)); then exec {fd}>&- 2>/dev/null || true; fi
-    done
-    exec setsid "$@" </dev/null >>"$log" 2>&1
-  ) &
-  launched_pid=$!
-}
-
 answering() { timeout 5 nfs-ls "$URL" >/dev/null 2>&1; }
 
-# Sends SIG to PID, if it is still the program named by the rest, and waits up to SECS for it.
-# Returns 1 if it is still there.
-signal_and_wait() {
-  local sig=$1 secs=$2 pid=$3; shift 3
-  pid_is "$pid" "$@" || return 0
-  kill "-$sig" "$pid" 2>/dev/null || true
-  local deadline=$((SECONDS + secs))
-  while pid_is "$pid" "$@"; do
-    ((SECONDS < deadline)) || return 1
-    sleep 0.1
-  done
-}
-
-terminate() {  # PID NAME MATCH...
-  local pid=$1 name=$2; shift 2
-  local t0; t0=$(now)
-  if ! signal_and_wait TERM "$STOP_TIMEOUT_S" "$pid" "$@"; then
-    echo "$name (pid $pid) still running ${STOP_TIMEOUT_S} s after SIGTERM; sending SIGKILL"
-    signal_and_wait KILL 5 "$pid" "$@" || die "$name (pid $pid) survived SIGKILL"
-  fi
-  echo "stopped $name (pid $pid) in $(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}') s"
-}
+rpcbind_answering() { rpcinfo -p 127.0.0.1 >/dev/null 2>&1; }
 
 # --- setup ---------------------------------------------------------------------------------
-
-need_root() {
-  [ "$(id -u)" = 0 ] ||
-    die "'$cmd' must run as root (ganesha's VFS FSAL needs it); try: sudo $0 $cmd"
-}
 
 install_packages() {
   local missing=() p
@@ -231,21 +166,21 @@ EOF
 # (and a line per request) to rpcbind.log instead. A start that dies is retried before giving up.
 readonly RPCBIND_ATTEMPTS=3
 start_rpcbind() {
-  if rpcinfo -p 127.0.0.1 >/dev/null 2>&1; then
+  if rpcbind_answering; then
     [ -n "$(our_rpcbind)" ] || rm -f "$state/rpcbind.pid"
     return 0
   fi
-  local attempt log_offset
+  local attempt mark
   for ((attempt = 1; attempt <= RPCBIND_ATTEMPTS; attempt++)); do
-    log_offset=$(( $(stat -c %s "$state/rpcbind.log" 2>/dev/null || echo 0) + 1 ))
+    mark=$(log_mark "$state/rpcbind.log")
     if launch_rpcbind; then return 0; fi
-    echo "nfs-server: rpcbind attempt $attempt of $RPCBIND_ATTEMPTS failed: $rpcbind_failure;" \
-         "from $state/rpcbind.log:" >&2
-    tail -c "+$log_offset" "$state/rpcbind.log" 2>/dev/null | tail -n 5 >&2 || true
+    warn "rpcbind attempt $attempt of $RPCBIND_ATTEMPTS failed: $rpcbind_failure;" \
+         "from $state/rpcbind.log:"
+    log_since "$state/rpcbind.log" "$mark" | tail -n 5 >&2 || true
     sleep 1
     # One that did start (under another PID, or another caller's) is as good as ours.
-    if rpcinfo -p 127.0.0.1 >/dev/null 2>&1; then
-      echo "nfs-server: an rpcbind answers on 127.0.0.1 now; using it" >&2
+    if rpcbind_answering; then
+      warn "an rpcbind answers on 127.0.0.1 now; using it"
       return 0
     fi
   done
@@ -258,21 +193,19 @@ launch_rpcbind() {
   launch "$state/rpcbind.log" rpcbind -f -d
   local pid=$launched_pid
   echo "$pid" > "$state/rpcbind.pid"
-  local deadline=$((SECONDS + 5))
-  until rpcinfo -p 127.0.0.1 >/dev/null 2>&1; do
-    if ! running "$pid"; then
-      rpcbind_failure="exited at start"
-      rm -f "$state/rpcbind.pid"
-      return 1
-    fi
-    if ((SECONDS >= deadline)); then
-      rpcbind_failure="pid $pid not answering after 5 s"
-      terminate "$pid" rpcbind rpcbind -f >&2 || true
-      rm -f "$state/rpcbind.pid"
-      return 1
-    fi
-    sleep 0.05
-  done
+  local ready=0
+  await_ready 5 "$pid" rpcbind_answering || ready=$?
+  if [ "$ready" = 1 ]; then
+    rpcbind_failure="exited at start"
+    rm -f "$state/rpcbind.pid"
+    return 1
+  fi
+  if [ "$ready" = 2 ]; then
+    rpcbind_failure="pid $pid not answering after 5 s"
+    terminate "$pid" rpcbind pid_is rpcbind -f >&2 || true
+    rm -f "$state/rpcbind.pid"
+    return 1
+  fi
   rpcbind_started_now=$pid
   echo "started rpcbind (pid $pid)"
 }
@@ -286,7 +219,7 @@ undo_failed_start() {
 
 stop_rpcbind_started_now() {
   [ -n "$rpcbind_started_now" ] || return 0
-  terminate "$rpcbind_started_now" rpcbind rpcbind -f >&2 || true
+  terminate "$rpcbind_started_now" rpcbind pid_is rpcbind -f >&2 || true
   rm -f "$state/rpcbind.pid"
   rpcbind_started_now=""
 }
@@ -294,25 +227,22 @@ stop_rpcbind_started_now() {
 # --- commands ------------------------------------------------------------------------------
 
 do_start() {
+  trap undo_failed_start EXIT
   install_packages
   mkdir -p "$state/export" "$state/recov"
   chmod 1777 "$state/export"  # non-root test processes may create files in it too
 
   local pid
-  pid=$(our_ganesha)
+  pid=$(our_server)
   if [ -n "$pid" ]; then
-    local deadline=$((SECONDS + READY_TIMEOUT_S))
-    until answering; do
-      ((SECONDS < deadline)) || die "ganesha (pid $pid) from $state is running but not answering" \
-        "at $URL; see $state/ganesha.log, or try: $0 restart $state"
-      sleep 0.2
-    done
+    retry_for "$READY_TIMEOUT_S" answering ||
+      die "ganesha (pid $pid) from $state is running but not answering at $URL;" \
+          "see $state/ganesha.log, or try: $0 restart $state"
     echo "NFS already up: $URL -> $state/export (ganesha pid $pid)"
     return 0
   fi
   if answering; then
-    echo "nfs-server: $URL is already served by another NFS server, not one started" \
-         "from $state:" >&2
+    warn "$URL is already served by another NFS server, not one started from $state:"
     ss -ltnp 'sport = :2049' 2>/dev/null | tail -n +2 >&2 || true
     exit 1
   fi
@@ -326,7 +256,7 @@ do_start() {
     # rpcbind answering) gets one more try with a fresh rpcbind, when that rpcbind is ours.
     ((attempt < 2)) && [ -n "$rpcbind_started_now" ] &&
       grep -q "Cannot register" <<<"$ganesha_errors" || exit 1
-    echo "nfs-server: retrying with a new rpcbind" >&2
+    warn "retrying with a new rpcbind"
     stop_rpcbind_started_now
   done
 }
@@ -336,43 +266,39 @@ do_start() {
 ganesha_errors=""
 launch_ganesha() {
   rm -f "$state/ganesha.pid"
-  local log=$state/ganesha.log log_offset t0 pid
-  log_offset=$(( $(stat -c %s "$log" 2>/dev/null || echo 0) + 1 ))
+  local log=$state/ganesha.log mark t0 pid ready=0
+  mark=$(log_mark "$log")
   t0=$(now)
   launch "$state/ganesha.stdout" \
     ganesha.nfsd -F -L "$log" -f "$state/ganesha.conf" -p "$state/ganesha.pid"
   pid=$launched_pid
-  local deadline=$((SECONDS + READY_TIMEOUT_S))
-  until answering; do
-    if ! running "$pid"; then
-      echo "nfs-server: ganesha exited at start; from $log:" >&2
-      ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | grep -E ':(FATAL|MAJ) ' || true)
-      [ -n "$ganesha_errors" ] || ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
-      echo "$ganesha_errors" >&2
-      tail -n 5 "$state/ganesha.stdout" >&2 2>/dev/null || true
-      return 1
-    fi
-    if ((SECONDS >= deadline)); then
-      echo "nfs-server: ganesha (pid $pid) not answering at $URL after ${READY_TIMEOUT_S} s;" \
-           "stopping it. From $log:" >&2
-      ganesha_errors=$(tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20)
-      echo "$ganesha_errors" >&2
-      terminate "$pid" ganesha.nfsd ganesha.nfsd -f "$state/ganesha.conf" >&2
-      return 1
-    fi
-    sleep 0.05
-  done
+  await_ready "$READY_TIMEOUT_S" "$pid" answering || ready=$?
+  if [ "$ready" = 1 ]; then
+    warn "ganesha exited at start; from $log:"
+    ganesha_errors=$(log_since "$log" "$mark" | grep -E ':(FATAL|MAJ) ' || true)
+    [ -n "$ganesha_errors" ] || ganesha_errors=$(log_since "$log" "$mark" | tail -n 20)
+    echo "$ganesha_errors" >&2
+    tail -n 5 "$state/ganesha.stdout" >&2 2>/dev/null || true
+    return 1
+  fi
+  if [ "$ready" = 2 ]; then
+    warn "ganesha (pid $pid) not answering at $URL after ${READY_TIMEOUT_S} s;" \
+         "stopping it. From $log:"
+    ganesha_errors=$(log_since "$log" "$mark" | tail -n 20)
+    echo "$ganesha_errors" >&2
+    terminate "$pid" ganesha.nfsd is_server >&2
+    return 1
+  fi
   # ganesha's own pid file is the record stop/kill/status trust; write it if ganesha has not.
   [ -s "$state/ganesha.pid" ] || echo "$pid" > "$state/ganesha.pid"
-  echo "NFS up: $URL -> $state/export (ganesha pid $pid," \
-       "ready in $(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}') s)"
+  echo "NFS up: $URL -> $state/export (ganesha pid $pid, ready in $(since "$t0") s)"
 }
 
 do_stop() {
   local pid stopped=0
-  pid=$(our_ganesha)
+  pid=$(our_server)
   if [ -n "$pid" ]; then
-    terminate "$pid" ganesha.nfsd ganesha.nfsd -f "$state/ganesha.conf"
+    terminate "$pid" ganesha.nfsd is_server
     stopped=1
   fi
   rm -f "$state/ganesha.pid"
@@ -383,7 +309,7 @@ do_stop() {
     if other_ganesha_alive; then
       echo "leaving rpcbind (pid $pid) running: another ganesha.nfsd still uses it"
     else
-      terminate "$pid" rpcbind rpcbind -f
+      terminate "$pid" rpcbind pid_is rpcbind -f
       rm -f "$state/rpcbind.pid"
       stopped=1
     fi
@@ -393,18 +319,9 @@ do_stop() {
   [ "$stopped" = 1 ] || echo "nothing running from $state"
 }
 
-do_kill() {
-  local pid
-  pid=$(our_ganesha)
-  [ -n "$pid" ] || { echo "no ganesha running from $state"; return 0; }
-  signal_and_wait KILL 5 "$pid" ganesha.nfsd -f "$state/ganesha.conf" ||
-    die "ganesha (pid $pid) survived SIGKILL"
-  echo "killed ganesha (pid $pid) with SIGKILL"
-}
-
 do_status() {
   local pid
-  pid=$(our_ganesha)
+  pid=$(our_server)
   if [ -z "$pid" ]; then
     if answering; then
       echo "not running from $state ($URL is served by another NFS server)"
@@ -421,49 +338,9 @@ do_status() {
   fi
 }
 
-do_signal() {  # SIGNAL WHAT: stop or continue our ganesha
-  local pid
-  pid=$(our_ganesha)
-  [ -n "$pid" ] || die "no ganesha running from $state"
-  kill -s "$1" "$pid"
-  echo "$2 ganesha (pid $pid)"
-}
-
 do_env() {
   echo "export KVTIER_TEST_NFS_URL=$URL"
   echo "export KVTIER_TEST_NFS_EXPORT_DIR=$state/export"
 }
 
-# --- main ----------------------------------------------------------------------------------
-
-cmd=${1:-}
-case "$cmd" in
-  -h|--help|help) usage; exit 0 ;;
-  start|stop|restart|kill|pause|resume|status|env) ;;
-  "") usage >&2; exit 2 ;;
-  *) echo "nfs-server: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
-esac
-[ $# -le 2 ] || { usage >&2; exit 2; }
-state=$(realpath -m "${2:-/tmp/kvtier-nfs}")
-[[ $state != *[[:space:]\"]* ]] || die "STATE_DIR must not contain spaces or quotes: '$state'"
-
-case "$cmd" in
-  env) do_env; exit 0 ;;
-  status) do_status; exit $? ;;
-esac
-
-need_root
-# One start/stop/kill at a time per STATE_DIR. The servers started below do not inherit fd 9,
-# so they do not hold this lock after the script exits.
-mkdir -p "$state"
-exec 9>"$state/.lock"
-flock -w 60 9 || die "another nfs-server.sh is still working on $state"
-
-case "$cmd" in
-  start) trap undo_failed_start EXIT; do_start ;;
-  stop) do_stop ;;
-  restart) do_stop; trap undo_failed_start EXIT; do_start ;;
-  kill) do_kill ;;
-  pause) do_signal STOP paused ;;
-  resume) do_signal CONT resumed ;;
-esac
+test_server_main "$@"

@@ -22,18 +22,26 @@
 # Only processes this script started are ever signalled, by the PID it recorded, and only after
 # checking /proc/PID/cmdline still names moto_server and /proc/PID/environ this STATE_DIR: a
 # recycled PID or somebody else's server is left alone.
+#
+# The skeleton (command line, STATE_DIR lock, launching, waiting, signalling) is
+# scripts/lib/test-server.sh, shared with scripts/nfs-server.sh; what is here is moto's.
+# shellcheck disable=SC2154  # state and launched_pid are set by lib/test-server.sh
 set -euo pipefail
+# shellcheck source=lib/test-server.sh disable=SC1091  # followed with shellcheck -x
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/lib/test-server.sh"
 
 readonly HOST=127.0.0.1
 readonly REGION=us-east-1
 readonly BUCKET=kvtier-test
 readonly READY_TIMEOUT_S=30
-readonly STOP_TIMEOUT_S=10
 # Signature checking and its 3 free requests were verified against moto 5; another major version
 # may change them.
 readonly PIP_PACKAGES=("moto[server]>=5,<6" boto3)
 venv=${KVTIER_S3_VENV:-/opt/kvtier-s3-venv}
 want_port=${KVTIER_S3_PORT:-9000}
+# shellcheck disable=SC2034  # read by lib/test-server.sh
+readonly PROG=s3-server DEFAULT_STATE_DIR=/tmp/kvtier-s3 SERVER=moto SERVER_PID_FILE=moto.pid \
+  ROOT_REASON="" EXTRA_COMMANDS=(install) WAKE_PAUSED_ON_STOP=1
 
 usage() {
   cat <<EOF
@@ -80,42 +88,16 @@ gone after stop, kill or restart. Its /moto-api/ endpoints take no signature.
 EOF
 }
 
-die() { echo "s3-server: $*" >&2; exit 1; }
-
-now() { echo "${EPOCHREALTIME/,/.}"; }
-
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}'; }
-
 # --- processes -----------------------------------------------------------------------------
-
-# True if PID is alive (not a zombie) and its command line contains every further argument.
-pid_is() {
-  local pid=$1; shift
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  local stat cmd
-  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
-  # Field 3, after the parenthesised command name (which may itself contain spaces).
-  [[ ${stat##*) } == Z* ]] && return 1
-  cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || return 1
-  local want
-  for want in "$@"; do [[ " $cmd " == *" $want "* ]] || return 1; done
-}
 
 # True if PID is a moto_server (from any virtual environment: KVTIER_S3_VENV may differ between
 # start and stop) that this script started for this STATE_DIR. moto takes no argument that could
 # name the STATE_DIR, so start puts it in moto's environment.
-pid_is_ours() {
+is_server() {
   local pid=$1
   pid_is "$pid" -H "$HOST" || return 1
   tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null | grep -q '/moto_server$' || return 1
   tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qxF "KVTIER_S3_STATE_DIR=$state"
-}
-
-# The PID of this STATE_DIR's moto, or nothing.
-our_moto() {
-  local pid
-  pid=$(cat "$state/moto.pid" 2>/dev/null) || return 0
-  if pid_is_ours "$pid"; then echo "$pid"; fi
 }
 
 # The port PID (one of ours) listens on: the argument after -p on its command line.
@@ -125,24 +107,6 @@ moto_port() {
   for ((i = 0; i + 1 < ${#args[@]}; i++)); do
     if [ "${args[i]}" = -p ]; then echo "${args[i + 1]}"; return 0; fi
   done
-}
-
-# Runs "$@" in the background in a session of its own, with stdin from /dev/null, stdout and
-# stderr appended to LOG and no other file descriptor of ours (a test that calls this script
-# must not find its pipes or sockets held open by the server). Sets launched_pid. In a shell
-# without job control the background child is not a process-group leader, so setsid execs in
-# place: the PID is the server's own.
-launch() {
-  local log=$1; shift
-  (
-    local fd
-    for fd in /proc/self/fd/*; do
-      fd=${fd##*/}
-      if ((fd > 2)); then exec {fd}>&- 2>/dev/null || true; fi
-    done
-    exec setsid "$@" </dev/null >>"$log" 2>&1
-  ) &
-  launched_pid=$!
 }
 
 # moto's own API answers without a signature and, unlike an S3 request, does not use up one of
@@ -159,31 +123,6 @@ listener() {  # PORT
   ss -Hltnp "sport = :$1" 2>/dev/null | awk -v p=":$1" '
     $4 == "127.0.0.1" p || $4 == "0.0.0.0" p || $4 == "*" p || $4 == "[::]" p ||
     $4 == "[::ffff:127.0.0.1]" p' || true
-}
-
-# Sends SIG to PID, if it is still ours, and waits up to SECS for it. Returns 1 if it is still
-# there.
-signal_and_wait() {
-  local sig=$1 secs=$2 pid=$3
-  pid_is_ours "$pid" || return 0
-  kill "-$sig" "$pid" 2>/dev/null || true
-  # A paused server would hold a SIGTERM until resumed; let it act on it now.
-  if [ "$sig" = TERM ]; then kill -CONT "$pid" 2>/dev/null || true; fi
-  local deadline=$((SECONDS + secs))
-  while pid_is_ours "$pid"; do
-    ((SECONDS < deadline)) || return 1
-    sleep 0.1
-  done
-}
-
-terminate() {  # PID
-  local pid=$1 t0
-  t0=$(now)
-  if ! signal_and_wait TERM "$STOP_TIMEOUT_S" "$pid"; then
-    echo "moto (pid $pid) still running ${STOP_TIMEOUT_S} s after SIGTERM; sending SIGKILL"
-    signal_and_wait KILL 5 "$pid" || die "moto (pid $pid) survived SIGKILL"
-  fi
-  echo "stopped moto (pid $pid) in $(since "$t0") s"
 }
 
 # --- setup ---------------------------------------------------------------------------------
@@ -292,15 +231,12 @@ do_start() {
   do_install
 
   local pid port
-  pid=$(our_moto)
+  pid=$(our_server)
   if [ -n "$pid" ]; then
     port=$(moto_port "$pid")
-    local deadline=$((SECONDS + READY_TIMEOUT_S))
-    until answering "$port"; do
-      ((SECONDS < deadline)) || die "moto (pid $pid) from $state is running but not answering" \
-        "on port $port; see $state/moto.log, or try: $0 restart $state"
-      sleep 0.2
-    done
+    retry_for "$READY_TIMEOUT_S" answering "$port" ||
+      die "moto (pid $pid) from $state is running but not answering on port $port;" \
+          "see $state/moto.log, or try: $0 restart $state"
     [ -s "$state/credentials.env" ] ||
       die "moto (pid $pid) from $state runs without credentials.env; try: $0 restart $state"
     [ "$port" = "$want_port" ] ||
@@ -312,16 +248,16 @@ do_start() {
   local busy
   busy=$(listener "$port")
   if [ -n "$busy" ]; then
-    echo "s3-server: port $port is already taken, not by a server started from $state" \
-         "(set KVTIER_S3_PORT to another port):" >&2
+    warn "port $port is already taken, not by a server started from $state" \
+         "(set KVTIER_S3_PORT to another port):"
     echo "$busy" >&2
     exit 1
   fi
 
   rm -f "$state/moto.pid" "$state/credentials.env"
   mkdir -p "$state/spool"
-  local log=$state/moto.log log_offset t0
-  log_offset=$(( $(stat -c %s "$log" 2>/dev/null || echo 0) + 1 ))
+  local log=$state/moto.log mark t0 ready=0
+  mark=$(log_mark "$log")
   t0=$(now)
   # TMPDIR: moto moves each object over ~5 MiB into an unlinked temporary file; keep that space
   # on STATE_DIR's filesystem, not wherever the caller's TMPDIR points.
@@ -329,33 +265,29 @@ do_start() {
     TMPDIR="$state/spool" "$venv/bin/moto_server" -H "$HOST" -p "$port"
   pid=$launched_pid
   echo "$pid" > "$state/moto.pid"
-  local deadline=$((SECONDS + READY_TIMEOUT_S))
-  until answering "$port"; do
-    if ! pid_is "$pid"; then
-      echo "s3-server: moto exited at start; from $log:" >&2
-      tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20 >&2
-      rm -f "$state/moto.pid"
-      exit 1
-    fi
-    if ((SECONDS >= deadline)); then
-      echo "s3-server: moto (pid $pid) not answering on port $port after ${READY_TIMEOUT_S} s;" \
-           "stopping it. From $log:" >&2
-      tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20 >&2
-      terminate "$pid" >&2
-      rm -f "$state/moto.pid"
-      exit 1
-    fi
-    sleep 0.05
-  done
+  await_ready "$READY_TIMEOUT_S" "$pid" answering "$port" || ready=$?
+  if [ "$ready" = 1 ]; then
+    warn "moto exited at start; from $log:"
+    log_since "$log" "$mark" | tail -n 20 >&2
+    rm -f "$state/moto.pid"
+    exit 1
+  fi
+  if [ "$ready" = 2 ]; then
+    warn "moto (pid $pid) not answering on port $port after ${READY_TIMEOUT_S} s;" \
+         "stopping it. From $log:"
+    log_since "$log" "$mark" | tail -n 20 >&2
+    terminate "$pid" moto is_server >&2
+    rm -f "$state/moto.pid"
+    exit 1
+  fi
   local answered_s
   answered_s=$(since "$t0")
   # Something else may have answered on the port, had it bound it between the check and now.
-  pid_is_ours "$pid" || die "moto (pid $pid) exited at start; see $log"
+  is_server "$pid" || die "moto (pid $pid) exited at start; see $log"
   if ! setup_server "$port" "$pid" >>"$log" 2>&1; then
-    echo "s3-server: setting up users, credentials and bucket failed; stopping moto." \
-         "From $log:" >&2
-    tail -c "+$log_offset" "$log" 2>/dev/null | tail -n 20 >&2
-    terminate "$pid" >&2
+    warn "setting up users, credentials and bucket failed; stopping moto. From $log:"
+    log_since "$log" "$mark" | tail -n 20 >&2
+    terminate "$pid" moto is_server >&2
     rm -f "$state/moto.pid" "$state/credentials.env" "$state/credentials.env.tmp"
     exit 1
   fi
@@ -365,9 +297,9 @@ do_start() {
 
 do_stop() {
   local pid
-  pid=$(our_moto)
+  pid=$(our_server)
   if [ -n "$pid" ]; then
-    terminate "$pid"
+    terminate "$pid" moto is_server
   else
     echo "nothing running from $state"
   fi
@@ -375,17 +307,9 @@ do_stop() {
   rm -f "$state/moto.pid" "$state/credentials.env"
 }
 
-do_kill() {
-  local pid
-  pid=$(our_moto)
-  [ -n "$pid" ] || { echo "no moto running from $state"; return 0; }
-  signal_and_wait KILL 5 "$pid" || die "moto (pid $pid) survived SIGKILL"
-  echo "killed moto (pid $pid) with SIGKILL"
-}
-
 do_status() {
   local pid port
-  pid=$(our_moto)
+  pid=$(our_server)
   if [ -z "$pid" ]; then
     echo "not running from $state"
     return 1
@@ -402,17 +326,9 @@ do_status() {
   echo "up: s3://$BUCKET at http://$HOST:$port (moto pid $pid)"
 }
 
-do_signal() {  # SIGNAL WHAT: stop or continue our moto
-  local pid
-  pid=$(our_moto)
-  [ -n "$pid" ] || die "no moto running from $state"
-  kill -s "$1" "$pid"
-  echo "$2 moto (pid $pid)"
-}
-
 do_env() {
   local pid
-  pid=$(our_moto)
+  pid=$(our_server)
   # Without the server its credentials mean nothing; print nothing a test could mistake for one.
   [ -n "$pid" ] || die "no moto running from $state; start it: $0 start $state"
   [ -s "$state/credentials.env" ] ||
@@ -430,36 +346,9 @@ do_env() {
   printf 'export KVTIER_TEST_S3_STATE_DIR=%q\n' "$state"
 }
 
-# --- main ----------------------------------------------------------------------------------
+command_install() {
+  do_install
+  echo "moto is installed in $venv"
+}
 
-cmd=${1:-}
-case "$cmd" in
-  -h|--help|help) usage; exit 0 ;;
-  install|start|stop|restart|kill|pause|resume|status|env) ;;
-  "") usage >&2; exit 2 ;;
-  *) echo "s3-server: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
-esac
-[ $# -le 2 ] || { usage >&2; exit 2; }
-state=$(realpath -m "${2:-/tmp/kvtier-s3}")
-[[ $state != *[[:space:]\"]* ]] || die "STATE_DIR must not contain spaces or quotes: '$state'"
-
-case "$cmd" in
-  install) do_install; echo "moto is installed in $venv"; exit 0 ;;
-  env) do_env; exit 0 ;;
-  status) do_status; exit $? ;;
-esac
-
-# One start/stop/kill at a time per STATE_DIR. The server started below does not inherit fd 9,
-# so it does not hold this lock after the script exits.
-mkdir -p "$state"
-exec 9>"$state/.lock"
-flock -w 60 9 || die "another s3-server.sh is still working on $state"
-
-case "$cmd" in
-  start) do_start ;;
-  stop) do_stop ;;
-  restart) do_stop; do_start ;;
-  kill) do_kill ;;
-  pause) do_signal STOP paused ;;
-  resume) do_signal CONT resumed ;;
-esac
+test_server_main "$@"
