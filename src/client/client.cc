@@ -21,6 +21,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "common/fd_passing.h"
 #include "common/task_pool.h"
 #include "server/codec.h"
 
@@ -277,23 +278,11 @@ Status Client::Impl::Connect() {
   };
   while (got < sizeof(header)) {
     KVTIER_RETURN_IF_ERROR(wait_readable());
-    iovec iov{header + got, sizeof(header) - got};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    ssize_t r = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    ssize_t r = ReceiveWithFd(fd, header + got, sizeof(header) - got, 0, &passed_fd);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
       return Status::Unavailable(
           fmt::format("the server at \"{}\" closed the connection during the handshake", path));
-    }
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && passed_fd < 0) {
-        std::memcpy(&passed_fd, CMSG_DATA(c), sizeof(int));
-      }
     }
     got += static_cast<size_t>(r);
   }

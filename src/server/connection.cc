@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/fd_passing.h"
+
 namespace kvtier::server {
 
 bool Connection::FlushLocked() {
@@ -154,19 +156,7 @@ bool SendFrame(Connection& c, const std::vector<uint8_t>& frame, int pass_fd,
     while (sent < frame.size()) {
       ssize_t w;
       if (pass_fd >= 0 && sent == 0) {
-        iovec iov{const_cast<uint8_t*>(frame.data()), frame.size()};
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof(control);
-        cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-        cmsg->cmsg_level = SOL_SOCKET;
-        cmsg->cmsg_type = SCM_RIGHTS;
-        cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(cmsg), &pass_fd, sizeof(int));
-        w = ::sendmsg(c.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        w = SendWithFd(c.fd, frame.data(), frame.size(), pass_fd, MSG_NOSIGNAL | MSG_DONTWAIT);
       } else {
         w = ::send(c.fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
       }
