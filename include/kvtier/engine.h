@@ -117,8 +117,30 @@ struct EngineStats {
   uint64_t write_backs = 0;          // chunks the flusher wrote to L2
   uint64_t write_back_failures = 0;  // flusher writes L2 refused or failed (retried later)
   uint64_t dirty_evictions = 0;      // chunks evicted from L1 before they reached L2 (lost)
+  uint64_t dirty_refusals = 0;       // memory_detail.dirty_refusals, with the engine's counters
   uint64_t stores = 0, loads = 0, rejected_ops = 0;
 };
+
+// The schema of the engine's counters: one row per counter, from which the server's /stats and
+// /metrics and the Python binding's stats dicts are all written, so that a new counter is its
+// field and one row, and the four cannot drift apart. `name` is the key in /stats and in Python;
+// in Prometheus a tier's counter is kvtier_<name>_total{tier=...} and an engine counter a series
+// of kvtier_engine_ops_total{op=...}. engine.cc checks at compile time that every counter field
+// has its row.
+struct TierCounterField {
+  std::string_view name;
+  std::string_view help;
+  uint64_t TierCounters::*field;
+};
+struct EngineCounterField {
+  std::string_view name;
+  std::string_view op;  // the `op` label of kvtier_engine_ops_total
+  std::string_view help;
+  uint64_t EngineStats::*field;
+};
+// In the order they are shown.
+std::span<const TierCounterField> TierCounterFields();
+std::span<const EngineCounterField> EngineCounterFields();
 
 class Engine {
  public:

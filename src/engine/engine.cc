@@ -7,8 +7,10 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -420,8 +422,7 @@ bool Engine::StoresDirty() const {
 Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key, const ChunkKey* parent,
                                                         MemoryTier::Victims victims) {
   // Under write-through an acknowledged store is kept until L2 has it: nothing may evict it.
-  const bool keeps_unwritten =
-      impl_->l2 && options_.write_policy == WritePolicy::kWriteThrough;
+  const bool keeps_unwritten = impl_->l2 && options_.write_policy == WritePolicy::kWriteThrough;
   if (keeps_unwritten) victims = MemoryTier::Victims::kCleanOnly;
   auto r = impl_->l1->Reserve(key, parent, victims);
   if (!r.ok() && keeps_unwritten) {
@@ -1115,7 +1116,57 @@ EngineStats Engine::Stats() const {
   st.write_backs = impl_->flusher->written;
   st.write_back_failures = impl_->flusher->failed;
   st.dirty_evictions = st.memory_detail.dirty_evictions;
+  st.dirty_refusals = st.memory_detail.dirty_refusals;
   return st;
 }
+
+namespace {
+constexpr TierCounterField kTierCounterFields[] = {
+    {"lookups", "Lookups per tier", &TierCounters::lookups},
+    {"hits", "Chunks lookups found per tier", &TierCounters::hits},
+    {"served", "Chunks delivered to loads per tier", &TierCounters::served},
+    {"misses", "Chunks not found per tier", &TierCounters::misses},
+    {"bytes_written", "Chunk bytes written into each tier", &TierCounters::bytes_in},
+    {"bytes_read", "Chunk bytes read out of each tier", &TierCounters::bytes_out},
+    {"evictions", "Chunks evicted per tier", &TierCounters::evictions},
+    {"rejections", "Operations refused (pool or queue full) per tier", &TierCounters::rejections},
+    {"errors", "Errors per tier", &TierCounters::errors},
+};
+// TierCounters is its counters and nothing else: a field without a row does not compile.
+static_assert(sizeof(TierCounters) == std::size(kTierCounterFields) * sizeof(uint64_t));
+
+constexpr EngineCounterField kEngineCounterFields[] = {
+    {"promotions", "promotion", "Chunks copied from L2 into L1 by loads", &EngineStats::promotions},
+    {"shared_reads", "shared_read", "Chunks a load took from another load's L2 read under way",
+     &EngineStats::shared_reads},
+    {"deadline_misses", "deadline_miss",
+     "Chunks reported missing because L2 missed the load deadline", &EngineStats::deadline_misses},
+    {"write_through_deferred", "write_through_deferred",
+     "Write-through chunks L2's full write queue refused, retried as writes completed",
+     &EngineStats::write_through_deferred},
+    {"write_through_dropped", "write_through_dropped",
+     "Write-through chunks left dirty in L1 for the flusher past the retry bound",
+     &EngineStats::write_through_dropped},
+    {"write_backs", "write_back", "Chunks the flusher wrote to L2", &EngineStats::write_backs},
+    {"write_back_failures", "write_back_failure",
+     "Flusher writes L2 refused or failed (retried later)", &EngineStats::write_back_failures},
+    {"dirty_evictions", "dirty_eviction", "Chunks evicted from L1 before they reached L2 (lost)",
+     &EngineStats::dirty_evictions},
+    {"dirty_refusals", "dirty_refusal",
+     "Reservations refused because only chunks not yet in L2 were evictable",
+     &EngineStats::dirty_refusals},
+    {"stores", "store", "Store operations", &EngineStats::stores},
+    {"loads", "load", "Load operations", &EngineStats::loads},
+    {"rejected_ops", "rejected", "Operations refused (queue full)", &EngineStats::rejected_ops},
+};
+// The engine's counters are the fields from `promotions` to `rejected_ops`, the last of
+// EngineStats: one added among them, or after them, without a row does not compile.
+static_assert(offsetof(EngineStats, rejected_ops) - offsetof(EngineStats, promotions) ==
+              (std::size(kEngineCounterFields) - 1) * sizeof(uint64_t));
+static_assert(sizeof(EngineStats) == offsetof(EngineStats, rejected_ops) + sizeof(uint64_t));
+}  // namespace
+
+std::span<const TierCounterField> TierCounterFields() { return kTierCounterFields; }
+std::span<const EngineCounterField> EngineCounterFields() { return kEngineCounterFields; }
 
 }  // namespace kvtier

@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include <fmt/format.h>
 #include <prometheus/text_serializer.h>
 
 #include <chrono>
@@ -130,14 +131,15 @@ std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) con
                {"huge_pages", m.huge_pages},
                {"eviction_policy", EvictionPolicyName(engine_->options().memory.eviction)}};
   auto tier = [](const TierCounters& t) {
-    return nlohmann::json{{"lookups", t.lookups},        {"hits", t.hits},
-                          {"served", t.served},          {"misses", t.misses},
-                          {"bytes_written", t.bytes_in}, {"bytes_read", t.bytes_out},
-                          {"evictions", t.evictions},    {"rejections", t.rejections},
-                          {"errors", t.errors}};
+    nlohmann::json out = nlohmann::json::object();
+    for (const TierCounterField& f : TierCounterFields()) out[std::string(f.name)] = t.*f.field;
+    return out;
   };
   j["tiers"]["memory"] = tier(st.memory);
-  j["engine"] = {{"stores", st.stores}, {"loads", st.loads}, {"rejected_ops", st.rejected_ops}};
+  j["engine"] = nlohmann::json::object();
+  for (const EngineCounterField& f : EngineCounterFields()) {
+    j["engine"][std::string(f.name)] = st.*f.field;
+  }
   if (st.has_file) {
     const FileTierStats& f = st.file_detail;
     j["tiers"]["file"] = tier(st.file);
@@ -157,14 +159,6 @@ std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) con
                                    {"probes_dropped", f.probes_dropped},
                                    {"negative_cache_entries", f.negative_cache_entries},
                                    {"found_on_disk", f.found_on_disk}};
-    j["engine"]["promotions"] = st.promotions;
-    j["engine"]["shared_reads"] = st.shared_reads;
-    j["engine"]["deadline_misses"] = st.deadline_misses;
-    j["engine"]["write_backs"] = st.write_backs;
-    j["engine"]["write_back_failures"] = st.write_back_failures;
-    j["engine"]["dirty_evictions"] = st.dirty_evictions;
-    j["engine"]["dirty_refusals"] = m.dirty_refusals;
-    j["engine"]["write_through_dropped"] = st.write_through_dropped;
     j["pool"]["dirty"] = m.dirty;
   }
   // The engine-wide numbers above are aggregates over every tenant, as in /metrics, which any
@@ -203,54 +197,26 @@ std::string MetricsText(const Metrics& metrics, const EngineStats& st) {
   using prometheus::ClientMetric;
   using prometheus::MetricFamily;
   using prometheus::MetricType;
-  auto counter = [&](const char* name, const char* help,
-                     std::vector<std::pair<std::string, double>> per_tier) {
-    MetricFamily f{name, help, MetricType::Counter, {}};
-    for (auto& [tier, v] : per_tier) {
+  auto d = [](uint64_t v) { return static_cast<double>(v); };
+  for (const TierCounterField& f : TierCounterFields()) {
+    MetricFamily family{
+        fmt::format("kvtier_{}_total", f.name), std::string(f.help), MetricType::Counter, {}};
+    auto add = [&](const char* tier, const TierCounters& t) {
       ClientMetric m;
       m.label.push_back({"tier", tier});
-      m.counter.value = v;
-      f.metric.push_back(std::move(m));
-    }
-    families.push_back(std::move(f));
-  };
-  auto d = [](uint64_t v) { return static_cast<double>(v); };
-  auto tiers = [&](auto field) {
-    std::vector<std::pair<std::string, double>> v{{"memory", d(field(st.memory))}};
-    if (st.has_file) v.emplace_back("file", d(field(st.file)));
-    return v;
-  };
-  counter("kvtier_lookups_total", "Lookups per tier",
-          tiers([](const TierCounters& t) { return t.lookups; }));
-  counter("kvtier_hits_total", "Chunks lookups found per tier",
-          tiers([](const TierCounters& t) { return t.hits; }));
-  counter("kvtier_served_total", "Chunks delivered to loads per tier",
-          tiers([](const TierCounters& t) { return t.served; }));
-  counter("kvtier_misses_total", "Chunks not found per tier",
-          tiers([](const TierCounters& t) { return t.misses; }));
-  counter("kvtier_bytes_written_total", "Chunk bytes written into each tier",
-          tiers([](const TierCounters& t) { return t.bytes_in; }));
-  counter("kvtier_bytes_read_total", "Chunk bytes read out of each tier",
-          tiers([](const TierCounters& t) { return t.bytes_out; }));
-  counter("kvtier_evictions_total", "Chunks evicted per tier",
-          tiers([](const TierCounters& t) { return t.evictions; }));
-  counter("kvtier_rejections_total", "Operations refused (pool or queue full) per tier",
-          tiers([](const TierCounters& t) { return t.rejections; }));
-  counter("kvtier_errors_total", "Errors per tier",
-          tiers([](const TierCounters& t) { return t.errors; }));
+      m.counter.value = d(t.*f.field);
+      family.metric.push_back(std::move(m));
+    };
+    add("memory", st.memory);
+    if (st.has_file) add("file", st.file);
+    families.push_back(std::move(family));
+  }
   {
     MetricFamily f{"kvtier_engine_ops_total", "Engine operations", MetricType::Counter, {}};
-    for (auto [name, v] :
-         {std::pair{"store", st.stores}, std::pair{"load", st.loads},
-          std::pair{"rejected", st.rejected_ops}, std::pair{"promotion", st.promotions},
-          std::pair{"shared_read", st.shared_reads}, std::pair{"deadline_miss", st.deadline_misses},
-          std::pair{"write_back", st.write_backs},
-          std::pair{"write_back_failure", st.write_back_failures},
-          std::pair{"dirty_eviction", st.dirty_evictions},
-          std::pair{"dirty_refusal", st.memory_detail.dirty_refusals}}) {
+    for (const EngineCounterField& e : EngineCounterFields()) {
       ClientMetric m;
-      m.label.push_back({"op", name});
-      m.counter.value = d(v);
+      m.label.push_back({"op", std::string(e.op)});
+      m.counter.value = d(st.*e.field);
       f.metric.push_back(std::move(m));
     }
     families.push_back(std::move(f));
