@@ -11,7 +11,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 # The Python package compiles the same core as the Release build: ccache makes that a lookup.
+# Paths inside the checkout are hashed as relative ones, and the working directory not at all,
+# so a fresh clone in any directory reuses what an earlier build of the same sources compiled
+# (the sanitizer builds, with debug information, missed every time before; their debug
+# information may now name the directory of the checkout that compiled them first).
 export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 
 jobs=$(nproc)
 stage() { echo "== [$((SECONDS / 60)) min] $*"; }  # stage headers carry the time so far
