@@ -29,6 +29,8 @@ UNITS = {
     "loadgen": (5, ["loadgen/"], ["src/loadgen/"]),
     "probe": (5, ["probe/"], ["src/probe/"]),
     "planner": (6, ["planner/"], ["src/planner/"]),
+    # What `kvtier bench server` and `kvtier bench tier` measure; drives a server and its clients.
+    "benchmarks": (6, ["benchmarks/"], ["src/benchmarks/"]),
     "python": (7, ["python/"], ["src/python/"]),
     "tools": (8, ["tools/"], ["src/tools/"]),
     # Test helpers (temporary directories, waits, NFS targets), also used by bench commands.

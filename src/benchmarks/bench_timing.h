@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <random>
 
-namespace kvtier::tools {
+namespace kvtier::benchmarks {
 
 template <typename Clock = std::chrono::steady_clock>
 class PacedSchedule {
@@ -56,4 +56,4 @@ float TimeFromSchedule(TimePoint scheduled, SleepUntil&& sleep_until, Now&& now,
   return MicrosBetween(scheduled, now());
 }
 
-}  // namespace kvtier::tools
+}  // namespace kvtier::benchmarks

@@ -1,11 +1,11 @@
-#include "tools/bench_timing.h"
+#include "benchmarks/bench_timing.h"
+
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <vector>
 
-#include <gtest/gtest.h>
-
-namespace kvtier::tools {
+namespace kvtier::benchmarks {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -81,4 +81,4 @@ TEST(BenchTiming, ScheduleDoesNotMoveWithLateness) {
 }
 
 }  // namespace
-}  // namespace kvtier::tools
+}  // namespace kvtier::benchmarks

@@ -16,7 +16,7 @@
 
 #include "kvtier/status.h"
 
-namespace kvtier::tools {
+namespace kvtier::benchmarks {
 
 // Plain O_DIRECT: one pwrite (then fdatasync, as the tier does before publishing) per file.
 inline Status RawWrite(const std::string& path, std::span<const uint8_t> buf) {
@@ -74,4 +74,4 @@ double Parallel(int threads, uint32_t n, Fn fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-}  // namespace kvtier::tools
+}  // namespace kvtier::benchmarks
