@@ -302,3 +302,25 @@ def test_in_process_server(ns):
         server.stats()
     assert e.value.code == "closed"
     assert not os.path.exists(sock)
+
+
+def test_engine_counters_are_named_alike_everywhere(tmp_path):
+    """The engine's counters reach Python's stats dicts, /stats and /metrics from one schema."""
+    sock = str(tmp_path / "s.sock")
+    server = kvtier.start_server({"socket": sock, "no_l2": True, "chunk_bytes": CHUNK,
+                                  "l1_size_gb": 0.0625, "http_port": 0})
+    try:
+        ns = kvtier.KeyNamespace("counters-model", 1, chunk_tokens=16)
+        with kvtier.connect(ns, socket_path=sock) as c:
+            assert c.store(keys_for(ns, 3), chunks(3)).wait().ok
+        served = server.stats()
+        with kvtier.open_engine(ns, CHUNK, l1_size_gb=0.0625) as engine:
+            local = engine.stats()
+        assert set(local["memory"]) == set(served["tiers"]["memory"])
+        assert set(served["engine"]) <= set(local)
+        assert served["engine"]["stores"] >= 1 and served["tiers"]["memory"]["bytes_written"] > 0
+        metrics = server.metrics()
+        for name in served["tiers"]["memory"]:
+            assert f'kvtier_{name}_total{{tier="memory"}}' in metrics, name
+    finally:
+        server.stop()

@@ -12,17 +12,10 @@ namespace nb = nanobind;
 
 namespace kvtier::python {
 
+// The tier and engine counters come from their schema (kvtier/engine.h), as /stats and /metrics do.
 nb::dict CountersDict(const TierCounters& c) {
   nb::dict d;
-  d["lookups"] = c.lookups;
-  d["hits"] = c.hits;
-  d["misses"] = c.misses;
-  d["served"] = c.served;
-  d["bytes_in"] = c.bytes_in;
-  d["bytes_out"] = c.bytes_out;
-  d["evictions"] = c.evictions;
-  d["rejections"] = c.rejections;
-  d["errors"] = c.errors;
+  for (const TierCounterField& f : TierCounterFields()) d[std::string(f.name).c_str()] = c.*f.field;
   return d;
 }
 
@@ -81,15 +74,9 @@ nb::dict EngineStatsDict(const EngineStats& s) {
     d["file"] = CountersDict(s.file);
     d["file_detail"] = FileTierStatsDict(s.file_detail);
   }
-  d["promotions"] = s.promotions;
-  d["shared_reads"] = s.shared_reads;
-  d["deadline_misses"] = s.deadline_misses;
-  d["write_backs"] = s.write_backs;
-  d["write_back_failures"] = s.write_back_failures;
-  d["dirty_evictions"] = s.dirty_evictions;
-  d["stores"] = s.stores;
-  d["loads"] = s.loads;
-  d["rejected_ops"] = s.rejected_ops;
+  for (const EngineCounterField& f : EngineCounterFields()) {
+    d[std::string(f.name).c_str()] = s.*f.field;
+  }
   return d;
 }
 
