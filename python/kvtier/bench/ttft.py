@@ -52,18 +52,20 @@ the file hit a second time with the probe's figure instead, for comparison; the 
 rewritten after every context with the table so far and the suffix's prefill measured at the start
 (``"prefill_table_complete": false``), and once more at the end with the whole table.
 On a machine without CUDA it runs on the CPU (float32, host copier): for tests, not for figures.
+
+This module holds the command line, the device, the chunk mover, the arms (``ContextRun``) and the
+run; the storage, tier and copy probes are in ``kvtier.bench.ttft_storage``, the comparison with
+``kvtier plan`` in ``kvtier.bench.ttft_plan`` and the rows, table, plot and JSON in
+``kvtier.bench.ttft_report``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import math
 import os
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,10 +76,17 @@ import torch
 import kvtier
 from kvtier.bench import model as model_mod
 from kvtier.bench.model import DecoderModel, ModelConfig, PagedKvCache, SuffixGraphs, blocks_for
+from kvtier.bench.ttft_common import ALL_ARMS, GiB, log
+from kvtier.bench.ttft_plan import compare_with_plan, set_prefill_table, short_prefill
+from kvtier.bench.ttft_report import (format_row, print_table, save_partial, summarize, targets,
+                                      write_plot)
+from kvtier.bench.ttft_storage import (DISK_PROBE_FILES_PER_READER, DISK_PROBE_MAX_READERS,
+                                       FILE_TIER_QUEUE_DEPTH, TIER_PROBE_CHUNKS,
+                                       TIER_PROBE_REPEATS, ServeProcess, chunk_files,
+                                       copy_bandwidth, drop_page_cache, raw_read,
+                                       storage_bandwidth, tier_bandwidth, tier_chunk_mib)
 
-ALL_ARMS = ("recompute", "gpu", "l1", "l1-serial", "server", "file", "save")
 HIT_ARMS = ("l1", "l1-serial", "server", "file")
-GiB = 1 << 30
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -199,14 +208,6 @@ def find_kvtier_bin(explicit: str | None) -> str | None:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,223 +585,40 @@ class ContextRun:
             self.extra["file_stats"] = st
 
 
-# The file tier's requests in flight per chunk (FileTierOptions::io_queue_depth) and their size
-# (the io engine's max_request_bytes): the raw reference keeps as many in flight.
-FILE_TIER_QUEUE_DEPTH = 8
-FILE_TIER_REQUEST_BYTES = 4 << 20
-
-
-def raw_read(paths, threads: int) -> float:
-    """Seconds to read `paths` whole with O_DIRECT on `threads` threads (one 4 MiB request in
-    flight per thread): the raw disk path the file tier's reads are compared with."""
-    import concurrent.futures
-    import mmap
-    block = FILE_TIER_REQUEST_BYTES
-
-    def read_files(mine):
-        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-        try:
-            for path in mine:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-                try:
-                    off = 0
-                    while True:
-                        n = os.preadv(fd, [buf], off)
-                        if n <= 0:
-                            break
-                        off += n
-                finally:
-                    os.close(fd)
-        finally:
-            buf.close()
-
-    threads = max(1, min(threads, len(paths)))
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read_files, [paths[i::threads] for i in range(threads)]))
-    return time.perf_counter() - t0
-
-
-def chunk_files(directory: str, count: int, size: int):
-    """`count` chunk files of `size` bytes or more under `directory` (any of them: they are
-    alike on the disk), or None when there are fewer."""
-    found = []
-    for root, _, files in os.walk(directory):
-        for f in files:
-            path = os.path.join(root, f)
-            try:
-                if os.path.getsize(path) >= size:
-                    found.append(path)
-            except OSError:
-                pass
-    found.sort()
-    return found[:count] if len(found) >= count else None
-
-
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 # ------------------------------------------------------------------------------------------------
-# Stores
+# The run: checked and set up once, then each context measured in turn
 
 
-class ServeProcess:
-    """A `kvtier serve` daemon with an L1 pool only, on a private socket."""
+@dataclass
+class Bench:
+    """What every context of a run shares: the arguments, the device, the model with its paged
+    KV cache and chunk mover, and the kvtier stores the arms load from (None where no arm needs
+    one; ``open_stores`` opens them, ``close_stores`` closes what was opened)."""
+    args: argparse.Namespace
+    env: Env
+    cfg: ModelConfig
+    suffix_pass: str  # "graphs" or "eager"
+    kvtier_bin: str | None
+    model: DecoderModel
+    cache: PagedKvCache
+    mover: ChunkMover
+    mechanism: str
+    ns: object
+    file_dir: str = None  # the file tier's directory
+    l2: dict = None  # the file tier's options, for each fresh file engine
+    engine: object = None
+    save_engine: object = None
+    server: ServeProcess = None
+    client: object = None
 
-    def __init__(self, kvtier_bin: str, chunk_bytes: int, l1_gib: float, workdir: str):
-        self.socket = os.path.join(workdir, "kvtier.sock")
-        cmd = [kvtier_bin, "serve", "--socket", self.socket, "--no-l2", "--chunk-bytes",
-               str(chunk_bytes), "--l1-size-gb", f"{l1_gib:.3f}", "--http-port", "-1",
-               "--log-level", "warn"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtier serve exited with {self.proc.returncode}: {cmd}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("kvtier serve did not create its socket within 60 s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-# The per-context probe's pool: 16 readers x 2 files of one chunk each, so every read phase reads
-# 32 chunks (1.2 GB at Qwen3-8B's 36 MiB: as much as an 8k prefix), about a second per phase on
-# a 1-2 GB/s disk; the whole probe (write, three read phases, control, buffered) takes seconds.
-DISK_PROBE_MAX_READERS = 16
-DISK_PROBE_FILES_PER_READER = 2
+    @property
+    def chunk_bytes(self) -> int:
+        return self.mover.chunk_bytes
 
 
-def run_json(cmd: list[str], what: str) -> tuple[dict, float]:
-    """Runs a `kvtier` command that prints JSON: (its JSON, seconds it took). Raises RuntimeError
-    if it fails or prints no JSON object."""
-    log("+ " + " ".join(cmd))
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
-    try:
-        j = json.loads(out.stdout)
-    except ValueError as e:
-        raise RuntimeError(f"{what} printed no usable JSON ({e}): {out.stdout.strip()[-300:]}")
-    if not isinstance(j, dict):
-        raise RuntimeError(f"{what} printed no usable JSON (not an object): {out.stdout[-300:]}")
-    return j, seconds
-
-
-def storage_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_threads: int) -> dict:
-    """`kvtier bench storage` on the file tier's directory: O_DIRECT reads of chunk-sized files
-    with 1, `read_threads` and 16 readers. ``read_GBps`` is the figure at `read_threads` readers,
-    the tier's own concurrency (what docs/planner.md tells a user to measure); ``read_GBps_max``
-    the best reader count's. Raises RuntimeError if the probe fails or gives no usable figure."""
-    reader_counts = sorted({1, read_threads, DISK_PROBE_MAX_READERS})
-    cmd = [kvtier_bin, "bench", "storage", directory, "--file-size", str(chunk_bytes),
-           "--readers", ",".join(map(str, reader_counts)),
-           "--files-per-reader", str(DISK_PROBE_FILES_PER_READER), "--json"]
-    j, probe_s = run_json(cmd, "kvtier bench storage")
-    try:
-        reads = {int(r["readers"]): float(r["read_GBps"]) for r in j["readers"]}
-    except (ValueError, KeyError, TypeError) as e:
-        raise RuntimeError(f"kvtier bench storage printed no usable JSON ({e}): {j}")
-    if not reads.get(read_threads, 0) > 0:
-        raise RuntimeError(f"kvtier bench storage gave no read figure at {read_threads} readers: "
-                           f"{reads}")
-    bytes_per_phase = next((int(r["bytes"]) for r in j["readers"] if "bytes" in r), None)
-    return {"read_GBps": reads[read_threads], "readers": read_threads,
-            "read_GBps_max": max(reads.values()), "read_GBps_by_readers": reads,
-            "write_GBps": j.get("write_GBps"), "o_direct": j.get("o_direct"),
-            "bytes_per_phase": bytes_per_phase, "probe_s": probe_s}
-
-
-# The per-context file-tier benchmark: 24 chunks written and read per round, two rounds (raw and
-# tier alternate going first), so 1.8 GB read through the tier at 36 MiB, as much as a 12k prefix;
-# about 5 s on a 1-2 GB/s disk, write phases included.
-TIER_PROBE_CHUNKS = 24
-TIER_PROBE_REPEATS = 2
-
-
-def tier_chunk_mib(chunk_bytes: int) -> int:
-    """The run's chunk size in whole MiB (`kvtier bench tier --chunk-mib`), at least 1."""
-    return max(1, round(chunk_bytes / (1 << 20)))
-
-
-def tier_bandwidth(kvtier_bin: str, directory: str, chunk_bytes: int, read_threads: int) -> dict:
-    """`kvtier bench tier` on the file tier's directory: chunks of the run's size written and read
-    through a file tier with `read_threads` read threads and the tier's queue depth, the page cache
-    dropped before the reads and checked empty after, and plain O_DIRECT reads of the same files in
-    the same run. ``read_GBps`` is the tier's read figure, ``raw_read_GBps`` the plain reads'.
-    Raises RuntimeError if it fails (a page cache that served the reads makes it exit 1), reports
-    no cold reads or gives no usable figure."""
-    chunk_mib = tier_chunk_mib(chunk_bytes)
-    cmd = [kvtier_bin, "bench", "tier", "--dir", directory, "--chunk-mib", str(chunk_mib),
-           "--chunks", str(TIER_PROBE_CHUNKS), "--readers", str(read_threads),
-           "--io-depth", str(FILE_TIER_QUEUE_DEPTH), "--repeats", str(TIER_PROBE_REPEATS),
-           "--json"]
-    j, bench_s = run_json(cmd, "kvtier bench tier")
-    try:
-        read, raw = float(j["read_GBps"]), float(j["raw_read_GBps"])
-        write, raw_write = float(j["write_GBps"]), float(j["raw_write_GBps"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise RuntimeError(f"kvtier bench tier printed no usable JSON ({e}): {j}")
-    if j.get("o_direct") is not True:
-        raise RuntimeError(f"kvtier bench tier did not read cold (o_direct {j.get('o_direct')}, "
-                           f"{j.get('page_cache_resident_bytes')} bytes left in the page cache): "
-                           f"{j.get('warnings')}")
-    if not (read > 0 and raw > 0):
-        raise RuntimeError(f"kvtier bench tier gave no read figure: tier {read}, raw {raw}")
-    return {"read_GBps": read, "raw_read_GBps": raw, "read_ratio": read / raw,
-            "write_GBps": write, "raw_write_GBps": raw_write,
-            "readers": read_threads, "io_depth": FILE_TIER_QUEUE_DEPTH, "chunk_mib": chunk_mib,
-            "chunk_bytes_exact": chunk_mib << 20 == chunk_bytes,
-            "chunks": TIER_PROBE_CHUNKS, "repeats": TIER_PROBE_REPEATS,
-            "read_bytes": TIER_PROBE_CHUNKS * TIER_PROBE_REPEATS * (chunk_mib << 20),
-            "io_engine": j.get("io_engine"), "o_direct": True,
-            "page_cache_resident_bytes": j.get("page_cache_resident_bytes"), "bench_s": bench_s}
-
-
-def copy_bandwidth(env: Env, nbytes: int = GiB, repeats: int = 5) -> dict:
-    """Host->GPU and GPU->host over PCIe from pinned memory, median of repeats (GB/s). On a CPU
-    "device" the KV cache is host memory and the copy is a memcpy: that is measured instead."""
-    if not env.cuda:
-        nbytes = min(nbytes, 256 << 20)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=env.cuda)
-    host.random_(0, 255)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
-    res = {}
-    for name, fn in (("h2d_GBps", lambda: dev.copy_(host, non_blocking=True)),
-                     ("d2h_GBps", lambda: host.copy_(dev, non_blocking=True))):
-        times = []
-        for _ in range(repeats + 1):
-            env.sync()
-            t0 = time.perf_counter()
-            fn()
-            env.sync()
-            times.append(time.perf_counter() - t0)
-        res[name] = nbytes / median(times[1:]) / 1e9
-    return res
-
-
-# ------------------------------------------------------------------------------------------------
-# Main
-
-
-def measure(args) -> dict:
+def check_args(args) -> tuple[Env, ModelConfig, str, str | None]:
+    """The device, the model's config, the suffix pass and the kvtier command for a run; exits
+    with a message on arguments that cannot run."""
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but PyTorch sees no CUDA device")
@@ -827,38 +645,46 @@ def measure(args) -> dict:
         cfg = ModelConfig.load(args.model)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    arms = args.arms
     kvtier_bin = find_kvtier_bin(args.kvtier_bin)
-    if kvtier_bin is None and ("server" in arms or "file" in arms):
+    if kvtier_bin is None and ("server" in args.arms or "file" in args.arms):
         raise SystemExit("error: the server and file arms need the kvtier command: pass "
                          "--kvtier-bin, set KVTIER_BIN or put it on PATH (or leave those arms out)")
+    return env, cfg, suffix_pass, kvtier_bin
 
-    max_ctx = max(args.contexts)
+
+def set_up(args) -> Bench:
+    """Checks the arguments, then builds the model (random weights), a paged KV cache for the
+    longest context and the chunk mover over it. No store is opened yet."""
+    env, cfg, suffix_pass, kvtier_bin = check_args(args)
+    dtype = env.dtype
     torch.manual_seed(args.seed)
     log(f"building {cfg.name} ({cfg.num_parameters() / 1e9:.2f} B parameters, {dtype}) on "
         f"{env.device}")
     model = DecoderModel(cfg, env.device, dtype, seed=args.seed)
-    cache = PagedKvCache(cfg, blocks_for(max_ctx, args.block_tokens), args.block_tokens, dtype,
-                         env.device)
-    mechanism = args.mechanism or ("dma" if cuda else "auto")
+    cache = PagedKvCache(cfg, blocks_for(max(args.contexts), args.block_tokens),
+                         args.block_tokens, dtype, env.device)
+    mechanism = args.mechanism or ("dma" if env.cuda else "auto")
     mover = ChunkMover(env, cache, args.chunk_tokens, mechanism)
-    chunk_bytes = mover.chunk_bytes
     ns = kvtier.KeyNamespace(f"ttft-bench/{cfg.name}", chunk_tokens=args.chunk_tokens)
-    prefix_gib_max = (max_ctx - args.suffix) * cfg.kv_bytes_per_token(dtype) / GiB
-    # twice the largest prefix: kvtier lets one client hold at most half the pool reserved or pinned
-    l1_gib = 2 * (prefix_gib_max * 1.1 + chunk_bytes / GiB * 4)
+    return Bench(args, env, cfg, suffix_pass, kvtier_bin, model, cache, mover, mechanism, ns)
 
+
+def describe_run(b: Bench) -> dict:
+    """The result's header: the run's settings, the PCIe copy bandwidth, the suffix's own prefill
+    at the start and, with a file arm, how the disk and the tier are probed."""
+    args, env, cfg, mover, mechanism = b.args, b.env, b.cfg, b.mover, b.mechanism
+    dtype, chunk_bytes = env.dtype, b.chunk_bytes
     result = {
         "model": cfg.name, "parameters": cfg.num_parameters(), "dtype": str(dtype).split(".")[-1],
-        "device": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+        "device": torch.cuda.get_device_name(env.device) if env.cuda else "cpu",
         "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype), "suffix_tokens": args.suffix,
         "chunk_tokens": args.chunk_tokens, "block_tokens": args.block_tokens,
         "chunk_bytes": chunk_bytes, "num_layers": cfg.num_layers,
         "copy_mechanism": mover.whole.auto_mechanism if mechanism == "auto" else mechanism,
         "layer_copy_mechanism": mover.per_layer[0].auto_mechanism
         if mechanism == "auto" else mechanism,
-        "warmup": args.warmup, "repeats": args.repeats, "arms": arms, "rows": [],
-        "suffix_pass": suffix_pass,
+        "warmup": args.warmup, "repeats": args.repeats, "arms": args.arms, "rows": [],
+        "suffix_pass": b.suffix_pass,
     }
     result.update(copy_bandwidth(env))
     log(f"PCIe pinned copy: host->GPU {result['h2d_GBps']:.1f} GB/s, "
@@ -870,10 +696,10 @@ def measure(args) -> dict:
     # end for the final table, as before: on the H200 the pass read 12.5 ms here where the end of
     # earlier runs read 15.2-15.4 (why is not known), and with the end's figure the planner's
     # suffix matched the measured GPU hit (17.3 against 17.5 ms at 8k).
-    result["suffix_prefill_start_s"] = short_prefill(env, model, cache, cfg, args, suffix_pass)
+    result["suffix_prefill_start_s"] = short_prefill(env, b.model, b.cache, cfg, args,
+                                                     b.suffix_pass)
     result["suffix_prefill_s"] = result["suffix_prefill_start_s"]
-    compare_plan = kvtier_bin is not None and ("l1" in arms or "file" in arms)
-    if "file" in arms:
+    if "file" in args.arms:
         result["disk_probe"] = {
             "when": "before each context's repeats", "directory": "the file tier's",
             "file_bytes": chunk_bytes, "readers": sorted({1, args.read_threads,
@@ -888,542 +714,223 @@ def measure(args) -> dict:
             "repeats": TIER_PROBE_REPEATS, "readers": args.read_threads,
             "io_depth": FILE_TIER_QUEUE_DEPTH,
             "used": "read_GBps (the tier's reads), for kvtier plan's --tier disk:"}
+    return result
 
-    workdir = tempfile.mkdtemp(prefix="kvtier-ttft-")
-    file_dir = args.dir or tempfile.mkdtemp(prefix="kvtier-ttft-", dir="/var/tmp")
-    own_file_dir = args.dir is None
-    server = client = engine = save_engine = None
+
+def open_stores(b: Bench, workdir: str) -> None:
+    """Opens the stores the arms need, each pinned for the copier: the in-process engine (always),
+    the save arm's, a `kvtier serve` daemon under `workdir` and its client; and sets the file
+    tier's options. Whatever it opened before a failure is on `b` for ``close_stores``."""
+    args, env, cfg = b.args, b.env, b.cfg
+    arms, chunk_bytes, ns = args.arms, b.chunk_bytes, b.ns
+    max_ctx = max(args.contexts)
+    prefix_gib_max = (max_ctx - args.suffix) * cfg.kv_bytes_per_token(env.dtype) / GiB
+    # twice the largest prefix: kvtier lets one client hold at most half the pool reserved or pinned
+    l1_gib = 2 * (prefix_gib_max * 1.1 + chunk_bytes / GiB * 4)
+    if "file" in arms:
+        os.makedirs(b.file_dir, exist_ok=True)
+    b.engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=None)
+    env.pin(b.engine)
+    if "save" in arms:
+        save_gib = max_ctx * cfg.kv_bytes_per_token(env.dtype) / GiB * 3
+        b.save_engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=save_gib, l2=None)
+        env.pin(b.save_engine)
+    if "server" in arms:
+        b.server = ServeProcess(b.kvtier_bin, chunk_bytes, l1_gib, workdir)
+        b.client = kvtier.connect(ns, chunk_bytes, socket_path=b.server.socket,
+                                  client_name="ttft-bench", rpc_timeout_ms=60_000)
+        env.pin(b.client)
+    b.l2 = {"type": "fs", "path": b.file_dir, "max_size_gb": max(1.0, prefix_gib_max * 2.5),
+            "read_threads": args.read_threads, "write_threads": 4}  # queue depth: the default
+
+
+def close_stores(b: Bench) -> None:
+    for s in (b.client, b.engine, b.save_engine):
+        if s is not None:
+            b.env.unpin(s)
+            s.close()
+    if b.server is not None:
+        b.server.stop()
+
+
+def open_file_store(b: Bench, l1_gib: float, write_policy: str = "write_back"):
+    """A fresh engine over the file tier's directory, its L1 pinned for the copier."""
+    s = kvtier.open_engine(b.ns, b.chunk_bytes, l1_size_gb=l1_gib, l2=b.l2,
+                           write_policy=write_policy, load_deadline_ms=600_000)
+    b.env.pin(s)
+    return s
+
+
+def new_context_run(b: Bench, ctx: int) -> ContextRun:
+    """A context's random prompt, its references (full prefill, then the suffix over the prefix)
+    and, with ``--suffix-pass graphs``, the suffix's pass captured as CUDA graphs; a capture that
+    fails is recorded and the context measured eagerly."""
+    args, env, model = b.args, b.env, b.model
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx)
+    tokens_cpu = torch.randint(0, b.cfg.vocab_size, (ctx,), generator=g)
+    run = ContextRun(env, model, b.cache, b.mover, b.ns, ctx, args.suffix,
+                     tokens_cpu.to(env.device), tokens_cpu)
+    log(f"context {ctx}: reference prefill")
+    run.make_references()
+    if b.suffix_pass == "graphs":
+        t_cap = time.perf_counter()
+        try:
+            run.graphs = SuffixGraphs(model, b.cache, run.prefix, args.suffix)
+        except RuntimeError as e:  # recorded, and the context measured eagerly
+            run.errors.append(f"capturing the suffix pass as CUDA graphs failed: {e}")
+            log(f"ERROR context {ctx}: graph capture failed, eager pass: {e}")
+            torch.cuda.synchronize()
+        else:
+            log(f"context {ctx}: suffix pass captured as CUDA graphs "
+                f"({time.perf_counter() - t_cap:.1f} s)")
+    return run
+
+
+def store_prefixes(b: Bench, run: ContextRun, keys: list[bytes], open_file) -> tuple[list, list]:
+    """Puts the context's prefix into every store an arm loads from (the file tier's through a
+    write-through engine, closed so every chunk file is written). Returns the arms left to run
+    (a store that cannot take the prefix fails its arms for this context, not the run) and, with
+    a file arm, the chunk files the raw reads take."""
+    ctx_arms = list(b.args.arms)
+
+    def stored(store, names) -> None:
+        try:
+            store_prefix(store, keys, b.mover, b.env)
+        except RuntimeError as e:
+            run.errors.append(f"{'/'.join(names)}: storing the prefix failed: {e}")
+            ctx_arms[:] = [a for a in ctx_arms if a not in names]
+
+    stored(b.engine, ("l1", "l1-serial"))
+    if b.client is not None:
+        stored(b.client, ("server",))
+    raw_files = None
+    if "file" in b.args.arms:
+        fs = open_file("write_through")
+        stored(fs, ("file",))
+        b.env.unpin(fs)
+        fs.close()  # waits for every chunk file to be written
+        raw_files = chunk_files(b.file_dir, len(keys), b.chunk_bytes)
+    return ctx_arms, raw_files
+
+
+def measure_disk(b: Bench, run: ContextRun) -> None:
+    """The disk of this minute, then the file tier itself, on the tier's directory, into
+    ``run.extra`` ("disk", "tier"). No figure, no floor and no plan: a failure ends the run."""
+    ctx, args = run.context, b.args
+    # The disk as a user would measure it for the tier: the floor's and the plan's figure for
+    # this context.
     try:
-        if "file" in arms:
-            os.makedirs(file_dir, exist_ok=True)
-        engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1_gib, l2=None)
-        env.pin(engine)
-        if "save" in arms:
-            save_gib = max_ctx * cfg.kv_bytes_per_token(dtype) / GiB * 3
-            save_engine = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=save_gib, l2=None)
-            env.pin(save_engine)
-        if "server" in arms:
-            server = ServeProcess(kvtier_bin, chunk_bytes, l1_gib, workdir)
-            client = kvtier.connect(ns, chunk_bytes, socket_path=server.socket,
-                                    client_name="ttft-bench", rpc_timeout_ms=60_000)
-            env.pin(client)
-        l2 = {"type": "fs", "path": file_dir, "max_size_gb": max(1.0, prefix_gib_max * 2.5),
-              "read_threads": args.read_threads, "write_threads": 4}  # queue depth: the default
+        run.extra["disk"] = storage_bandwidth(b.kvtier_bin, b.file_dir, b.chunk_bytes,
+                                              args.read_threads)
+    except RuntimeError as e:
+        raise RuntimeError(f"context {ctx}: measuring the disk before the file "
+                           f"tier's repeats: {e}") from e
+    d = run.extra["disk"]
+    log(f"context {ctx}: disk O_DIRECT read {d['read_GBps']:.2f} GB/s at "
+        f"{d['readers']} readers, best {d['read_GBps_max']:.2f} ("
+        + ", ".join(f"{n}: {v:.2f}" for n, v in d["read_GBps_by_readers"].items())
+        + f"; probe {d['probe_s']:.1f} s)")
+    # The tier itself, as a user would measure it for `kvtier plan`: the plan's figure for this
+    # context. Measured last, right before the hits.
+    try:
+        run.extra["tier"] = tier_bandwidth(b.kvtier_bin, b.file_dir, b.chunk_bytes,
+                                           args.read_threads)
+    except RuntimeError as e:
+        raise RuntimeError(f"context {ctx}: measuring the file tier before its "
+                           f"repeats: {e}") from e
+    tb = run.extra["tier"]
+    log(f"context {ctx}: bench tier read {tb['read_GBps']:.2f} GB/s, raw O_DIRECT "
+        f"{tb['raw_read_GBps']:.2f} (ratio {tb['read_ratio']:.2f}); "
+        f"{tb['readers']} readers, {tb['chunks']} x {tb['chunk_mib']} MiB x "
+        f"{tb['repeats']}; {tb['bench_s']:.1f} s")
 
+
+def run_repeats(b: Bench, run: ContextRun, arms: list[str], open_file, raw_files) -> None:
+    """The warm-ups, then the timed repeats, every arm once per repeat."""
+    args, ctx = b.args, run.context
+    for rep in range(args.warmup + args.repeats):
+        timed = rep >= args.warmup
+        # Every other repeat runs the arms in reverse: an arm that always follows the idle file
+        # arm (a cool GPU boosts higher) or a busy one would otherwise carry that order in its
+        # figures (seen: saves "faster" than plain prefills by 1-4 %).
+        for arm in (arms if rep % 2 == 0 else arms[::-1]):
+            if arm == "recompute":
+                run.run_recompute(timed)
+            elif arm == "gpu":
+                run.run_gpu_hit(timed)
+            elif arm == "l1":
+                run.run_hit("l1", b.engine, timed)
+            elif arm == "l1-serial":
+                run.run_hit("l1-serial", b.engine, timed, serial=True)
+            elif arm == "server":
+                run.run_hit("server", b.client, timed)
+            elif arm == "file":
+                run.run_file(open_file, timed, args.load_wave, raw_files, args.read_threads)
+            elif arm == "save":
+                run.run_save(b.save_engine, timed, rep * 1_000_003 + ctx)
+
+
+def measure_context(b: Bench, ctx: int, result: dict, compare_plan: bool) -> None:
+    """One context: references, the prefix stored, the disk and tier probed (with a file arm),
+    the repeats; then its row, the prefill table and plan so far, and the partial JSON."""
+    t_ctx = time.perf_counter()
+    run = new_context_run(b, ctx)
+    keys = run.keys()
+    # The file arm's fresh engine (one per repeat) gets an L1 for this context's prefix, not the
+    # largest one's: it populates and pins its whole pool at open, which on the H200 machine took
+    # 0.65-0.8 s per GiB in every repeat (outside the timing, but the run's length: 6.6 s a
+    # repeat at 32k).
+    file_l1_gib = 2 * (run.prefix * b.cfg.kv_bytes_per_token(b.env.dtype) / GiB * 1.1
+                       + b.chunk_bytes / GiB * 4)
+    open_file = functools.partial(open_file_store, b, file_l1_gib)
+    arms, raw_files = store_prefixes(b, run, keys, open_file)
+    if "file" in b.args.arms:
+        measure_disk(b, run)
+    run_repeats(b, run, arms, open_file, raw_files)
+    row = summarize(run, result, b.cfg, b.env.dtype)
+    row["wall_s"] = time.perf_counter() - t_ctx
+    result["rows"].append(row)
+    set_prefill_table(result, b.args.suffix)
+    if compare_plan:
+        compare_with_plan(b.kvtier_bin, result, b.args, b.env.dtype, complete=False)
+    save_partial(b.args, result)
+    log(format_row(row))
+    if "file_vs_raw" in row:
+        log(f"  file tier {row['file_s'] * 1e3:.1f} ms against the same bytes read raw in "
+            f"each repeat {row['file_raw_s'] * 1e3:.1f} ms "
+            f"({row['file_raw_GBps']:.2f} GB/s) + GPU hit: {row['file_vs_raw']:.2f}x")
+    if run.errors:
+        log("\n".join("  ERROR " + e for e in run.errors))
+
+
+def measure(args) -> dict:
+    b = set_up(args)
+    result = describe_run(b)
+    compare_plan = b.kvtier_bin is not None and ("l1" in args.arms or "file" in args.arms)
+    workdir = tempfile.mkdtemp(prefix="kvtier-ttft-")
+    b.file_dir = args.dir or tempfile.mkdtemp(prefix="kvtier-ttft-", dir="/var/tmp")
+    try:
+        open_stores(b, workdir)
         for ctx in args.contexts:
-            t_ctx = time.perf_counter()
-            g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx)
-            tokens_cpu = torch.randint(0, cfg.vocab_size, (ctx,), generator=g)
-            run = ContextRun(env, model, cache, mover, ns, ctx, args.suffix,
-                             tokens_cpu.to(env.device), tokens_cpu)
-            log(f"context {ctx}: reference prefill")
-            run.make_references()
-            if suffix_pass == "graphs":
-                t_cap = time.perf_counter()
-                try:
-                    run.graphs = SuffixGraphs(model, cache, run.prefix, args.suffix)
-                except RuntimeError as e:  # recorded, and the context measured eagerly
-                    run.errors.append(f"capturing the suffix pass as CUDA graphs failed: {e}")
-                    log(f"ERROR context {ctx}: graph capture failed, eager pass: {e}")
-                    torch.cuda.synchronize()
-                else:
-                    log(f"context {ctx}: suffix pass captured as CUDA graphs "
-                        f"({time.perf_counter() - t_cap:.1f} s)")
-            keys = run.keys()
-            ctx_arms = list(arms)
-            # The file arm's fresh engine (one per repeat) gets an L1 for this context's prefix,
-            # not the largest one's: it populates and pins its whole pool at open, which on the
-            # H200 machine took 0.65-0.8 s per GiB in every repeat (outside the timing, but the
-            # run's length: 6.6 s a repeat at 32k).
-            file_l1_gib = 2 * (run.prefix * cfg.kv_bytes_per_token(dtype) / GiB * 1.1
-                               + chunk_bytes / GiB * 4)
-
-            def open_file_store(write_policy="write_back", l1=file_l1_gib):
-                s = kvtier.open_engine(ns, chunk_bytes, l1_size_gb=l1, l2=l2,
-                                       write_policy=write_policy, load_deadline_ms=600_000)
-                env.pin(s)
-                return s
-
-            def stored(store, names) -> None:
-                # A store that cannot take the prefix fails its arms for this context, not the run.
-                try:
-                    store_prefix(store, keys, mover, env)
-                except RuntimeError as e:
-                    run.errors.append(f"{'/'.join(names)}: storing the prefix failed: {e}")
-                    ctx_arms[:] = [a for a in ctx_arms if a not in names]
-
-            stored(engine, ("l1", "l1-serial"))
-            if client is not None:
-                stored(client, ("server",))
-            if "file" in arms:
-                fs = open_file_store("write_through")
-                stored(fs, ("file",))
-                env.unpin(fs)
-                fs.close()  # waits for every chunk file to be written
-                raw_files = chunk_files(file_dir, len(keys), chunk_bytes)
-                # The disk of this minute, as a user would measure it for the tier: the floor's
-                # and the plan's figure for this context. No figure, no floor: the run stops.
-                try:
-                    run.extra["disk"] = storage_bandwidth(kvtier_bin, file_dir, chunk_bytes,
-                                                          args.read_threads)
-                except RuntimeError as e:
-                    raise RuntimeError(f"context {ctx}: measuring the disk before the file "
-                                       f"tier's repeats: {e}") from e
-                d = run.extra["disk"]
-                log(f"context {ctx}: disk O_DIRECT read {d['read_GBps']:.2f} GB/s at "
-                    f"{d['readers']} readers, best {d['read_GBps_max']:.2f} ("
-                    + ", ".join(f"{n}: {v:.2f}" for n, v in d["read_GBps_by_readers"].items())
-                    + f"; probe {d['probe_s']:.1f} s)")
-                # The tier itself, as a user would measure it for `kvtier plan`: the plan's
-                # figure for this context. Measured last, right before the hits.
-                try:
-                    run.extra["tier"] = tier_bandwidth(kvtier_bin, file_dir, chunk_bytes,
-                                                       args.read_threads)
-                except RuntimeError as e:
-                    raise RuntimeError(f"context {ctx}: measuring the file tier before its "
-                                       f"repeats: {e}") from e
-                tb = run.extra["tier"]
-                log(f"context {ctx}: bench tier read {tb['read_GBps']:.2f} GB/s, raw O_DIRECT "
-                    f"{tb['raw_read_GBps']:.2f} (ratio {tb['read_ratio']:.2f}); "
-                    f"{tb['readers']} readers, {tb['chunks']} x {tb['chunk_mib']} MiB x "
-                    f"{tb['repeats']}; {tb['bench_s']:.1f} s")
-            for rep in range(args.warmup + args.repeats):
-                timed = rep >= args.warmup
-                # Every other repeat runs the arms in reverse: an arm that always follows the
-                # idle file arm (a cool GPU boosts higher) or a busy one would otherwise carry
-                # that order in its figures (seen: saves "faster" than plain prefills by 1-4 %).
-                for arm in (ctx_arms if rep % 2 == 0 else ctx_arms[::-1]):
-                    if arm == "recompute":
-                        run.run_recompute(timed)
-                    elif arm == "gpu":
-                        run.run_gpu_hit(timed)
-                    elif arm == "l1":
-                        run.run_hit("l1", engine, timed)
-                    elif arm == "l1-serial":
-                        run.run_hit("l1-serial", engine, timed, serial=True)
-                    elif arm == "server":
-                        run.run_hit("server", client, timed)
-                    elif arm == "file":
-                        run.run_file(open_file_store, timed, args.load_wave, raw_files,
-                                     args.read_threads)
-                    elif arm == "save":
-                        run.run_save(save_engine, timed, rep * 1_000_003 + ctx)
-            row = summarize(run, result, cfg, dtype)
-            row["wall_s"] = time.perf_counter() - t_ctx
-            result["rows"].append(row)
-            set_prefill_table(result, args.suffix)
-            if compare_plan:
-                compare_with_plan(kvtier_bin, result, args, dtype, complete=False)
-            save_partial(args, result)
-            log(format_row(row))
-            if "file_vs_raw" in row:
-                log(f"  file tier {row['file_s'] * 1e3:.1f} ms against the same bytes read raw in "
-                    f"each repeat {row['file_raw_s'] * 1e3:.1f} ms "
-                    f"({row['file_raw_GBps']:.2f} GB/s) + GPU hit: {row['file_vs_raw']:.2f}x")
-            if run.errors:
-                log("\n".join("  ERROR " + e for e in run.errors))
-            del run
+            measure_context(b, ctx, result, compare_plan)
     finally:
-        for s in (client, engine, save_engine):
-            if s is not None:
-                env.unpin(s)
-                s.close()
-        if server is not None:
-            server.stop()
+        close_stores(b)
         shutil.rmtree(workdir, ignore_errors=True)
-        if own_file_dir:
-            shutil.rmtree(file_dir, ignore_errors=True)
-    result["suffix_prefill_s"] = short_prefill(env, model, cache, cfg, args, suffix_pass)
-    result["h2d_GBps_end"] = copy_bandwidth(env)["h2d_GBps"]
+        if args.dir is None:  # a folder of our own
+            shutil.rmtree(b.file_dir, ignore_errors=True)
+    # The end of the run: the suffix's prefill and PCIe again, the whole prefill table and plan.
+    result["suffix_prefill_s"] = short_prefill(b.env, b.model, b.cache, b.cfg, args,
+                                               b.suffix_pass)
+    result["h2d_GBps_end"] = copy_bandwidth(b.env)["h2d_GBps"]
     result["attention"] = {None: "not used", True: "SDPA, lower-right causal, grouped KV heads",
                            False: "SDPA, lower-right causal, KV heads expanded"}[
                                model_mod._LOWER_RIGHT_GQA_OK]
     result["torch"] = torch.__version__
     set_prefill_table(result, args.suffix)
     if compare_plan:
-        compare_with_plan(kvtier_bin, result, args, dtype, complete=True)
+        compare_with_plan(b.kvtier_bin, result, args, b.env.dtype, complete=True)
     result["targets"] = targets(result)
     return result
-
-
-def set_prefill_table(result: dict, suffix: int) -> None:
-    """The prefill table of the contexts measured so far, the suffix's own prefill first."""
-    points = [(r["context"], r["recompute_s"]) for r in result["rows"] if "recompute_s" in r]
-    if "suffix_prefill_s" in result:
-        points.insert(0, (suffix, result["suffix_prefill_s"]))
-    result["prefill_table"] = ",".join(f"{c}:{t:.4f}" for c, t in points)
-
-
-def compare_with_plan(kvtier_bin: str, result: dict, args, dtype, complete: bool) -> None:
-    try:
-        result["plan"] = plan_comparison(kvtier_bin, result, args, dtype)
-        result["plan"]["prefill_table_complete"] = complete
-        result.pop("plan_error", None)
-    except (RuntimeError, ValueError, KeyError) as e:
-        result["plan_error"] = str(e)
-        log(f"ERROR kvtier plan: {e}")
-
-
-def short_prefill(env: Env, model, cache, cfg: ModelConfig, args, suffix_pass: str) -> float:
-    """Median seconds of a full prefill of --suffix tokens from an empty cache, run the way the
-    hit arms run their suffix (graphs or eager)."""
-    g = torch.Generator().manual_seed(args.seed + 7)
-    tokens = torch.randint(0, cfg.vocab_size, (args.suffix,), generator=g).to(env.device)
-    graphs = SuffixGraphs(model, cache, 0, args.suffix) if suffix_pass == "graphs" else None
-    times = []
-    for rep in range(args.warmup + args.repeats):
-        env.sync()
-        t0 = time.perf_counter()
-        if graphs is not None:
-            graphs.run(tokens).argmax().item()
-        else:
-            model.prefill(tokens, cache).argmax().item()
-        if rep >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return median(times)
-
-
-def plan_comparison(kvtier_bin: str, result: dict, args, dtype) -> dict:
-    """`kvtier plan`'s single-request hit prediction from this run's prefill table, PCIe and disk
-    bandwidths, against the measured hits (the L1 arm for the host tier, the file arm for disk).
-    The disk's figure is `kvtier bench tier`'s read through the file tier; the file hit is
-    predicted a second time from `kvtier bench storage`'s figure (``plan_file_probe_s``)."""
-    model_path = args.model if os.path.exists(args.model) else \
-        os.path.join(model_mod.CONFIG_DIR, args.model + ".json")
-    layers = result["num_layers"]
-    # kvtier plan refuses a table whose time falls with length; on a noisy host a short point can
-    # come out above a longer one: each point is taken as at least the one before it.
-    points, floor = [], 0.0
-    for p in result["prefill_table"].split(","):
-        tokens, seconds = p.split(":")
-        floor = max(floor, float(seconds))
-        points.append(f"{tokens}:{floor:.4f}")
-    common = [kvtier_bin, "plan", "--fast", "--json", "--model", model_path,
-              "--dtype", str(dtype).split(".")[-1], "--prefill-table", ",".join(points),
-              "--hit-suffix", str(args.suffix), "--step-overhead-ms", "0",
-              "--tier", f"cpu:1TiB:{result['h2d_GBps']:.3f}GB/s"]
-    rows, commands, probe_commands = [], [], []
-
-    def plan(cmd: list[str]) -> dict | None:
-        log("+ " + " ".join(cmd))
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"kvtier plan failed: {out.stderr.strip()[-500:]}")
-        singles = json.loads(out.stdout)["single_request"]["rows"]
-        return singles[0] if singles else None
-
-    for r in result["rows"]:
-        # The disk as a user measures it for the tier beforehand: `kvtier bench tier` (reads
-        # through a file tier with the same read threads and queue depth), run right before this
-        # context's repeats. `kvtier bench storage`'s plain reads at the tier's reader count, run
-        # just before it, read 9 % faster than the tier on average on the H200 machine's disk and
-        # moved from context to context while the tier's rate held: its prediction is kept
-        # beside, for comparison.
-        tier_GBps = r["tier"]["read_GBps"] if "tier" in r else None
-        probe_GBps = r["disk"]["read_GBps"] if "disk" in r else None
-        # The host time the L1 arm spent starting its layer loads, per layer, measured in the
-        # same run. It lengthens the suffix only where the launching thread is the bottleneck:
-        # the eager pass. With the suffix in CUDA graphs that thread queues each layer's copy and
-        # two graph launches well ahead of the GPU, so the loads cost the GPU no time (0).
-        measured_us = r.get("l1_issue_s", 0.0) / layers * 1e6
-        issue_us = measured_us if result.get("suffix_pass", "eager") == "eager" else 0.0
-        tail = ["--context", str(r["context"]), "--layer-load-overhead-us", f"{issue_us:.1f}"]
-
-        def disk(gbps):
-            return ["--tier", f"disk:1TiB:{gbps:.3f}GB/s"] if gbps is not None else []
-
-        cmd = common + disk(tier_GBps) + tail
-        commands.append(" ".join(cmd))
-        p = plan(cmd)
-        if p is None:
-            continue
-        row = {"context": r["context"], "plan_recompute_s": p["recompute_s"],
-               "plan_suffix_s": p["suffix_s"], "layer_load_overhead_us": issue_us,
-               "layer_issue_us_measured": measured_us}
-        if tier_GBps is not None:
-            row["disk_GBps"] = tier_GBps
-            row["disk_source"] = "kvtier bench tier"
-        for arm, tier in (("l1", "cpu"), ("file", "disk")):
-            if f"{arm}_s" in r and tier in p["hit_ttft_s"]:
-                row[f"plan_{arm}_s"] = p["hit_ttft_s"][tier]
-                row[f"{arm}_s"] = r[f"{arm}_s"]
-                row[f"{arm}_error"] = p["hit_ttft_s"][tier] / r[f"{arm}_s"] - 1
-        if probe_GBps is not None and "file_s" in r:
-            cmd = common + disk(probe_GBps) + tail
-            probe_commands.append(" ".join(cmd))
-            q = plan(cmd)
-            if q is not None and "disk" in q["hit_ttft_s"]:
-                row["probe_GBps"] = probe_GBps
-                row["plan_file_probe_s"] = q["hit_ttft_s"]["disk"]
-                row["file_error_probe"] = q["hit_ttft_s"]["disk"] / r["file_s"] - 1
-        rows.append(row)
-    return {"commands": commands, "probe_commands": probe_commands, "rows": rows}
-
-
-def summarize(run: ContextRun, result: dict, cfg: ModelConfig, dtype) -> dict:
-    s = run.samples
-    prefix_bytes = run.prefix * cfg.kv_bytes_per_token(dtype)
-    row = {"context": run.context, "prefix_tokens": run.prefix, "prefix_bytes": prefix_bytes,
-           "errors": run.errors}
-    for arm in ALL_ARMS:
-        if arm in s:
-            key = arm.replace("-", "_")
-            row[f"{key}_s"] = median(s[arm])
-            row[f"{key}_max_s"] = max(s[arm])
-            row[f"{key}_samples"] = s[arm]
-    for k in ("l1:pin_s", "server:pin_s", "file:pin_s", "l1:host_s", "server:host_s",
-              "file:host_s", "save:done_s", "l1:issue_s", "server:issue_s", "file:open_s",
-              "file:close_s"):
-        if k in s:
-            row[k.replace(":", "_").replace("-", "_")] = median(s[k])
-    if "file:page_cache_dropped" in s:
-        row["file_page_cache_dropped"] = all(s["file:page_cache_dropped"])
-    if "file_stats" in run.extra:
-        row["file_o_direct"] = _find(run.extra["file_stats"], "o_direct")
-    row["logit_rel_err"] = run.extra.get("logit_rel_err", {})
-    copy_s = prefix_bytes / (result["h2d_GBps"] * 1e9) if result["h2d_GBps"] > 0 else float("nan")
-    row["copy_floor_s"] = copy_s
-    rec = row.get("recompute_s")
-    gpu = row.get("gpu_s")
-    if gpu is not None:
-        # the first layer's copy cannot overlap anything; the rest hides behind the compute
-        row["l1_floor_s"] = max(copy_s, gpu) + copy_s / cfg.num_layers
-    disk = run.extra.get("disk")
-    if disk is not None:
-        row["disk"] = disk
-    if "tier" in run.extra:
-        row["tier"] = run.extra["tier"]
-    if gpu is not None and disk is not None:
-        # `kvtier bench storage` right before this context's repeats: at the tier's reader count
-        # (the floor of the issue; the plan takes bench tier's figure), and at the best of its
-        # reader counts (a lower floor, so a stricter ratio).
-        row["file_floor_s"] = prefix_bytes / (disk["read_GBps"] * 1e9) + gpu
-        row["file_floor_best_s"] = prefix_bytes / (disk["read_GBps_max"] * 1e9) + gpu
-    if "file_raw" in s:
-        # The same bytes read raw, interleaved with the hits (run_file): whether the tier keeps
-        # up with the disk of that minute, which can drift far from the probe's.
-        row["file_raw_s"] = median(s["file_raw"])
-        row["file_raw_samples"] = s["file_raw"]
-        row["file_raw_GBps"] = prefix_bytes / row["file_raw_s"] / 1e9
-        if "file_s" in row and gpu is not None:
-            row["file_vs_raw"] = row["file_s"] / (row["file_raw_s"] + gpu)
-    for arm in ("gpu", "l1", "l1_serial", "server", "file"):
-        if f"{arm}_s" in row and rec:
-            row[f"{arm}_speedup"] = rec / row[f"{arm}_s"]
-    if "file_s" in row and "file_floor_best_s" in row:
-        row["file_vs_best_floor"] = row["file_s"] / row["file_floor_best_s"]
-    for arm, floor in (("l1", "l1_floor_s"), ("server", "l1_floor_s"), ("file", "file_floor_s")):
-        if f"{arm}_s" in row and floor in row:
-            row[f"{arm}_vs_floor"] = row[f"{arm}_s"] / row[floor]
-            row[f"{arm}_vs_floor_max"] = row[f"{arm}_max_s"] / row[floor]
-    if "save_s" in row and rec:
-        row["save_overhead"] = row["save_s"] / rec - 1
-    return row
-
-
-def _find(d, key):
-    if isinstance(d, dict):
-        if key in d:
-            return d[key]
-        for v in d.values():
-            r = _find(v, key)
-            if r is not None:
-                return r
-    return None
-
-
-def targets(result: dict) -> dict:
-    rows = {r["context"]: r for r in result["rows"]}
-    t = {}
-    r24 = rows.get(24576)
-    if r24 and "l1_speedup" in r24:
-        t["l1_24k_speedup_ge_10x"] = r24["l1_speedup"] >= 10
-    l1 = [r["l1_vs_floor"] for r in rows.values() if "l1_vs_floor" in r]
-    if l1:
-        t["l1_within_1.3x_floor"] = max(l1) <= 1.3
-        t["l1_within_1.3x_floor_every_repeat"] = max(
-            r["l1_vs_floor_max"] for r in rows.values() if "l1_vs_floor_max" in r) <= 1.3
-    fl = [r["file_vs_floor"] for r in rows.values() if "file_vs_floor" in r]
-    if fl:
-        t["file_within_1.2x_floor"] = max(fl) <= 1.2
-    fb = [r["file_vs_best_floor"] for r in rows.values() if "file_vs_best_floor" in r]
-    if fb:
-        t["file_within_1.2x_best_floor"] = max(fb) <= 1.2
-    sv = [r["save_overhead"] for r in rows.values() if "save_overhead" in r]
-    if sv:
-        t["save_overhead_le_1pct"] = max(sv) <= 0.01
-    errs = [abs(p[k]) for p in result.get("plan", {}).get("rows", [])
-            for k in ("l1_error", "file_error") if k in p]
-    if errs:
-        t["plan_within_10pct"] = max(errs) <= 0.10
-    for name, k in (("plan_file_within_10pct", "file_error"),
-                    ("plan_file_within_10pct_with_probe", "file_error_probe")):
-        fe = [abs(p[k]) for p in result.get("plan", {}).get("rows", []) if k in p]
-        if fe:
-            t[name] = max(fe) <= 0.10
-    t["all_hits_verified"] = not any(r["errors"] for r in rows.values())
-    return t
-
-
-def format_row(r: dict) -> str:
-    def ms(k):
-        v = r.get(k)
-        return f"{v * 1e3:9.1f}" if v is not None and not math.isnan(v) else f"{'-':>9}"
-
-    return (f"{r['context']:>7} {ms('recompute_s')} {ms('gpu_s')} {ms('l1_s')} "
-            f"{ms('l1_serial_s')} {ms('server_s')} {ms('file_s')} {ms('save_s')} "
-            f"{ms('copy_floor_s')} {ms('l1_floor_s')} {ms('file_floor_s')}")
-
-
-def print_table(result: dict) -> None:
-    print(f"kvtier TTFT benchmark: {result['model']} ({result['parameters'] / 1e9:.2f} B, "
-          f"{result['dtype']}) on {result['device']}; suffix {result['suffix_tokens']} tokens, "
-          f"chunks of {result['chunk_tokens']}, {result['block_tokens']}-token blocks, copier "
-          f"{result['layer_copy_mechanism']}; suffix pass {result.get('suffix_pass', 'eager')}; "
-          f"median of {result['repeats']} after {result['warmup']} warm-ups")
-    print(f"PCIe pinned host->GPU {result['h2d_GBps']:.1f} GB/s (end of run "
-          f"{result.get('h2d_GBps_end', float('nan')):.1f}), GPU->host {result['d2h_GBps']:.1f}")
-    disks = [r for r in result["rows"] if "disk" in r]
-    if disks:
-        print("disk (kvtier bench storage before each context's repeats; the file floor takes "
-              "the figure at the tier's reader count):")
-        for r in disks:
-            d = r["disk"]
-            by = ", ".join(f"{n}: {v:.2f}" for n, v in d["read_GBps_by_readers"].items())
-            write = d["write_GBps"]
-            write = f"{write:.2f} GB/s" if isinstance(write, (int, float)) else "-"
-            print(f"{r['context']:>7}: O_DIRECT {d['o_direct']}, read {d['read_GBps']:.2f} GB/s at "
-                  f"{d['readers']} readers, best {d['read_GBps_max']:.2f} (readers {by}), "
-                  f"write {write}; probe {d['probe_s']:.1f} s")
-    tiers = [r for r in result["rows"] if "tier" in r]
-    if tiers:
-        print("file tier (kvtier bench tier before each context's repeats, after the probe; the "
-              "plan takes its tier read figure):")
-        for r in tiers:
-            t = r["tier"]
-            print(f"{r['context']:>7}: tier read {t['read_GBps']:.2f} GB/s, raw O_DIRECT "
-                  f"{t['raw_read_GBps']:.2f} (tier / raw {t['read_ratio']:.2f}); write "
-                  f"{t['write_GBps']:.2f}, raw {t['raw_write_GBps']:.2f}; {t['readers']} "
-                  f"readers, io depth {t['io_depth']}, {t['chunks']} x {t['chunk_mib']} MiB x "
-                  f"{t['repeats']}, o_direct {t['o_direct']}; {t['bench_s']:.1f} s")
-    print("TTFT in ms:")
-    print(f"{'context':>7} {'recompute':>9} {'gpu-hit':>9} {'l1':>9} {'l1-serial':>9} "
-          f"{'server':>9} {'file':>9} {'save':>9} {'copy-flr':>9} {'l1-floor':>9} "
-          f"{'file-flr':>9}")
-    for r in result["rows"]:
-        print(format_row(r))
-    for r in result["rows"]:
-        if "file_vs_raw" in r:
-            print(f"{r['context']:>7}: file tier {r['file_s'] * 1e3:.1f} ms, the same bytes read "
-                  f"raw (O_DIRECT, as many threads, interleaved) {r['file_raw_s'] * 1e3:.1f} ms "
-                  f"= {r['file_raw_GBps']:.2f} GB/s; tier / (raw + GPU hit) "
-                  f"{r['file_vs_raw']:.2f}x")
-    for r in result["rows"]:
-        if "file_samples" in r:
-            xs = sorted(v * 1e3 for v in r["file_samples"])
-            raw = " ".join(f"{v * 1e3:.0f}" for v in r.get("file_raw_samples", []))
-            print(f"{r['context']:>7}: file hit samples " + " ".join(f"{v:.0f}" for v in xs)
-                  + (f"; raw reads, in order: {raw}" if raw else ""))
-    print("samples (ms): p50 / max, every sample")
-    for r in result["rows"]:
-        for arm in ("gpu", "l1", "l1_serial", "server"):
-            if f"{arm}_samples" in r:
-                xs = sorted(v * 1e3 for v in r[f"{arm}_samples"])
-                print(f"{r['context']:>7} {arm:>9} {r[f'{arm}_s'] * 1e3:6.1f} / {xs[-1]:6.1f}  "
-                      + " ".join(f"{v:.1f}" for v in xs))
-    print("ratios:")
-    for r in result["rows"]:
-        parts = [f"{r['context']:>7}"]
-        for k in ("l1_speedup", "server_speedup", "l1_vs_floor", "l1_vs_floor_max",
-                  "server_vs_floor", "file_vs_floor", "file_vs_best_floor", "save_overhead"):
-            if k in r:
-                parts.append(f"{k} {r[k]:.3f}")
-        print("  ".join(parts))
-    print(f"prefill table (kvtier plan --prefill-table): {result['prefill_table']}")
-    if "plan" in result:
-        print("kvtier plan's single-request prediction against the measured hit, ms:")
-        for p in result["plan"]["rows"]:
-            parts = [f"{p['context']:>7}  suffix {p['plan_suffix_s'] * 1e3:.1f}, layer loads "
-                     f"{p['layer_load_overhead_us']:.0f} us each"]
-            for arm in ("l1", "file"):
-                if f"plan_{arm}_s" in p:
-                    parts.append(f"{arm} {p[f'plan_{arm}_s'] * 1e3:.1f} predicted, "
-                                 f"{p[f'{arm}_s'] * 1e3:.1f} measured ({p[f'{arm}_error']:+.1%})"
-                                 + (f" at {p['disk_GBps']:.3f} GB/s (bench tier)"
-                                    if arm == "file" and "disk_GBps" in p else ""))
-            if "plan_file_probe_s" in p:
-                parts.append(f"with the probe's {p['probe_GBps']:.3f} GB/s "
-                             f"{p['plan_file_probe_s'] * 1e3:.1f} ({p['file_error_probe']:+.1%})")
-            print("  ".join(parts))
-    for k, v in result["targets"].items():
-        print(f"target {k}: {'met' if v else 'NOT MET'}")
-    for r in result["rows"]:
-        for e in r["errors"]:
-            print(f"ERROR context {r['context']}: {e}")
-
-
-def write_plot(result: dict, path: str) -> None:
-    """TTFT against context, log scale, one line per arm and the copy floor, as SVG."""
-    rows = result["rows"]
-    series = [(k, label, color) for k, label, color in (
-        ("recompute_s", "recompute", "#d62728"), ("l1_s", "kvtier L1 (in-process)", "#1f77b4"),
-        ("server_s", "kvtier serve (shared pool)", "#17becf"),
-        ("file_s", "kvtier file tier (cold)", "#ff7f0e"), ("gpu_s", "GPU prefix hit", "#2ca02c"),
-        ("copy_floor_s", "copy floor: bytes / PCIe", "#7f7f7f")) if any(k in r for r in rows)]
-    vals = [r[k] for r in rows for k, _, _ in series if r.get(k) and r[k] > 0]
-    if not rows or not vals:
-        return
-    w, h, ml, mr, mt, mb = 760, 460, 70, 230, 30, 50
-    xs = [r["context"] for r in rows]
-    x0, x1 = 0, max(xs) * 1.05
-    y0, y1 = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
-    y1 = max(y1, y0 + 1)
-
-    def px(x):
-        return ml + (x - x0) / (x1 - x0) * (w - ml - mr)
-
-    def py(y):
-        return mt + (y1 - math.log10(y)) / (y1 - y0) * (h - mt - mb)
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{ml}" y="18" font-size="14">TTFT, {result["model"]} on '
-           f'{result["device"]} ({result["suffix_tokens"]}-token suffix)</text>']
-    for e in range(y0, y1 + 1):
-        y = py(10 ** e)
-        out.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{w - mr}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                   f'{10 ** e * 1e3:g} ms</text>')
-    for x in xs:
-        out.append(f'<text x="{px(x):.1f}" y="{h - mb + 18}" text-anchor="middle">'
-                   f'{x // 1024}k</text>')
-    out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 10}" text-anchor="middle">'
-               f'prompt tokens</text>')
-    for i, (k, label, color) in enumerate(series):
-        pts = [(px(r["context"]), py(r[k])) for r in rows if r.get(k) and r[k] > 0]
-        dash = ' stroke-dasharray="6,4"' if k == "copy_floor_s" else ""
-        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="' +
-                   " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
-        for x, y in pts:
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>')
-        ly = mt + 20 + 20 * i
-        out.append(f'<line x1="{w - mr + 15}" y1="{ly}" x2="{w - mr + 40}" y2="{ly}" '
-                   f'stroke="{color}" stroke-width="2"{dash}/>')
-        out.append(f'<text x="{w - mr + 46}" y="{ly + 4}">{label}</text>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
-
-
-def save_partial(args, result: dict, complete: bool = False) -> None:
-    """Writes the result so far to --output (atomically: a reader never sees half a file)."""
-    if not args.output:
-        return
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(result, complete=complete), f, indent=1, default=str)
-    os.replace(tmp, args.output)
 
 
 def main(argv=None) -> int:
