@@ -110,7 +110,7 @@ TEST(LiveMetricsTest, HttpGetAgainstARealServer) {
   const int port = server.bind_to_any_port("127.0.0.1");
   ASSERT_GT(port, 0);
   std::thread t([&] { server.listen_after_bind(); });
-  while (!server.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  server.wait_until_ready();
   const std::string base = "http://127.0.0.1:" + std::to_string(port);
   auto body = HttpGet(base, 5);  // no path: /metrics
   ASSERT_TRUE(body.ok()) << body.status().message();

@@ -20,6 +20,7 @@
 #include "io/fault_injection_env.h"
 #include "testing/storage_dir.h"
 #include "testing/temp_dir.h"
+#include "testing/wait.h"
 #include "tier/file/test_chunks.h"
 
 namespace kvtier {
@@ -268,9 +269,7 @@ class GateEnv final : public Env {
     return held_;
   }
   bool WaitHeld(int n) const {
-    for (int i = 0; i < 1000 && held() < n; ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return held() >= n;
+    return testing::WaitUntil([&] { return held() >= n; });
   }
 
   std::string io_engine_name() const override { return base_->io_engine_name(); }
@@ -329,13 +328,8 @@ void WriteChunks(FileTier& tier, uint64_t first, uint64_t count) {
 }
 
 template <typename F>
-bool Eventually(F done, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return true;
+bool Eventually(F done) {
+  return testing::WaitUntil(done, testing::kWaitDeadline, std::chrono::milliseconds(1));
 }
 
 // 1,000 chunks on disk, none in any memory tier: the lookup answers from the index and makes no

@@ -19,6 +19,7 @@
 #include "kvtier/cache_dir.h"
 #include "kvtier/file_tier.h"
 #include "testing/temp_dir.h"
+#include "testing/wait.h"
 #include "tier/file/test_chunks.h"
 
 namespace kvtier {
@@ -232,10 +233,8 @@ TEST(FileTierHardeningTest, StuckReadsAreReplacedAndAbandonedAtShutdown) {
   EXPECT_LT(Seconds(t0), 5.0) << "shutdown waited for reads stuck in the kernel";
   env->ReleaseStalls();
   // The abandoned threads finish now; wait for them, so that nothing of theirs outlives the test.
-  for (int i = 0; i < 3000 && TaskPool::DetachedRunning() > 0; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(TaskPool::DetachedRunning(), 0u);
+  EXPECT_TRUE(testing::WaitUntil([] { return TaskPool::DetachedRunning() == 0; }))
+      << TaskPool::DetachedRunning() << " abandoned threads still running";
   EXPECT_EQ(late_callbacks->load(), 0);
 }
 
