@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <system_error>
 #include <tuple>
 
@@ -199,80 +200,12 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
     }
     return false;
   }
-  // Names reach logs, /stats and metrics: they must be printable text.
-  for (auto [what, text, max] : {std::tuple{"client_name", &hello->client_name, size_t{256}},
-                                 std::tuple{"model_id", &hello->ns.model_id, size_t{1024}}}) {
-    if (!IsPrintableUtf8(*text) || text->size() > max) {
-      Refuse(c, h,
-             Status::InvalidArgument(fmt::format(
-                 "{} \"{}\" refused: it must be UTF-8 text of at most {} bytes without control "
-                 "characters",
-                 what, LogSafe(text->substr(0, 64)), max)),
-             "bad_name");
-      return false;
-    }
-  }
-  c.name = hello->client_name;
-  if (hello->version != kProtocolVersion) {
-    Refuse(c, h,
-           Status::Unimplemented(fmt::format("protocol version {} not supported (server speaks {})",
-                                             hello->version, kProtocolVersion)),
-           "version");
+  auto refuse = [&](const Refusal& r) {
+    Refuse(c, h, r.status, r.reason);
     return false;
-  }
-  if (!options_.token.empty()) {
-    const std::string& t = hello->token;
-    bool match = t.size() == options_.token.size() &&
-                 CRYPTO_memcmp(t.data(), options_.token.data(), t.size()) == 0;
-    if (!match) {
-      Refuse(c, h, Status::PermissionDenied("wrong or missing token"), "token");
-      return false;
-    }
-  }
-  // The tenant comes from what the server knows of the peer (its uid) or from a token the
-  // operator issued, never from a field the client fills in: the namespace it declares is
-  // public (a model id anyone can name), so it cannot be what keeps tenants apart.
+  };
   std::string tenant;
-  if (options_.isolate_clients) {
-    if (!tenant_tokens_.empty()) {
-      const std::string* name = tenant_tokens_.Find(hello->token);
-      if (!name) {
-        Refuse(c, h, Status::PermissionDenied("wrong or missing token (not a tenant's token)"),
-               "token");
-        return false;
-      }
-      tenant = "tenant:" + *name;
-    } else if (c.peer_known) {
-      tenant = fmt::format("uid:{}", c.peer_uid);
-    } else {
-      Refuse(c, h,
-             Status::PermissionDenied(
-                 "the server cannot tell which user this connection is (SO_PEERCRED failed), "
-                 "so not its tenant either"),
-             "no_credentials");
-      return false;
-    }
-  }
-  Status ns = hello->ns.Validate();
-  if (!ns.ok()) {
-    Refuse(c, h, ns.WithContext("namespace refused"), "namespace");
-    return false;
-  }
-  const uint64_t pool_chunk = engine_->options().chunk_bytes;
-  if (hello->chunk_bytes != 0 && hello->chunk_bytes != pool_chunk) {
-    Refuse(c, h,
-           Status::InvalidArgument(fmt::format(
-               "layout mismatch: a chunk of this client is {} bytes ({} tokens), but this server's "
-               "pool holds {}-byte chunks; start a server for this model/layout (--model, "
-               "--chunk-size, --chunk-bytes)",
-               hello->chunk_bytes, hello->ns.chunk_tokens, pool_chunk)),
-           "chunk_size");
-    return false;
-  }
-  if (stopping_) {
-    Refuse(c, h, Status::Unavailable("server is draining (shutting down)"), "draining");
-    return false;
-  }
+  if (auto r = CheckHello(c, *hello, &tenant)) return refuse(*r);
   c.ns = hello->ns;
   c.tenant = std::move(tenant);
   c.deriver = c.tenant.empty() ? std::make_unique<KeyDeriver>(c.ns)
@@ -286,63 +219,14 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   reply.chunk_bytes = engine_->options().chunk_bytes;
   reply.num_slots = pool.num_slots;
   if (options_.isolate_clients) {
-    // As many window slots as the connection may hold, so one is always free for them, within
-    // what the windows' memory bound leaves.
-    const uint64_t limit =
-        options_.max_window_bytes > 0 ? options_.max_window_bytes : 4 * pool.bytes;
-    uint64_t slots = SlotQuota();
-    {
-      std::lock_guard lock(window_budget_->mu);
-      const uint64_t left = limit > window_budget_->used ? limit - window_budget_->used : 0;
-      slots = std::min<uint64_t>(slots, left / pool.slot_bytes);
-      window_budget_->used += slots * pool.slot_bytes;
-    }
-    c.window_budget = window_budget_;  // given back when the connection goes
-    c.window_charge = slots * pool.slot_bytes;
-    if (slots == 0) {
-      Refuse(c, h,
-             Status::Unavailable(fmt::format(
-                 "the isolated clients' windows already take the {} MiB they may "
-                 "(--max-window-mb); retry later, or raise it or lower --max-client-slots",
-                 limit >> 20)),
-             "no_window_memory");
-      return false;
-    }
-    auto window = ClientWindow::Create(static_cast<uint32_t>(slots), pool.slot_bytes);
-    if (!window.ok()) {
-      Refuse(c, h,
-             Status::Unavailable(fmt::format("the server cannot make this client's window: {}",
-                                             window.status().ToString())),
-             "no_window");
-      return false;
-    }
-    c.window = std::move(window).value();
-    reply.arena_bytes = c.window->bytes();
-    reply.num_slots = c.window->num_slots();
+    if (auto r = OpenWindow(c, &reply)) return refuse(*r);
   }
   reply.max_keys_per_request = options_.max_keys_per_request;
   reply.max_message_bytes = options_.max_message_bytes;
   reply.server_version = KVTIER_VERSION;
   auto frame = EncodeReply(h.opcode, h.request_id, Status::Ok(), HelloReplyFields(reply));
   std::lock_guard lock(conns_mu_);
-  size_t live = 0, same_process = 0;
-  for (auto& other : conns_) {
-    live += !other->finished;
-    same_process += !other->finished && other->peer_pid == c.peer_pid;
-  }
-  if (live >= options_.max_clients) {
-    Refuse(c, h, Status::Rejected(fmt::format("too many clients (limit {})", options_.max_clients)),
-           "too_many_clients");
-    return false;
-  }
-  if (const size_t per_process = ClientsPerProcess(); same_process >= per_process) {
-    Refuse(c, h,
-           Status::Rejected(fmt::format("too many connections from process {} (limit {}, "
-                                        "--max-clients-per-process)",
-                                        c.peer_pid, per_process)),
-           "too_many_from_process");
-    return false;
-  }
+  if (auto r = AdmitLocked(c)) return refuse(*r);
   // The connection's socket blocks from now on (its thread reads it); replies never block.
   int fl = ::fcntl(c.fd, F_GETFL);
   if (fl >= 0) ::fcntl(c.fd, F_SETFL, fl & ~O_NONBLOCK);
@@ -351,16 +235,131 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
         [this, conn, frame = std::move(frame)]() mutable { Serve(conn, std::move(frame)); });
   } catch (const std::system_error& e) {
     // Out of threads (a task limit, memory): this client is refused, the server goes on.
-    Refuse(c, h,
-           Status::Unavailable(fmt::format("the server cannot start a thread for this connection "
-                                           "({}); try again later",
-                                           e.what())),
-           "no_thread");
     metrics_.dropped_by["no_thread"]->Increment();
-    return false;
+    return refuse({Status::Unavailable(fmt::format("the server cannot start a thread for this "
+                                                   "connection ({}); try again later",
+                                                   e.what())),
+                   "no_thread"});
   }
   conns_.push_back(conn);
   return true;
+}
+
+std::optional<Server::Impl::Refusal> Server::Impl::CheckHello(Connection& c,
+                                                              const HelloRequest& hello,
+                                                              std::string* tenant) const {
+  // Names reach logs, /stats and metrics: they must be printable text.
+  for (auto [what, text, max] : {std::tuple{"client_name", &hello.client_name, size_t{256}},
+                                 std::tuple{"model_id", &hello.ns.model_id, size_t{1024}}}) {
+    if (!IsPrintableUtf8(*text) || text->size() > max) {
+      return Refusal{Status::InvalidArgument(fmt::format(
+                         "{} \"{}\" refused: it must be UTF-8 text of at most {} bytes without "
+                         "control characters",
+                         what, LogSafe(text->substr(0, 64)), max)),
+                     "bad_name"};
+    }
+  }
+  c.name = hello.client_name;  // from here on, refusals are logged with it
+  if (hello.version != kProtocolVersion) {
+    return Refusal{
+        Status::Unimplemented(fmt::format("protocol version {} not supported (server speaks {})",
+                                          hello.version, kProtocolVersion)),
+        "version"};
+  }
+  if (!options_.token.empty()) {
+    const std::string& t = hello.token;
+    bool match = t.size() == options_.token.size() &&
+                 CRYPTO_memcmp(t.data(), options_.token.data(), t.size()) == 0;
+    if (!match) return Refusal{Status::PermissionDenied("wrong or missing token"), "token"};
+  }
+  // The tenant comes from what the server knows of the peer (its uid) or from a token the
+  // operator issued, never from a field the client fills in: the namespace it declares is
+  // public (a model id anyone can name), so it cannot be what keeps tenants apart.
+  if (options_.isolate_clients) {
+    if (!tenant_tokens_.empty()) {
+      const std::string* name = tenant_tokens_.Find(hello.token);
+      if (!name) {
+        return Refusal{Status::PermissionDenied("wrong or missing token (not a tenant's token)"),
+                       "token"};
+      }
+      *tenant = "tenant:" + *name;
+    } else if (c.peer_known) {
+      *tenant = fmt::format("uid:{}", c.peer_uid);
+    } else {
+      return Refusal{Status::PermissionDenied(
+                         "the server cannot tell which user this connection is (SO_PEERCRED "
+                         "failed), so not its tenant either"),
+                     "no_credentials"};
+    }
+  }
+  Status ns = hello.ns.Validate();
+  if (!ns.ok()) return Refusal{ns.WithContext("namespace refused"), "namespace"};
+  const uint64_t pool_chunk = engine_->options().chunk_bytes;
+  if (hello.chunk_bytes != 0 && hello.chunk_bytes != pool_chunk) {
+    return Refusal{Status::InvalidArgument(fmt::format(
+                       "layout mismatch: a chunk of this client is {} bytes ({} tokens), but "
+                       "this server's pool holds {}-byte chunks; start a server for this "
+                       "model/layout (--model, --chunk-size, --chunk-bytes)",
+                       hello.chunk_bytes, hello.ns.chunk_tokens, pool_chunk)),
+                   "chunk_size"};
+  }
+  if (stopping_)
+    return Refusal{Status::Unavailable("server is draining (shutting down)"), "draining"};
+  return std::nullopt;
+}
+
+std::optional<Server::Impl::Refusal> Server::Impl::OpenWindow(Connection& c, HelloReply* reply) {
+  const Engine::Pool pool = engine_->pool();
+  // As many window slots as the connection may hold, so one is always free for them, within
+  // what the windows' memory bound leaves.
+  const uint64_t limit = options_.max_window_bytes > 0 ? options_.max_window_bytes : 4 * pool.bytes;
+  uint64_t slots = SlotQuota();
+  {
+    std::lock_guard lock(window_budget_->mu);
+    const uint64_t left = limit > window_budget_->used ? limit - window_budget_->used : 0;
+    slots = std::min<uint64_t>(slots, left / pool.slot_bytes);
+    window_budget_->used += slots * pool.slot_bytes;
+  }
+  c.window_budget = window_budget_;  // given back when the connection goes
+  c.window_charge = slots * pool.slot_bytes;
+  if (slots == 0) {
+    return Refusal{Status::Unavailable(fmt::format(
+                       "the isolated clients' windows already take the {} MiB they may "
+                       "(--max-window-mb); retry later, or raise it or lower --max-client-slots",
+                       limit >> 20)),
+                   "no_window_memory"};
+  }
+  auto window = ClientWindow::Create(static_cast<uint32_t>(slots), pool.slot_bytes);
+  if (!window.ok()) {
+    return Refusal{
+        Status::Unavailable(fmt::format("the server cannot make this client's window: {}",
+                                        window.status().ToString())),
+        "no_window"};
+  }
+  c.window = std::move(window).value();
+  reply->arena_bytes = c.window->bytes();
+  reply->num_slots = c.window->num_slots();
+  return std::nullopt;
+}
+
+std::optional<Server::Impl::Refusal> Server::Impl::AdmitLocked(const Connection& c) const {
+  size_t live = 0, same_process = 0;
+  for (auto& other : conns_) {
+    live += !other->finished;
+    same_process += !other->finished && other->peer_pid == c.peer_pid;
+  }
+  if (live >= options_.max_clients) {
+    return Refusal{
+        Status::Rejected(fmt::format("too many clients (limit {})", options_.max_clients)),
+        "too_many_clients"};
+  }
+  if (const size_t per_process = ClientsPerProcess(); same_process >= per_process) {
+    return Refusal{Status::Rejected(fmt::format("too many connections from process {} (limit "
+                                                "{}, --max-clients-per-process)",
+                                                c.peer_pid, per_process)),
+                   "too_many_from_process"};
+  }
+  return std::nullopt;
 }
 
 }  // namespace kvtier::server

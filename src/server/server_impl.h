@@ -11,6 +11,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -105,6 +106,20 @@ class Server::Impl {
   // returns true. On failure it has replied with the reason.
   bool HandleHello(const std::shared_ptr<Connection>& conn, const FrameHeader& h,
                    std::span<const uint8_t> body, std::vector<uint8_t> rest);
+  // Why a hello is refused: what the client is told, and the reason counted in
+  // kvtier_handshakes_refused_total.
+  struct Refusal {
+    Status status;
+    const char* reason;
+  };
+  // What the client declares (names, version, token, namespace, chunk size), and under
+  // isolate_clients which tenant it is (*tenant; left empty otherwise).
+  std::optional<Refusal> CheckHello(Connection& c, const HelloRequest& hello,
+                                    std::string* tenant) const;
+  // Under isolate_clients: the connection's private window, within the windows' memory bound.
+  std::optional<Refusal> OpenWindow(Connection& c, HelloReply* reply);
+  // The limits on connections, all and per process. REQUIRES: conns_mu_ held.
+  std::optional<Refusal> AdmitLocked(const Connection& c) const;
   void FinishPrepareLoad(const std::shared_ptr<Connection>& conn, uint64_t request_id,
                          Clock::time_point started, size_t asked, const Status& status,
                          std::vector<SlotId> pinned);
