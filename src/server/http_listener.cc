@@ -2,9 +2,11 @@
 
 #include <cpp-httplib/httplib.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
 #include <chrono>
+#include <system_error>
 
 namespace kvtier::server {
 
@@ -33,6 +35,7 @@ Result<std::unique_ptr<HttpListener>> HttpListener::Start(const std::string& hos
   // httplib, CMakeLists.txt), the body (no route takes one), and a range request at most one
   // range (an answer never larger than the document).
   const size_t workers = static_cast<size_t>(threads);
+  l->workers_ = workers;
   http.new_task_queue = [workers] {
     return new httplib::ThreadPool(workers, workers, kHttpQueuedConnections);
   };
@@ -77,7 +80,16 @@ Result<std::unique_ptr<HttpListener>> HttpListener::Start(const std::string& hos
   }
   HttpListener* self = l.get();
   l->thread_ = std::thread([self] {
-    self->http_->listen_after_bind();
+    try {
+      self->http_->listen_after_bind();
+    } catch (const std::system_error& e) {
+      // Its workers could not start (out of threads): the Unix socket's service goes on
+      // without HTTP rather than the whole server aborting.
+      spdlog::error(
+          "HTTP listener stopped: cannot start its {} workers ({}); /metrics, /healthz "
+          "and /stats are not served",
+          self->workers_, e.what());
+    }
     self->thread_done_ = true;
   });
   return l;

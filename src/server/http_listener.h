@@ -40,6 +40,7 @@ class HttpListener {
   std::unique_ptr<httplib::Server> http_;
   HttpRoutes routes_;
   int port_ = -1;
+  size_t workers_ = 0;
   std::thread thread_;
   std::atomic<bool> thread_done_{false};
 };

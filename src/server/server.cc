@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
 #include <thread>
 
 #include "server/server_impl.h"
@@ -155,7 +156,15 @@ Server::~Server() = default;
 
 Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto impl = std::make_unique<Impl>(options);
-  Status s = impl->Init();
+  Status s;
+  try {
+    s = impl->Init();
+  } catch (const std::system_error& e) {
+    // Out of threads (a task limit, memory) while starting the engine's, the door's or the output
+    // pump's: a start that fails with a message, not an abort.
+    s = Status::Unavailable(fmt::format(
+        "the server cannot start its threads ({}); raise the task limit or retry", e.what()));
+  }
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }

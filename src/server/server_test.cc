@@ -110,6 +110,8 @@ class ServerProcess {
     ::close(fd);
     return ok;
   }
+  // The process has been waited for elsewhere: nothing left to kill.
+  void Forget() { pid_ = -1; }
   // Sends `sig` and waits for the exit; returns the wait status.
   int Kill(int sig) {
     if (pid_ <= 0) return -1;
@@ -720,7 +722,8 @@ TEST_F(ServerTest, RestartedServerServesFileTierChunks) {
         ASSERT_TRUE(testing::WaitUntil([&] {
           st = Stats(**c);
           return st["tiers"]["file"]["chunks"] == 4 && st["tiers"]["file"]["queued_writes"] == 0;
-        })) << "the writes did not reach the file tier: " << st["tiers"]["file"].dump();
+        })) << "the writes did not reach the file tier: "
+            << st["tiers"]["file"].dump();
         server.Kill(SIGKILL);
       } else {
         int status = server.Kill(SIGTERM);
@@ -1072,8 +1075,8 @@ TEST_F(ServerTest, HolesPunchedInThePoolCostTheirChunksNotTheServer) {
   for (bool huge : {false, true}) {
     SCOPED_TRACE(huge ? "--huge-pages" : "4 KiB pages");
     HugePageReservation reservation(huge ? kPoolBytes / kHugePage : 0);
-    const std::string l2 = R"({"type":"fs","path":")" + dir_.Sub(huge ? "l2-huge" : "l2") +
-                           R"(","max_size_gb":1})";
+    const std::string l2 =
+        R"({"type":"fs","path":")" + dir_.Sub(huge ? "l2-huge" : "l2") + R"(","max_size_gb":1})";
     std::vector<std::string> args = {"--l2", l2, "--write-policy", "write_through"};
     if (huge) args.push_back("--huge-pages");
     ServerProcess server(dir_, args);
@@ -1102,7 +1105,8 @@ TEST_F(ServerTest, HolesPunchedInThePoolCostTheirChunksNotTheServer) {
     ASSERT_TRUE(testing::WaitUntil([&] {
       st = Stats(**c);
       return st["tiers"]["file"]["chunks"] == n && st["tiers"]["file"]["queued_writes"] == 0;
-    })) << "the writes did not reach the file tier: " << st["tiers"]["file"].dump();
+    })) << "the writes did not reach the file tier: "
+        << st["tiers"]["file"].dump();
     std::vector<uint32_t> on_disk_only;
     for (uint32_t i = 0; i < n && on_disk_only.size() < 32; ++i) {
       LookupResult l = (*c)->Lookup(std::span(keys).subspan(i, 1));
@@ -1113,7 +1117,8 @@ TEST_F(ServerTest, HolesPunchedInThePoolCostTheirChunksNotTheServer) {
     // The attack: every page of the pool deallocated, half through each call.
     auto attacker = RawHello(server.socket(), TestHello("attacker"));
     ASSERT_TRUE(attacker->status.ok()) << attacker->status.ToString();
-    void* map = ::mmap(nullptr, kPoolBytes, PROT_READ | PROT_WRITE, MAP_SHARED, attacker->pool_fd, 0);
+    void* map =
+        ::mmap(nullptr, kPoolBytes, PROT_READ | PROT_WRITE, MAP_SHARED, attacker->pool_fd, 0);
     ASSERT_NE(map, MAP_FAILED);
     EXPECT_EQ(::madvise(map, kPoolBytes / 2, MADV_REMOVE), 0) << std::strerror(errno);
     EXPECT_EQ(::fallocate(attacker->pool_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
@@ -1130,8 +1135,8 @@ TEST_F(ServerTest, HolesPunchedInThePoolCostTheirChunksNotTheServer) {
       for (size_t pages = kPoolBytes / kHugePage; thief >= 0 && pages > 0; --pages) {
         loot_bytes = pages * kHugePage;
         if (::ftruncate(thief, static_cast<off_t>(loot_bytes)) != 0) continue;
-        loot = ::mmap(nullptr, loot_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                      thief, 0);
+        loot = ::mmap(nullptr, loot_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, thief,
+                      0);
         if (loot != MAP_FAILED) break;
       }
     }
@@ -1269,6 +1274,50 @@ size_t TasksOf(uid_t uid) {
   return tasks;
 }
 
+// A server that cannot start its own threads (the engine's, the door's, the output pump's, the
+// HTTP workers) fails to start with a message, or runs without what it could not start: never
+// an abort. Each limit leaves room for a few more of startup's threads than the last.
+TEST_F(ServerTest, AServerThatCannotStartItsThreadsSaysSoAndNeverAborts) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to run the server as another user";
+  ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
+  int failed_with_a_message = 0;
+  for (size_t spare : {1, 2, 3, 4, 5, 6, 8, 10, 12}) {
+    SCOPED_TRACE(::testing::Message() << spare << " tasks to spare");
+    const std::string sock = dir_.Sub("threads-" + std::to_string(spare) + ".sock");
+    ServerProcess server(dir_, {"--no-l2"}, sock);
+    // Every server of the test appends to one log: this one's part is what comes after.
+    const size_t log_start = server.Log().size();
+    server.InChild([spare] {
+      // Counted before this process becomes one of the user's tasks: it takes one of `spare`.
+      const size_t tasks = TasksOf(kNobody);
+      struct rlimit lim {
+        tasks + spare, tasks + spare
+      };
+      if (::setrlimit(RLIMIT_NPROC, &lim) != 0) _exit(125);
+      BecomeNobody();
+    });
+    server.Launch();
+    ASSERT_GT(server.pid(), 0);
+    int status = 0;
+    bool exited = false;
+    ASSERT_TRUE(testing::WaitUntil([&] {
+      exited = exited || ::waitpid(server.pid(), &status, WNOHANG) == server.pid();
+      return exited || server.Listening();
+    })) << server.Log();
+    if (!exited) {
+      status = server.Kill(SIGTERM);
+      EXPECT_TRUE(WIFEXITED(status)) << "ended by a signal:\n" << server.Log();
+      continue;
+    }
+    server.Forget();
+    ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << ":\n"
+                                   << server.Log();
+    EXPECT_EQ(WEXITSTATUS(status), 1) << server.Log();
+    failed_with_a_message += server.Log().find("cannot start", log_start) != std::string::npos;
+  }
+  EXPECT_GT(failed_with_a_message, 0) << "no limit was low enough to stop the start";
+}
+
 TEST_F(ServerTest, OutOfThreadsRefusesAClientInsteadOfAbortingTheServer) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to run the server as another user";
   ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
@@ -1377,7 +1426,8 @@ TEST_F(ServerTest, DefaultSocketIsInAPrivateDirectory) {
     int fd = ConnectUnix(sock);
     if (fd >= 0) ::close(fd);
     return fd >= 0;
-  })) << "the server never accepted on " << sock;
+  })) << "the server never accepted on "
+      << sock;
   struct stat st;
   ASSERT_EQ(::lstat(private_dir.c_str(), &st), 0);
   EXPECT_TRUE(S_ISDIR(st.st_mode));
@@ -1410,7 +1460,8 @@ TEST_F(ServerTest, TheSocketPathAppearsOnlyOnceTheServerListens) {
     struct stat st;
     ASSERT_TRUE(testing::WaitUntil([&] { return ::lstat(path.c_str(), &st) == 0; },
                                    testing::kWaitDeadline, 50us))
-        << "no socket file at " << path << ":\n" << server.Log();
+        << "no socket file at " << path << ":\n"
+        << server.Log();
     int fd = ConnectUnix(path);
     EXPECT_GE(fd, 0) << "the socket file exists but refuses: " << std::strerror(errno);
     if (fd >= 0) ::close(fd);
@@ -1848,9 +1899,8 @@ TEST_F(ServerTest, AProcesssConnectionsShareOneSlotLimit) {
 // connection's window was the full slot limit, so 255 connections took 128x the pool).
 TEST_F(ServerTest, IsolatedWindowsAreBoundedAllTogether) {
   // 64 KiB slots: a full window of 24 slots is 1.5 MiB, the bound 2 MiB.
-  ServerProcess server(dir_,
-                       {"--no-l2", "--isolate-clients", "--max-client-slots", "24",
-                        "--max-window-mb", "2"});
+  ServerProcess server(
+      dir_, {"--no-l2", "--isolate-clients", "--max-client-slots", "24", "--max-window-mb", "2"});
   ASSERT_NO_FATAL_FAILURE(server.Start());
   auto a = server.Connect();
   ASSERT_TRUE(a.ok()) << a.status().ToString();
@@ -1862,7 +1912,8 @@ TEST_F(ServerTest, IsolatedWindowsAreBoundedAllTogether) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
   EXPECT_NE(c.status().message().find("--max-window-mb"), std::string::npos)
-      << c.status().ToString() << "\n" << server.Log();
+      << c.status().ToString() << "\n"
+      << server.Log();
   // The small window works, and its limit is its size.
   auto keys = Keys(8, 70);
   ASSERT_NO_FATAL_FAILURE(StoreChunks(**b, keys));
@@ -2107,9 +2158,8 @@ bool WaitForFileTierChunks(Client& c, uint64_t chunks) {
   return testing::WaitUntil([&] {
            auto text = c.StatsJson();
            failed = !text.ok();
-           return failed ||
-                  nlohmann::json::parse(*text)["tiers"]["file"].value("chunks", uint64_t{0}) >=
-                      chunks;
+           return failed || nlohmann::json::parse(*text)["tiers"]["file"].value(
+                                "chunks", uint64_t{0}) >= chunks;
          }) &&
          !failed;
 }

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -114,21 +115,28 @@ int RunServe(ServeArgs& args) {
     bool started = false;
   };
   auto state = std::make_shared<SignalState>();
-  std::thread([state, signals] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    std::unique_lock lock(state->mu);
-    state->received = sig;
-    state->cv.notify_all();
-    if (!state->cv.wait_for(lock, kStartGrace, [&] { return state->started; })) {
-      spdlog::error(
-          "received {} while starting, and the start has not completed within {} s: "
-          "exiting",
-          SignalName(sig), kStartGrace.count());
-      spdlog::default_logger()->flush();
-      std::_Exit(128 + sig);
-    }
-  }).detach();
+  std::thread watcher;
+  try {
+    watcher = std::thread([state, signals] {
+      int sig = 0;
+      sigwait(&signals, &sig);
+      std::unique_lock lock(state->mu);
+      state->received = sig;
+      state->cv.notify_all();
+      if (!state->cv.wait_for(lock, kStartGrace, [&] { return state->started; })) {
+        spdlog::error(
+            "received {} while starting, and the start has not completed within {} s: "
+            "exiting",
+            SignalName(sig), kStartGrace.count());
+        spdlog::default_logger()->flush();
+        std::_Exit(128 + sig);
+      }
+    });
+  } catch (const std::system_error& e) {
+    return Fail(Status::Unavailable(fmt::format(
+        "kvtier serve cannot start a thread ({}); raise the task limit or retry", e.what())));
+  }
+  watcher.detach();
 
   // Descriptors: every client connection, its pool window and the file tier's open files take
   // one each; the common soft limit of 1024 is far below what the hard limit allows.
@@ -309,8 +317,9 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                       "Clients (connections past the handshake) served at once")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_clients = a->flags.max_clients; });
-  add(cmd->add_option("--max-clients-per-process", f.max_clients_per_process,
-                      "Of them, connections from one process (0: a quarter of --max-clients, at least 16)")
+  add(cmd->add_option(
+             "--max-clients-per-process", f.max_clients_per_process,
+             "Of them, connections from one process (0: a quarter of --max-clients, at least 16)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_clients_per_process = a->flags.max_clients_per_process; });
   add(cmd->add_option("--reservation-timeout-ms", f.reservation_timeout_ms,
