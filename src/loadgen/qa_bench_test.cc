@@ -430,7 +430,9 @@ TEST(QaBench, RecordsWhatTheDrainCannotWaitForAsUnfinished) {
 
 TEST(QaBench, ASecondStopGivesUpOnTheDrain) {
   FakeServerOptions so;
-  so.first_token_delay_s = 3;
+  // Answers take far longer than the bound below, so that a drain that waited for them fails
+  // it however loaded the machine (the server's teardown still waits them out).
+  so.first_token_delay_s = 8;
   auto server = StartServer(so);
   auto o = SmallRun(*server);
   o.duration_s = 0;
@@ -447,7 +449,7 @@ TEST(QaBench, ASecondStopGivesUpOnTheDrain) {
   const auto t0 = std::chrono::steady_clock::now();
   auto result = RunQaBench(o);
   stopper.join();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(6));
   // Nothing finished: interrupted, with the requests unanswered.
   EXPECT_EQ(result.status().code(), StatusCode::kAborted);
 }
@@ -484,7 +486,7 @@ TEST(QaBench, RefusedRequestsAreNotRetriedAndALostRoundFailsTheRun) {
 TEST(QaBench, AServerThatDiesMidRunFailsTheRun) {
   auto server = StartServer();
   auto o = SmallRun(*server);
-  o.duration_s = 3;
+  o.duration_s = 30;  // far past the bound below: the run must end when the server goes
   o.warmup_requests = 1;
   std::thread killer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(1000));
@@ -499,7 +501,7 @@ TEST(QaBench, AServerThatDiesMidRunFailsTheRun) {
   EXPECT_NE(result->errors[0].find("stopped answering"), std::string::npos) << result->errors[0];
   EXPECT_GT(result->summary.failures["connect"], 0);
   // It stopped when the server went, not at the end of --time.
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2900));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
 }
 
 TEST(QaBench, TimeBoundsTheWarmUp) {
@@ -571,9 +573,15 @@ TEST(QaBench, AsksTheShareGptQuestionsWithTheirAnswerLengths) {
                        q.ends_with("third question");
     EXPECT_TRUE(known) << q;
     EXPECT_EQ(q.find("Here's question"), std::string::npos) << q;
-    if (q.ends_with("first question")) EXPECT_EQ(r.max_tokens, 2);
-    if (q.ends_with("second question")) EXPECT_EQ(r.max_tokens, 3);
-    if (q.ends_with("third question")) EXPECT_EQ(r.max_tokens, 4);
+    if (q.ends_with("first question")) {
+      EXPECT_EQ(r.max_tokens, 2);
+    }
+    if (q.ends_with("second question")) {
+      EXPECT_EQ(r.max_tokens, 3);
+    }
+    if (q.ends_with("third question")) {
+      EXPECT_EQ(r.max_tokens, 4);
+    }
   }
   EXPECT_GT(asked, 0);
   for (const auto& rec : result->records) EXPECT_LE(rec.generation_tokens, 5);
