@@ -28,6 +28,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/fd_passing.h"
 #include "common/sha256.h"
 #include "common/task_pool.h"
 #include "io/fault_injection_env.h"
@@ -944,19 +945,7 @@ std::unique_ptr<RawSession> RawHello(const std::string& socket, const server::He
   auto frame = server::EncodeHelloRequest(1, h);
   ::send(s->sock, frame.data(), frame.size(), MSG_NOSIGNAL);
   uint8_t hdr[server::kHeaderBytes];
-  iovec iov{hdr, sizeof(hdr)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  if (::recvmsg(s->sock, &msg, MSG_WAITALL | MSG_CMSG_CLOEXEC) != sizeof(hdr)) return s;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      std::memcpy(&s->pool_fd, CMSG_DATA(c), sizeof(int));
-    }
-  }
+  if (ReceiveWithFd(s->sock, hdr, sizeof(hdr), MSG_WAITALL, &s->pool_fd) != sizeof(hdr)) return s;
   auto head = server::DecodeHeader(hdr);
   std::vector<uint8_t> body(head.body_length);
   if (::recv(s->sock, body.data(), body.size(), MSG_WAITALL) != ssize_t(body.size())) return s;
