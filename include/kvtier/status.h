@@ -29,7 +29,7 @@ enum class StatusCode : int {
   kPermissionDenied = 9,  // token or namespace refused
   kInternal = 10,         // a bug: an invariant did not hold
   kUnimplemented = 11,
-  kAborted = 12,          // cancelled, e.g. during shutdown
+  kAborted = 12,  // cancelled, e.g. during shutdown
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -88,11 +88,15 @@ class [[nodiscard]] Status {
   std::shared_ptr<const Rep> rep_;  // null means OK; shared so copies are cheap
 };
 
+// Ends the process with `status` on stderr: value() of a Result that holds an error is a bug of
+// its caller, reported as what the error was rather than as a bad_variant_access.
+[[noreturn]] void DieOfValueOnError(const Status& status);
+
 // Result<T> holds either a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT
     if (std::get<Status>(v_).ok()) {
       v_ = Status::Internal("Result constructed from an OK status without a value");
@@ -100,10 +104,19 @@ class [[nodiscard]] Result {
   }
 
   bool ok() const { return std::holds_alternative<T>(v_); }
-  // REQUIRES: ok() for value().
-  T& value() & { return std::get<T>(v_); }
-  const T& value() const& { return std::get<T>(v_); }
-  T&& value() && { return std::get<T>(std::move(v_)); }
+  // REQUIRES: ok() for value(); on an error it ends the process, saying which.
+  T& value() & {
+    CheckValue();
+    return *std::get_if<T>(&v_);
+  }
+  const T& value() const& {
+    CheckValue();
+    return *std::get_if<T>(&v_);
+  }
+  T&& value() && {
+    CheckValue();
+    return std::move(*std::get_if<T>(&v_));
+  }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
@@ -113,23 +126,28 @@ class [[nodiscard]] Result {
   Status status() const { return ok() ? Status::Ok() : std::get<Status>(v_); }
 
  private:
+  void CheckValue() const {
+    if (!ok()) [[unlikely]]
+      DieOfValueOnError(std::get<Status>(v_));
+  }
+
   std::variant<T, Status> v_;
 };
 
 }  // namespace kvtier
 
 // Returns early from the enclosing function when `expr` (a Status) is not OK.
-#define KVTIER_RETURN_IF_ERROR(expr)           \
-  do {                                         \
-    ::kvtier::Status kvtier_status_ = (expr);  \
+#define KVTIER_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::kvtier::Status kvtier_status_ = (expr);        \
     if (!kvtier_status_.ok()) return kvtier_status_; \
   } while (0)
 
 #define KVTIER_CONCAT_INNER(a, b) a##b
 #define KVTIER_CONCAT(a, b) KVTIER_CONCAT_INNER(a, b)
 // KVTIER_ASSIGN_OR_RETURN(auto x, MakeX()): assigns the value or returns the error.
-#define KVTIER_ASSIGN_OR_RETURN(lhs, expr)                        \
-  auto KVTIER_CONCAT(kvtier_result_, __LINE__) = (expr);          \
-  if (!KVTIER_CONCAT(kvtier_result_, __LINE__).ok())              \
-    return KVTIER_CONCAT(kvtier_result_, __LINE__).status();      \
+#define KVTIER_ASSIGN_OR_RETURN(lhs, expr)                   \
+  auto KVTIER_CONCAT(kvtier_result_, __LINE__) = (expr);     \
+  if (!KVTIER_CONCAT(kvtier_result_, __LINE__).ok())         \
+    return KVTIER_CONCAT(kvtier_result_, __LINE__).status(); \
   lhs = std::move(KVTIER_CONCAT(kvtier_result_, __LINE__)).value()

@@ -1,8 +1,8 @@
 #include "kvtier/status.h"
 
-#include <cerrno>
-
 #include <gtest/gtest.h>
+
+#include <cerrno>
 
 namespace kvtier {
 namespace {
@@ -48,6 +48,13 @@ TEST(ResultTest, ValueOrStatus) {
   // An OK status without a value is itself a bug, reported as such.
   Result<int> r(Status::Ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+}
+
+// value() of an error is a bug of the caller: it ends the process naming the error, never
+// throws a bad_variant_access someone might catch.
+TEST(ResultDeathTest, ValueOfAnErrorEndsTheProcessNamingIt) {
+  Result<int> r = Status::NotFound("no chunk 42 here");
+  EXPECT_DEATH((void)r.value(), "value\\(\\) of a Result that holds an error: .*no chunk 42 here");
 }
 
 }  // namespace
