@@ -31,8 +31,7 @@ namespace kvtier::server {
 
 class Server::Impl {
  public:
-  explicit Impl(const ServerOptions& o)
-      : options_(o), pump_(o.send_timeout, metrics_.dropped_by.at("slow")) {}
+  explicit Impl(const ServerOptions& o) : options_(o), pump_(o.send_timeout, slow_drops_) {}
   ~Impl();
 
   Status Init();
@@ -140,6 +139,8 @@ class Server::Impl {
   void ExpireReservations(Clock::time_point now);
 
   Metrics metrics_;
+  // Looked up once: every reply passes it to SendFrame.
+  prometheus::Counter* const slow_drops_ = metrics_.dropped_by.at("slow");
   OutputPump pump_;
   TenantTokens tenant_tokens_;
   // Slow prepare_loads (file-tier promotions) are answered from the engine's completion

@@ -14,8 +14,7 @@
 namespace kvtier::server {
 
 bool Server::Impl::Send(Connection& c, const std::vector<uint8_t>& frame, int pass_fd) {
-  return SendFrame(c, frame, pass_fd, options_.max_output_bytes, pump_,
-                   *metrics_.dropped_by.at("slow"));
+  return SendFrame(c, frame, pass_fd, options_.max_output_bytes, pump_, *slow_drops_);
 }
 
 void Server::Impl::Refuse(Connection& c, const FrameHeader& h, const Status& s,
