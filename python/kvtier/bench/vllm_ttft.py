@@ -23,7 +23,10 @@ directory on --disk-dir; before each hit, new prompts of more than the CPU tier'
 prefix out of it and the page cache is dropped, so the hit reads the ``fs`` tier, cold), ``kvtier`` (in-process, L1 of --cpu-gb), ``server`` (``kvtier serve``,
 L1 of --cpu-gb, file tier on --disk-dir) and ``file`` (the server arm's file tier, cold: kvtier
 serve restarted with an empty L1 and the page cache dropped before each hit; the file tier reads
-with O_DIRECT) and ``lmcache`` (LMCache in process, vLLM's LMCacheConnectorV1 with its
+with O_DIRECT), ``costfile`` (the same cold file-tier hits through a vLLM of its own on the same
+kvtier serve, its connector's cost-aware lookups given --cost-extra: the prefill table and the
+disk's read rate measured beforehand, so a hit the disk would make slower than recomputing is
+declined) and ``lmcache`` (LMCache in process, vLLM's LMCacheConnectorV1 with its
 ``local_cpu`` tier of --cpu-gb and 256-token chunks; LMCache from --lmcache-site or the
 environment; an arm that does not start is left out with its error). Every hit is checked: its first --check-tokens greedy tokens must equal those of
 the ``gpu`` arm's hit of the same prompt (the same weights in every server: a model directory
@@ -42,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -54,7 +58,8 @@ import urllib.request
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
-ALL_ARMS = ("gpu", "native", "tiering", "kvtier", "server", "file", "lmcache")
+ALL_ARMS = ("gpu", "native", "tiering", "kvtier", "server", "file", "costfile", "lmcache")
+OPT_IN_ARMS = ("costfile", "lmcache")  # not in the default --arms
 
 
 def log(msg: str) -> None:
@@ -191,6 +196,8 @@ class Vllm:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", "0"]
         if transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        if arm == "costfile":  # its decisions reach the log with the stats (connector_counters)
+            cmd.remove("--disable-log-stats")
         cmd += args.vllm_args.split()
         self.log_path = workdir / f"vllm-{arm}.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
@@ -348,6 +355,11 @@ def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
     if arm == "server":  # the file arm measures the same server
         return dict(kvtier, kv_connector_extra_config={
             "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
+    if arm == "costfile":  # the same server again, through a vLLM deciding what pays
+        cost = json.loads(args.cost_extra) if args.cost_extra else {}
+        return dict(kvtier, kv_connector_extra_config={
+            "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens,
+            "kvtier.cost_aware": True, **extra, **cost})
     raise ValueError(arm)
 
 
@@ -361,8 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model-config", default="qwen3-8b",
                     help="config for --make-model: a name in kvtier/bench/configs or a path")
     ap.add_argument("--contexts", default="8k,16k,24k,32k")
-    ap.add_argument("--arms", default=",".join(a for a in ALL_ARMS if a != "lmcache"),
-                    help=f"comma-separated, of {', '.join(ALL_ARMS)} (file needs server)")
+    ap.add_argument("--arms", default=",".join(a for a in ALL_ARMS if a not in OPT_IN_ARMS),
+                    help=f"comma-separated, of {', '.join(ALL_ARMS)} (file and costfile "
+                         "need server)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix")
     ap.add_argument("--chunk-tokens", type=int, default=256)
@@ -384,6 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kvtier-extra", default="",
                     help='more connector keys for the kvtier arms, as JSON, e.g. '
                          '\'{"kvtier.load_mode": "async"}\'')
+    ap.add_argument("--cost-extra", default="",
+                    help='the costfile arm\'s cost-aware keys, as JSON, e.g. \'{"kvtier.prefill_'
+                         'table": "8192:0.23,16384:0.52", "kvtier.file_read_gbps": 1.2}\'')
     ap.add_argument("--gap", type=float, default=0.3,
                     help="seconds after each cold request before the next arm's")
     ap.add_argument("--disk-dir", type=Path, default=None,
@@ -409,8 +425,9 @@ def main(argv=None) -> int:
     bad = [a for a in arms if a not in ALL_ARMS]
     if bad:
         ap.error(f"unknown arm(s) {', '.join(bad)}; arms are {', '.join(ALL_ARMS)}")
-    if "file" in arms and "server" not in arms:
-        ap.error("the file arm measures the server arm's file tier: add server to --arms")
+    for arm in ("file", "costfile"):
+        if arm in arms and "server" not in arms:
+            ap.error(f"the {arm} arm measures the server arm's file tier: add server to --arms")
     if "gpu" not in arms:
         ap.error("the gpu arm is every check's reference: keep it in --arms")
     try:
@@ -494,7 +511,7 @@ def main(argv=None) -> int:
                             drop_page_cache()
                         if arm != "gpu":
                             vllm.reset_gpu_cache()
-                        if arm == "file":
+                        if arm in ("file", "costfile"):
                             serve.restart_empty()
                             drop_page_cache()
                         ttft = vllm.ttft(prefix + suffix)
@@ -532,6 +549,8 @@ def main(argv=None) -> int:
             results["server_killed_mid_load"] = kill_mid_load(
                 servers["gpu"], servers["server"], serve, fresh, max(contexts) - args.suffix,
                 args)
+        if "costfile" in servers:
+            results["connector_counters"] = {"costfile": connector_counters(servers["costfile"])}
     finally:
         for vllm in servers.values():
             vllm.stop()
@@ -621,6 +640,16 @@ def kill_mid_load(gpu: Vllm, vllm: Vllm, serve: Serve, fresh, prefix_len: int, a
             "answered_after_s": after, **{k: v for k, v in answer.items() if k != "tokens"}}
 
 
+def connector_counters(vllm: Vllm) -> dict[str, int]:
+    """The kvtier connector's counters over the run, summed from vLLM's periodic "KV Transfer
+    metrics" log lines (each line counts the interval since the one before)."""
+    totals: dict[str, int] = {}
+    for line in re.findall(r"KV Transfer metrics:(.*)", vllm.log_path.read_text(errors="replace")):
+        for name, value in re.findall(r"\b(\w+)=(\d+)\b", line):
+            totals[name] = totals.get(name, 0) + int(value)
+    return totals
+
+
 def print_table(results: dict, arms: list[str]) -> None:
     print("\nTTFT, median of repeats (ms); hit = prefix from the arm's tier + new suffix")
     header = f"{'context':>8} {'floor':>7} " + " ".join(f"{a + ' cold':>12} {a + ' hit':>11}"
@@ -646,7 +675,14 @@ def print_table(results: dict, arms: list[str]) -> None:
                               f"{(med[a]['cold'] / med['gpu']['cold'] - 1) * 100:+.1f} %")
         if "file" in med and "tiering" in med:
             ratios.append(f"file/tiering hit {med['file']['hit'] / med['tiering']['hit']:.2f}")
+        for a, engine in (("file", "server"), ("costfile", "costfile")):
+            if a in med:  # against recomputing the same length on the same engine
+                ratios.append(f"{a} hit/recompute {med[a]['hit'] / med[engine]['cold']:.2f}")
         print(f"{context:>8}: " + "; ".join(ratios))
+    for arm, counters in results.get("connector_counters", {}).items():
+        shown = {k: counters[k] for k in ("tokens_loaded", "tokens_declined", "layerwise_loads",
+                                           "load_errors") if k in counters}
+        print(f"{arm} connector over the run: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
 
 
 def plot(results: dict, arms: list[str], path: Path) -> None:

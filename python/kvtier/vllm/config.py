@@ -47,9 +47,12 @@ class ConnectorConfig:
     # tokens on this machine), a file-tier hit is loaded only where reading it is predicted to be
     # faster than computing its tokens; below min_file_read_gbps (the file tier's read rate
     # measured on loads) file-tier hits are never loaded. cost_aware = false turns both off.
+    # file_read_gbps: the file tier's read rate measured beforehand (`kvtier bench storage`),
+    # the estimate before the first load and the one it decays back to; 0: an optimistic 4 GB/s.
     cost_aware: bool = True
     prefill_table: tuple = ()
     min_file_read_gbps: float = 0.0
+    file_read_gbps: float = 0.0
 
     @property
     def server_mode(self) -> bool:
@@ -142,9 +145,10 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if config.load_mode not in ("auto", "layerwise", "async"):
         raise ConfigError(f"'{_PREFIX}load_mode' must be auto, layerwise or async, got "
                           f"{config.load_mode!r}")
-    if config.min_file_read_gbps < 0:
-        raise ConfigError(f"'{_PREFIX}min_file_read_gbps' must not be negative, got "
-                          f"{config.min_file_read_gbps}")
+    for name in ("min_file_read_gbps", "file_read_gbps"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"'{_PREFIX}{name}' must not be negative, got "
+                              f"{getattr(config, name)}")
     if config.write_policy not in ("write_back", "write_through", "none"):
         raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
                           f"got {config.write_policy!r}")

@@ -19,9 +19,10 @@ convex, so a prefix shorter than the whole hit is never better than both ends wh
 and the compute run one after the other: the choice is between the three points above.
 
 read() uses the file tier's read rate as the connector measures it on real loads (bytes per
-second of the loads' wall time), decayed with a half-life towards an optimistic prior, so that a
-tier judged slow is tried again after a while and a wrong estimate corrects itself within a few
-loads. A floor on that rate (kvtier.min_file_read_gbps) turns file-tier hits off below it.
+second of the loads' wall time), decayed with a half-life towards a prior (the rate measured
+beforehand with `kvtier bench storage`, kvtier.file_read_gbps, or else an optimistic guess), so
+that a tier judged slow is tried again after a while and a wrong estimate corrects itself within
+a few loads. A floor on that rate (kvtier.min_file_read_gbps) turns file-tier hits off below it.
 """
 
 from __future__ import annotations
@@ -115,15 +116,16 @@ class Choice:
 class CostModel:
     """Chooses how much of a hit to load (module docstring)."""
 
-    # Until a load was measured, the file tier is assumed this fast: tried, then measured.
+    # Without a measured rate, the file tier is assumed this fast until a load is measured:
+    # tried, then measured.
     PRIOR_READ_BPS = 4e9
 
     def __init__(self, prefill: PrefillCost | None, chunk_tokens: int, chunk_bytes: int,
-                 min_file_read_bps: float = 0.0):
+                 min_file_read_bps: float = 0.0, file_read_bps: float = 0.0):
         self.prefill = prefill
         self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
         self.min_file_read_bps = min_file_read_bps
-        self.file_rate = ReadRate(self.PRIOR_READ_BPS)
+        self.file_rate = ReadRate(file_read_bps or self.PRIOR_READ_BPS)
 
     def choose(self, n_tokens: int, local: int, memory: int, hits: int) -> Choice:
         """local: tokens vLLM has; memory and hits: leading chunks in L1 and in kvtier (memory

@@ -159,7 +159,7 @@ class SchedulerSide:
                                                       cfg.min_file_read_gbps > 0):
             prefill = PrefillCost(list(cfg.prefill_table)) if cfg.prefill_table else None
             self._cost = CostModel(prefill, cfg.chunk_tokens, chunk_bytes,  # one rank's share
-                                   cfg.min_file_read_gbps * 1e9)
+                                   cfg.min_file_read_gbps * 1e9, cfg.file_read_gbps * 1e9)
         return self._cost
 
     def _lookup(self, keys: list[bytes], first: int, n_tokens: int, local: int) -> _Answer:

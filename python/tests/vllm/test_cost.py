@@ -3,6 +3,8 @@ estimate and decay, and the choice on both sides of the break-even."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvtier.vllm.config import ConfigError, parse_config
@@ -38,6 +40,8 @@ def test_config_takes_and_checks_the_table():
         parse_config({"kvtier.prefill_table": "lots"})
     with pytest.raises(ConfigError, match="min_file_read_gbps"):
         parse_config({"kvtier.min_file_read_gbps": -1})
+    with pytest.raises(ConfigError, match="file_read_gbps"):
+        parse_config({"kvtier.file_read_gbps": -0.5})
 
 
 def test_read_rate_corrects_itself_within_a_few_loads_and_decays_back():
@@ -77,3 +81,18 @@ def test_floor_turns_file_tier_hits_off():
     assert model.choose(16384, 0, 0, 63).chunks == 0
     model.file_rate = ReadRate(prior_bps=3e9, prior_s=1.0)
     assert model.choose(16384, 0, 0, 63).chunks == 63  # no table: above the floor, load
+
+
+def test_a_measured_read_rate_decides_the_first_load_and_is_what_the_estimate_returns_to():
+    # A 1.2 GB/s disk measured beforehand: the very first 32k disk-only hit is declined (without
+    # the figure the optimistic prior would load it, and the request would wait 4 s on the disk).
+    cfg = parse_config({"kvtier.file_read_gbps": 1.2})
+    measured = CostModel(PrefillCost(TABLE), 256, 36 * MB, file_read_bps=cfg.file_read_gbps * 1e9)
+    assert measured.choose(32768, 0, 0, 127).chunks == 0
+    assert CostModel(PrefillCost(TABLE), 256, 36 * MB).choose(32768, 0, 0, 127).chunks == 127
+    # Loads that ran at 10 GB/s (the data was in the page cache, say) move it to loading...
+    for _ in range(3):
+        measured.file_rate.observe(2e9, 0.2)
+    assert measured.choose(32768, 0, 0, 127).chunks == 127
+    # ...and it decays back to the measured 1.2 GB/s, not to the optimistic guess.
+    assert measured.file_rate.bytes_per_s(now=time.monotonic() + 3600) == pytest.approx(1.2e9, rel=0.01)
