@@ -607,6 +607,7 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
         std::vector<std::pair<double, double>> finished;
         for (const auto& r : st.records) finished.emplace_back(r.launch_time, r.finish_time);
         last_fell_behind = ReadPacedStage(finished, st.launches, start, stop_time).fell_behind;
+        result.stages.back().fell_behind = last_fell_behind;
         if (last_fell_behind) break;
       }
       streams *= 2;
@@ -852,7 +853,8 @@ std::string QaBenchResultToJson(const QaBenchOptions& o, const QaBenchResult& r)
                                          {"finished", s.finished},
                                          {"finished_rps", s.finished_rps},
                                          {"median_ttft_s", s.median_ttft},
-                                         {"failed", s.failed}});
+                                         {"failed", s.failed},
+                                         {"fell_behind", s.fell_behind}});
     }
   }
   return j.dump(2);

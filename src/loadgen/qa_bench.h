@@ -90,6 +90,9 @@ struct CapacityStage {
   int64_t failed = 0;
   double qps = 0;             // paced: the stage's --qps; 0 for the closed loop
   double sent_rps = 0;        // requests sent per second in the measured window
+  // Paced: the server finished under 90 % of what was sent one latency earlier (ReadPacedStage),
+  // which ends the probe. A probe also ends on a plateau (finished rate under 1.1x the best before).
+  bool fell_behind = false;
 };
 
 struct QaBenchResult {

@@ -192,15 +192,25 @@ TEST(QaBench, FindsTheServiceRateByOverloadingThePacedWorkload) {
   EXPECT_DOUBLE_EQ(result->stages[0].qps, 8);
   EXPECT_DOUBLE_EQ(result->stages[1].qps, 16);
   EXPECT_EQ(result->stages[0].streams, 0);
-  // It stopped once the server fell behind what the pacing sent.
+  // It stopped once the server fell behind what the pacing sent, or stopped growing: judged as
+  // the probe judges it (the sends it really made, not the nominal --qps a loaded machine's
+  // pacing may not keep: 43.7 finished against a nominal 48 sent was once called kept up).
   const auto& last = result->stages.back();
-  EXPECT_LT(last.finished_rps, 0.9 * last.qps * 3 / 2);
+  double best_before = 0;
+  for (size_t i = 0; i + 1 < result->stages.size(); ++i) {
+    best_before = std::max(best_before, result->stages[i].finished_rps);
+    EXPECT_FALSE(result->stages[i].fell_behind);
+  }
+  EXPECT_TRUE(last.fell_behind || last.finished_rps < 1.1 * best_before)
+      << last.finished_rps << " finished/s, " << last.sent_rps << " sent/s, best before "
+      << best_before;
   EXPECT_GT(result->service_rate_rps, 30);
   EXPECT_LT(result->service_rate_rps, 55);
   EXPECT_NEAR(result->recommended_qps, 0.65 * result->service_rate_rps * 2 / 3, 1e-9);
   EXPECT_LE(server->max_active(), 2);
   auto json = nlohmann::json::parse(QaBenchResultToJson(o, *result));
   EXPECT_EQ(json["capacity"]["method"], "paced");
+  EXPECT_EQ(json["capacity"]["stages"].back()["fell_behind"], last.fell_behind);
 }
 
 TEST(QaBench, WarnsWhenTheServerIsSaturated) {
