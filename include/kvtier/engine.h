@@ -195,7 +195,7 @@ class Engine {
   // L2 or with write policy kNone.
   Status FlushDirty();
   EngineStats Stats() const;
-  const EngineOptions& options() const { return options_; }
+  const EngineOptions& options() const;
   bool has_file_tier() const;
 
   // --- The L1 arena, for a server that shares it with its clients' processes. ---
@@ -214,45 +214,9 @@ class Engine {
  private:
   friend struct EngineInternals;  // tests' view of the tiers (src/engine/engine_internals.h)
   struct Impl;
-  explicit Engine(const EngineOptions& options);
+  explicit Engine(std::unique_ptr<Impl> impl);
 
-  bool StoresDirty() const;
-  // Reserve in L1, reporting a dirty eviction (counted by L1, logged here).
-  Result<MemoryTier::Reservation> ReserveInMemory(
-      const ChunkKey& key, const ChunkKey* parent,
-      MemoryTier::Victims victims = MemoryTier::Victims::kAny);
-  void PublishStored(SlotId slot, const ChunkKey& key);
-  void FlusherLoop();
-  void WatchDeadlines();     // the thread that ends loads at their deadline
-  void StopDeadlineWatch();  // at shutdown: ends every load still open
-  // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
-  // many it started.
-  size_t FlushPass();
-  // Shared promotions. What JoinFileRead found for a chunk a load wants from L2: the chunk in L1
-  // (pinned for the caller: a read of it ended and promoted it), a read under way (`on_read`
-  // joined it), or neither, or only a read older than the load deadline: a read recorded under
-  // `generation`, which the caller starts; its completion hands the bytes to every waiter, taking
-  // them in rounds (TakeFileReadWaiters: empty once none is left, and then the read is forgotten).
-  // L1 is looked at under the lock that forgets a read, so a load never misses both the read
-  // and the promotion it made.
-  struct FileReadJoin {
-    std::optional<SlotId> in_l1 = std::nullopt;
-    std::optional<uint64_t> generation = std::nullopt;
-  };
-  FileReadJoin JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
-  std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
-  Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
-                             std::span<const std::span<uint8_t>> dst);
-  void WriteThrough(const ChunkKey& key);
-  Status StartWriteThrough(const ChunkKey& key);
-  void DeferWriteThrough(const ChunkKey& key);
-  void ResubmitDeferred();
-  // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
-  void StartFileReads(std::shared_ptr<struct OpHandle::State> state, std::span<const ChunkKey> keys,
-                      const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
-
-  EngineOptions options_;
-  std::unique_ptr<Impl> impl_;  // the tiers, the worker pool, the flusher
+  std::unique_ptr<Impl> impl_;  // the tiers, the worker pool, the flusher (engine.cc)
 };
 
 }  // namespace kvtier

@@ -26,10 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
-#include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "kvtier/chunk_key.h"
@@ -143,36 +140,20 @@ class MemoryTier {
   MemoryTierStats Stats() const;
 
  private:
-  enum class SlotState : uint8_t { kFree, kReserved, kResident };
-  struct Slot {
-    ChunkKey key;
-    ChunkKey parent;
-    bool has_parent = false;
-    SlotState state = SlotState::kFree;
-    bool dirty = false;
-    bool cleaning = false;  // pinned by a writer to a lower tier
-    uint32_t pins = 0;
-  };
-
+  // The slot table: each slot's state, the index of reserved and resident keys, the free list
+  // and the eviction policy, with their counters, under one mutex (memory_tier.cc).
+  class Table;
   MemoryTier() = default;
-  void ReleaseSlotLocked(SlotId slot);
-  void SetDirtyLocked(Slot& s, bool dirty);
 
+  // The arena, fixed at Open and read without a lock: SlotData is on every copy's path.
   int fd_ = -1;
   uint8_t* base_ = nullptr;
   uint64_t arena_bytes_ = 0, slot_bytes_ = 0, chunk_bytes_ = 0;
   uint32_t num_slots_ = 0;
   bool huge_pages_ = false;
 
-  mutable std::mutex mu_;
-  std::unordered_map<ChunkKey, SlotId, ChunkKeyHash> index_;  // reserved and resident keys
-  std::vector<Slot> slots_;
-  std::vector<SlotId> free_;
-  std::unique_ptr<EvictionPolicy> policy_;
-  uint32_t resident_ = 0, pinned_ = 0, dirty_ = 0, cleaning_ = 0;
-  uint64_t lookups_ = 0, hits_ = 0, misses_ = 0;
-  uint64_t evictions_ = 0, dirty_evictions_ = 0, dirty_refusals_ = 0, rejections_ = 0;
-  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+  std::unique_ptr<Table> table_;
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};  // counted by the engine, without the lock
 };
 
 }  // namespace kvtier

@@ -232,11 +232,51 @@ Status CheckChunkBuffers(std::string_view op, std::string_view kind, size_t keys
 
 }  // namespace
 
+// Everything of an Engine behind its public methods: the tiers, the worker pool, the flusher,
+// the shared L2 reads and the deadline watch, with the steps the public methods share.
 struct Engine::Impl {
   Impl(const EngineOptions& o, std::unique_ptr<MemoryTier> memory, std::unique_ptr<FileTier> file)
-      : l1(std::move(memory)),
+      : options(o),
+        l1(std::move(memory)),
         l2(std::move(file)),
         pool(o.worker_threads, o.max_queued_chunks, "engine copy queue") {}
+
+  bool StoresDirty() const;
+  // Reserve in L1, reporting a dirty eviction (counted by L1, logged here).
+  Result<MemoryTier::Reservation> ReserveInMemory(
+      const ChunkKey& key, const ChunkKey* parent,
+      MemoryTier::Victims victims = MemoryTier::Victims::kAny);
+  void PublishStored(SlotId slot, const ChunkKey& key);
+  void FlusherLoop();
+  void WatchDeadlines();     // the thread that ends loads at their deadline
+  void StopDeadlineWatch();  // at shutdown: ends every load still open
+  // One flusher round: starts L2 writes of the dirty chunks within the headroom. Returns how
+  // many it started.
+  size_t FlushPass();
+  // Shared promotions. What JoinFileRead found for a chunk a load wants from L2: the chunk in L1
+  // (pinned for the caller: a read of it ended and promoted it), a read under way (`on_read`
+  // joined it), or neither, or only a read older than the load deadline: a read recorded under
+  // `generation`, which the caller starts; its completion hands the bytes to every waiter, taking
+  // them in rounds (TakeFileReadWaiters: empty once none is left, and then the read is forgotten).
+  // L1 is looked at under the lock that forgets a read, so a load never misses both the read
+  // and the promotion it made.
+  struct FileReadJoin {
+    std::optional<SlotId> in_l1 = std::nullopt;
+    std::optional<uint64_t> generation = std::nullopt;
+  };
+  FileReadJoin JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
+  std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
+  Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
+                             std::span<const std::span<uint8_t>> dst);
+  void WriteThrough(const ChunkKey& key);
+  Status StartWriteThrough(const ChunkKey& key);
+  void DeferWriteThrough(const ChunkKey& key);
+  void ResubmitDeferred();
+  // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
+  void StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
+                      const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
+
+  const EngineOptions options;  // as given to Open
 
   // The tiers first, so that they are destroyed last: the worker pool and the threads below
   // before L2 (whose callbacks touch L1), L2 before L1.
@@ -318,10 +358,10 @@ struct Engine::Impl {
   } deadlines;
 };
 
-Engine::Engine(const EngineOptions& options) : options_(options) {}
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Engine::~Engine() {
-  if (impl_ && impl_->flusher_thread.joinable()) {
+  if (impl_->flusher_thread.joinable()) {
     {
       std::lock_guard lock(impl_->flusher->mu);
       impl_->flusher->stop = true;
@@ -330,14 +370,14 @@ Engine::~Engine() {
     impl_->flusher_thread.join();
   }
   // Queued copies, and deferred write-throughs (bounded: gives up on storage stuck in the kernel).
-  if (impl_) Drain();
-  if (!impl_ || !impl_->l2) return;
+  Drain();
+  if (!impl_->l2) return;
   // Bounded: operations stuck in the kernel (a hung NFS server) are abandoned after the file
   // tier's stall timeout. An abandoned write may still read from its L1 slot and an abandoned
   // read may still write into L2's own buffer, so L1's arena must outlive them: it is left
   // mapped (the process is usually exiting anyway).
   size_t abandoned = impl_->l2->Shutdown();
-  StopDeadlineWatch();  // loads still open end now, as misses, their callbacks run
+  impl_->StopDeadlineWatch();  // loads still open end now, as misses, their callbacks run
   if (abandoned > 0) {
     spdlog::error(
         "engine: {} file-tier operations are stuck in the kernel; leaving the L1 arena "
@@ -370,7 +410,6 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     return Status::InvalidArgument(
         fmt::format("engine: flush_headroom must be in (0, 1], got {}", options.flush_headroom));
   }
-  std::unique_ptr<Engine> engine(new Engine(options));
   MemoryTierOptions mem = options.memory;
   mem.chunk_bytes = options.chunk_bytes;
   auto memory = MemoryTier::Open(mem);
@@ -384,49 +423,49 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     if (!file.ok()) return file.status().WithContext("engine: file tier");
     l2 = std::move(file).value();
   }
-  engine->impl_ = std::make_unique<Impl>(options, std::move(memory).value(), std::move(l2));
+  std::unique_ptr<Engine> engine(
+      new Engine(std::make_unique<Impl>(options, std::move(memory).value(), std::move(l2))));
   Impl& impl = *engine->impl_;
-  const uint32_t slots = engine->impl_->l1->num_slots();
+  const uint32_t slots = impl.l1->num_slots();
   // Dirty chunks never outnumber L1's slots; twice that leaves room for re-stored keys.
   impl.max_deferred = 2 * static_cast<size_t>(slots);
-  if (engine->impl_->l2) {
-    impl.max_write_through = std::clamp<size_t>(
-        slots / 4, 1, std::max<size_t>(1, engine->impl_->l2->options().max_queued_writes));
+  if (impl.l2) {
+    impl.max_write_through =
+        std::clamp<size_t>(slots / 4, 1, std::max<size_t>(1, impl.l2->options().max_queued_writes));
   }
-  if (engine->StoresDirty()) {
+  if (impl.StoresDirty()) {
     impl.headroom = std::clamp<uint32_t>(
         static_cast<uint32_t>(std::ceil(options.flush_headroom * slots)), 1, slots);
     // Half of L2's write queue, so that write-through's own writes still find room.
-    impl.max_flushing = std::max<size_t>(1, engine->impl_->l2->options().max_queued_writes / 2);
-    impl.flusher_thread = std::thread([e = engine.get()] { e->FlusherLoop(); });
+    impl.max_flushing = std::max<size_t>(1, impl.l2->options().max_queued_writes / 2);
+    impl.flusher_thread = std::thread([i = &impl] { i->FlusherLoop(); });
   }
-  if (engine->impl_->l2 && options.load_deadline.count() > 0) {
-    impl.deadlines.thread = std::thread([e = engine.get()] { e->WatchDeadlines(); });
+  if (impl.l2 && options.load_deadline.count() > 0) {
+    impl.deadlines.thread = std::thread([i = &impl] { i->WatchDeadlines(); });
   }
   return engine;
 }
 
 // A filled L1 slot becomes visible, and the write policy takes it from there.
-void Engine::PublishStored(SlotId slot, const ChunkKey& key) {
-  impl_->l1->Commit(slot, StoresDirty());
-  impl_->l1->AddBytesIn(options_.chunk_bytes);
+void Engine::Impl::PublishStored(SlotId slot, const ChunkKey& key) {
+  l1->Commit(slot, StoresDirty());
+  l1->AddBytesIn(options.chunk_bytes);
   if (!StoresDirty()) return;
-  if (options_.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
-  impl_->flusher->Kick();
+  if (options.write_policy == WritePolicy::kWriteThrough) WriteThrough(key);
+  flusher->Kick();
 }
 
-bool Engine::StoresDirty() const {
-  return impl_->l2 && options_.write_policy != WritePolicy::kNone;
-}
+bool Engine::Impl::StoresDirty() const { return l2 && options.write_policy != WritePolicy::kNone; }
 
-Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key, const ChunkKey* parent,
-                                                        MemoryTier::Victims victims) {
+Result<MemoryTier::Reservation> Engine::Impl::ReserveInMemory(const ChunkKey& key,
+                                                              const ChunkKey* parent,
+                                                              MemoryTier::Victims victims) {
   // Under write-through an acknowledged store is kept until L2 has it: nothing may evict it.
-  const bool keeps_unwritten = impl_->l2 && options_.write_policy == WritePolicy::kWriteThrough;
+  const bool keeps_unwritten = l2 && options.write_policy == WritePolicy::kWriteThrough;
   if (keeps_unwritten) victims = MemoryTier::Victims::kCleanOnly;
-  auto r = impl_->l1->Reserve(key, parent, victims);
+  auto r = l1->Reserve(key, parent, victims);
   if (!r.ok() && keeps_unwritten) {
-    if (auto held = impl_->refusal_log.Allow()) {
+    if (auto held = refusal_log.Allow()) {
       spdlog::warn(
           "engine: no L1 slot for a store ({}): L1 holds only chunks the file tier has not "
           "taken yet, which write_through keeps; the store is refused until its writes catch "
@@ -435,19 +474,19 @@ Result<MemoryTier::Reservation> Engine::ReserveInMemory(const ChunkKey& key, con
     }
   }
   if (r.ok() && r->evicted_dirty) {
-    if (auto held = impl_->dirty_eviction_log.Allow()) {
+    if (auto held = dirty_eviction_log.Allow()) {
       spdlog::warn(
           "engine: chunk {} left L1 before it reached L2 (stores outran L2's writes for longer "
           "than the flusher's headroom of {} slots); {} chunks lost so far{}",
-          r->evicted_key.ToHex(), impl_->headroom, impl_->l1->Stats().dirty_evictions,
+          r->evicted_key.ToHex(), headroom, l1->Stats().dirty_evictions,
           LogLimiter::Suppressed(*held));
     }
   }
   return r;
 }
 
-void Engine::WatchDeadlines() {
-  auto& w = impl_->deadlines;
+void Engine::Impl::WatchDeadlines() {
+  auto& w = deadlines;
   std::unique_lock lock(w.mu);
   while (!w.stop) {
     if (w.loads.empty()) {
@@ -473,8 +512,8 @@ void Engine::WatchDeadlines() {
   }
 }
 
-void Engine::StopDeadlineWatch() {
-  auto& w = impl_->deadlines;
+void Engine::Impl::StopDeadlineWatch() {
+  auto& w = deadlines;
   if (!w.thread.joinable()) return;
   {
     std::lock_guard lock(w.mu);
@@ -488,8 +527,8 @@ void Engine::StopDeadlineWatch() {
   w.loads.clear();
 }
 
-void Engine::FlusherLoop() {
-  Impl::Flusher& f = *impl_->flusher;
+void Engine::Impl::FlusherLoop() {
+  Flusher& f = *flusher;
   for (;;) {
     {
       std::unique_lock lock(f.mu);
@@ -502,30 +541,29 @@ void Engine::FlusherLoop() {
   }
 }
 
-size_t Engine::FlushPass() {
-  std::lock_guard pass(impl_->pass_mu);
-  auto flusher = impl_->flusher;
-  const size_t in_flight = flusher->in_flight.load();
-  if (in_flight >= impl_->max_flushing) return 0;
-  auto taken = impl_->l1->TakeFlushCandidates(impl_->headroom, impl_->max_flushing - in_flight);
-  MemoryTier* memory = impl_->l1.get();  // outlives abandoned writes (see ~Engine)
+size_t Engine::Impl::FlushPass() {
+  std::lock_guard pass(pass_mu);
+  std::shared_ptr<Flusher> f = flusher;  // the writes' callbacks keep their own
+  const size_t in_flight = f->in_flight.load();
+  if (in_flight >= max_flushing) return 0;
+  auto taken = l1->TakeFlushCandidates(headroom, max_flushing - in_flight);
+  MemoryTier* tier = l1.get();  // outlives abandoned writes (see ~Engine)
   size_t started = 0;
   for (; started < taken.size(); ++started) {
     const SlotId slot = taken[started].slot;
-    flusher->in_flight++;
-    Status s = impl_->l2->WriteAsync(taken[started].key, memory->SlotData(slot),
-                                     [memory, flusher, slot](Status st) {
-                                       memory->EndClean(slot, st.ok());
-                                       (st.ok() ? flusher->written : flusher->failed)++;
-                                       flusher->in_flight--;
-                                       if (st.ok()) flusher->Kick();
-                                     });
+    f->in_flight++;
+    Status s = l2->WriteAsync(taken[started].key, tier->SlotData(slot), [tier, f, slot](Status st) {
+      tier->EndClean(slot, st.ok());
+      (st.ok() ? f->written : f->failed)++;
+      f->in_flight--;
+      if (st.ok()) f->Kick();
+    });
     if (!s.ok()) {  // queue full (a completion kicks the next pass) or shutting down
-      flusher->in_flight--;
+      f->in_flight--;
       break;
     }
   }
-  for (size_t i = started; i < taken.size(); ++i) impl_->l1->EndClean(taken[i].slot, false);
+  for (size_t i = started; i < taken.size(); ++i) l1->EndClean(taken[i].slot, false);
   return started;
 }
 
@@ -533,44 +571,44 @@ size_t Engine::FlushPass() {
 // It stays dirty until L2 has it, so if this write is refused or fails, eviction retries it.
 // A refused write (queue full under a burst) is deferred and retried as earlier writes complete,
 // never skipped in silence. Failures are counted by the file tier.
-void Engine::WriteThrough(const ChunkKey& key) {
+void Engine::Impl::WriteThrough(const ChunkKey& key) {
   if (StartWriteThrough(key).IsRejected()) DeferWriteThrough(key);
 }
 
-Status Engine::StartWriteThrough(const ChunkKey& key) {
-  if (impl_->write_through_in_flight.fetch_add(1) >= impl_->max_write_through) {
-    impl_->write_through_in_flight--;
+Status Engine::Impl::StartWriteThrough(const ChunkKey& key) {
+  if (write_through_in_flight.fetch_add(1) >= max_write_through) {
+    write_through_in_flight--;
     return Status::Rejected("write-through: enough L1 slots pinned by writes in flight");
   }
-  auto slot = impl_->l1->BeginClean(key);
+  auto slot = l1->BeginClean(key);
   if (!slot.ok()) {  // gone, or the flusher is writing it already
-    impl_->write_through_in_flight--;
+    write_through_in_flight--;
     return Status::Ok();
   }
   SlotId pinned = *slot;
-  Status s = impl_->l2->WriteAsync(key, impl_->l1->SlotData(pinned), [this, pinned](Status st) {
-    impl_->l1->EndClean(pinned, st.ok());
-    impl_->write_through_in_flight--;
+  Status s = l2->WriteAsync(key, l1->SlotData(pinned), [this, pinned](Status st) {
+    l1->EndClean(pinned, st.ok());
+    write_through_in_flight--;
     ResubmitDeferred();
   });
   if (!s.ok()) {
-    impl_->l1->EndClean(pinned, false);
-    impl_->write_through_in_flight--;
+    l1->EndClean(pinned, false);
+    write_through_in_flight--;
   }
   return s;
 }
 
-void Engine::DeferWriteThrough(const ChunkKey& key) {
+void Engine::Impl::DeferWriteThrough(const ChunkKey& key) {
   bool dropped;
   size_t depth;
   {
-    std::lock_guard lock(impl_->deferred_mu);
-    dropped = impl_->deferred.size() >= impl_->max_deferred;
-    if (!dropped) impl_->deferred.push_back(key);
-    depth = impl_->deferred.size();
+    std::lock_guard lock(deferred_mu);
+    dropped = deferred.size() >= max_deferred;
+    if (!dropped) deferred.push_back(key);
+    depth = deferred.size();
   }
-  (dropped ? impl_->write_through_dropped : impl_->write_through_deferred)++;
-  if (auto held = impl_->deferred_log.Allow()) {
+  (dropped ? write_through_dropped : write_through_deferred)++;
+  if (auto held = deferred_log.Allow()) {
     if (dropped) {
       spdlog::warn(
           "engine: write-through of {} not queued (file tier write queue full, {} "
@@ -585,19 +623,19 @@ void Engine::DeferWriteThrough(const ChunkKey& key) {
 }
 
 // Called as writes complete: refills the file tier's write queue from the deferred list.
-void Engine::ResubmitDeferred() {
+void Engine::Impl::ResubmitDeferred() {
   for (int i = 0; i < 8; ++i) {
     ChunkKey key;
     {
-      std::lock_guard lock(impl_->deferred_mu);
-      if (impl_->deferred.empty()) return;
-      key = impl_->deferred.front();
-      impl_->deferred.pop_front();
+      std::lock_guard lock(deferred_mu);
+      if (deferred.empty()) return;
+      key = deferred.front();
+      deferred.pop_front();
     }
     Status s = StartWriteThrough(key);
     if (s.IsRejected()) {
-      std::lock_guard lock(impl_->deferred_mu);
-      impl_->deferred.push_front(key);  // still full: the next completion retries
+      std::lock_guard lock(deferred_mu);
+      deferred.push_front(key);  // still full: the next completion retries
       return;
     }
   }
@@ -629,7 +667,7 @@ LookupResult Engine::Lookup(std::span<const ChunkKey> keys) {
 Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
                                std::span<const std::span<const uint8_t>> src) {
   KVTIER_RETURN_IF_ERROR(
-      CheckChunkBuffers("store", "source", keys.size(), src, options_.chunk_bytes));
+      CheckChunkBuffers("store", "source", keys.size(), src, impl_->options.chunk_bytes));
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kStore, keys.size());
   if (keys.empty()) {
     std::lock_guard lock(state->mu);
@@ -641,14 +679,14 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, data = src[i]] {
-      auto r = ReserveInMemory(key, has_parent ? &parent : nullptr);
+      auto r = impl_->ReserveInMemory(key, has_parent ? &parent : nullptr);
       if (!r.ok()) {
         state->ChunkDone(i, r.status());
         return;
       }
       if (!r->already_present) {
         std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
-        PublishStored(r->slot, key);
+        impl_->PublishStored(r->slot, key);
       }
       state->ChunkDone(i, Status::Ok());
     });
@@ -666,18 +704,19 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
 // reaches them only if the load is still open when the data arrives: a read stuck past the
 // load's deadline (a hung NFS server) holds no L1 slot, and whatever it delivers late lands
 // nowhere the caller can see (promoted into L1 at most).
-Engine::FileReadJoin Engine::JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read) {
+Engine::Impl::FileReadJoin Engine::Impl::JoinFileRead(const ChunkKey& key,
+                                                      const FileTier::ReadDone& on_read) {
   const auto now = OpHandle::State::Clock::now();
-  std::lock_guard lock(impl_->reads_mu);
-  auto it = impl_->reads.find(key);
-  if (it == impl_->reads.end()) {
+  std::lock_guard lock(reads_mu);
+  auto it = reads.find(key);
+  if (it == reads.end()) {
     // No read under way: perhaps one has just ended, after promoting the chunk.
-    if (auto slot = impl_->l1->Pin(key); slot.ok()) return {.in_l1 = *slot};
-    it = impl_->reads.try_emplace(key).first;
-  } else if (options_.load_deadline.count() == 0 ||
-             now - it->second.started < options_.load_deadline) {
+    if (auto slot = l1->Pin(key); slot.ok()) return {.in_l1 = *slot};
+    it = reads.try_emplace(key).first;
+  } else if (options.load_deadline.count() == 0 ||
+             now - it->second.started < options.load_deadline) {
     it->second.waiters.push_back(on_read);
-    impl_->shared_reads++;
+    shared_reads++;
     return {};
   }
   // A new read, or one for a read older than a load's deadline, which may be stuck in the
@@ -686,24 +725,24 @@ Engine::FileReadJoin Engine::JoinFileRead(const ChunkKey& key, const FileTier::R
   auto& read = it->second;
   read.waiters.push_back(on_read);
   read.started = now;
-  read.generation = ++impl_->read_generation;
+  read.generation = ++read_generation;
   return {.generation = read.generation};
 }
 
-std::vector<FileTier::ReadDone> Engine::TakeFileReadWaiters(const ChunkKey& key,
-                                                            uint64_t generation) {
-  std::lock_guard lock(impl_->reads_mu);
-  auto it = impl_->reads.find(key);
-  if (it == impl_->reads.end() || it->second.generation != generation) return {};
+std::vector<FileTier::ReadDone> Engine::Impl::TakeFileReadWaiters(const ChunkKey& key,
+                                                                  uint64_t generation) {
+  std::lock_guard lock(reads_mu);
+  auto it = reads.find(key);
+  if (it == reads.end() || it->second.generation != generation) return {};
   std::vector<FileTier::ReadDone> waiters = std::move(it->second.waiters);
   it->second.waiters.clear();
-  if (waiters.empty()) impl_->reads.erase(it);  // every waiter served: the read is over
+  if (waiters.empty()) reads.erase(it);  // every waiter served: the read is over
   return waiters;
 }
 
-void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
-                            const std::vector<size_t>& chunks,
-                            std::span<const std::span<uint8_t>> dst) {
+void Engine::Impl::StartFileReads(std::shared_ptr<OpHandle::State> state,
+                                  std::span<const ChunkKey> keys, const std::vector<size_t>& chunks,
+                                  std::span<const std::span<uint8_t>> dst) {
   const bool pin_for_caller = dst.empty();  // PrepareLoad: leave the chunk pinned in L1
   std::vector<std::function<void()>> tasks;
   for (size_t i : chunks) {
@@ -717,15 +756,15 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           if (pin_for_caller) {
             state->slots[i] = slot;
           } else {
-            std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
-            impl_->l1->Unpin(slot);  // before the operation can finish (see Engine::Load)
+            std::memcpy(out.data(), l1->SlotData(slot).data(), out.size());
+            l1->Unpin(slot);  // before the operation can finish (see Engine::Load)
             unpinned = true;
           }
-          impl_->memory.served++;
+          memory.served++;
         });
-        if (!unpinned && (!taken || !pin_for_caller)) impl_->l1->Unpin(slot);
+        if (!unpinned && (!taken || !pin_for_caller)) l1->Unpin(slot);
       };
-      if (auto slot = impl_->l1->Pin(key); slot.ok()) return serve_pinned(*slot);
+      if (auto slot = l1->Pin(key); slot.ok()) return serve_pinned(*slot);
       FileTier::ReadDone on_read = [this, state, i, key, parent, has_parent, out, pin_for_caller](
                                        Status st, std::span<const uint8_t> data) {
         if (!st.ok()) {  // a miss, or an error the file tier counted
@@ -737,22 +776,22 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
         // of that one) for one the file tier keeps anyway. PrepareLoad hands the caller the L1
         // slot, so it needs the room as a store does.
         Status promoted = Status::Ok();
-        if (pin_for_caller || options_.promote_on_load) {
+        if (pin_for_caller || options.promote_on_load) {
           auto r = ReserveInMemory(
               key, has_parent ? &parent : nullptr,
               pin_for_caller ? MemoryTier::Victims::kAny : MemoryTier::Victims::kCleanOnly);
           if (!r.ok()) {
             promoted = r.status();  // full of pinned chunks (or, optional, of dirty ones)
           } else if (!r->already_present) {
-            std::memcpy(impl_->l1->SlotData(r->slot).data(), data.data(), data.size());
-            impl_->l1->Commit(r->slot, /*dirty=*/false);
-            impl_->promotions++;
+            std::memcpy(l1->SlotData(r->slot).data(), data.data(), data.size());
+            l1->Commit(r->slot, /*dirty=*/false);
+            promotions++;
           }
         }
         if (!pin_for_caller) {
           state->ChunkDone(i, Status::Ok(), [&] {
             std::memcpy(out.data(), data.data(), out.size());
-            impl_->file.served++;
+            file.served++;
           });
           return;
         }
@@ -760,12 +799,12 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
           state->ChunkDone(i, promoted);
           return;
         }
-        auto pinned = impl_->l1->Pin(key);
+        auto pinned = l1->Pin(key);
         bool taken = state->ChunkDone(i, pinned.status(), [&] {
           state->slots[i] = *pinned;
-          impl_->file.served++;
+          file.served++;
         });
-        if (!taken && pinned.ok()) impl_->l1->Unpin(*pinned);
+        if (!taken && pinned.ok()) l1->Unpin(*pinned);
       };
       // A read of this chunk already under way (another load's promotion) serves this load
       // too: one read, one promotion, every waiter handed the same bytes.
@@ -786,17 +825,17 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
       // The file tier's read queue is bounded. A load of more chunks than it holds (or several
       // loads together) waits here for room, which the queue makes at the disk's pace, rather
       // than turning the rest of its prefix into misses; the deadline still bounds the wait.
-      Status s = impl_->l2->ReadAsync(key, shared);
+      Status s = l2->ReadAsync(key, shared);
       for (auto pause = std::chrono::microseconds(50); s.IsRejected() && state->Open();
            pause = std::min(2 * pause, std::chrono::microseconds(2000))) {
         std::this_thread::sleep_for(pause);
-        s = impl_->l2->ReadAsync(key, shared);
+        s = l2->ReadAsync(key, shared);
       }
       // Shut down, or still full at the deadline: a miss, for every load that joined it too.
       if (!s.ok()) shared(s, {});
     });
   }
-  Status submitted = impl_->pool.TrySubmit(std::move(tasks));
+  Status submitted = pool.TrySubmit(std::move(tasks));
   if (!submitted.ok()) {
     for (size_t i : chunks) state->ChunkDone(i, submitted);
   }
@@ -805,11 +844,13 @@ void Engine::StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<co
 Result<OpHandle> Engine::Load(std::span<const ChunkKey> keys,
                               std::span<const std::span<uint8_t>> dst) {
   KVTIER_RETURN_IF_ERROR(
-      CheckChunkBuffers("load", "destination", keys.size(), dst, options_.chunk_bytes));
-  return StartLoad(keys, dst);
+      CheckChunkBuffers("load", "destination", keys.size(), dst, impl_->options.chunk_bytes));
+  return impl_->StartLoad(keys, dst);
 }
 
-Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) { return StartLoad(keys, {}); }
+Result<OpHandle> Engine::PrepareLoad(std::span<const ChunkKey> keys) {
+  return impl_->StartLoad(keys, {});
+}
 
 // The common case of a server's prepare_load (a prefix L1 holds whole) without StartLoad's
 // operation state, callbacks and result copies: a walk, its pins and its stats.
@@ -834,8 +875,8 @@ std::optional<std::vector<SlotId>> Engine::PrepareLoadFromMemory(std::span<const
 }
 
 // Shared by Load (copy into dst) and PrepareLoad (dst empty: leave chunks pinned in L1).
-Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
-                                   std::span<const std::span<uint8_t>> dst) {
+Result<OpHandle> Engine::Impl::StartLoad(std::span<const ChunkKey> keys,
+                                         std::span<const std::span<uint8_t>> dst) {
   const bool pin_for_caller = dst.empty();
   // Walk the prefix now, on the caller's thread: pin each chunk found in L1 (once pinned it
   // cannot be evicted before the copy) and note each found in L2, stopping at the first chunk
@@ -844,11 +885,11 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   std::vector<size_t> from_memory, from_file;
   size_t available = 0;
   for (; available < keys.size(); ++available) {
-    auto slot = impl_->l1->Pin(keys[available]);
+    auto slot = l1->Pin(keys[available]);
     if (slot.ok()) {
       pinned[available] = *slot;
       from_memory.push_back(available);
-    } else if (impl_->l2 && impl_->l2->LookupPrefix(keys.subspan(available, 1)) == 1) {
+    } else if (l2 && l2->LookupPrefix(keys.subspan(available, 1)) == 1) {
       from_file.push_back(available);
     } else {
       break;
@@ -856,10 +897,10 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   }
 
   auto state = std::make_shared<OpHandle::State>(OpHandle::State::Kind::kLoad, keys.size());
-  state->deadline_misses = &impl_->deadline_misses;
-  if (!from_file.empty() && options_.load_deadline.count() > 0) {
-    state->deadline = OpHandle::State::Clock::now() + options_.load_deadline;
-    auto& w = impl_->deadlines;
+  state->deadline_misses = &deadline_misses;
+  if (!from_file.empty() && options.load_deadline.count() > 0) {
+    state->deadline = OpHandle::State::Clock::now() + options.load_deadline;
+    auto& w = deadlines;
     {
       std::lock_guard lock(w.mu);
       w.loads.push_back(state);
@@ -869,12 +910,12 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
   if (pin_for_caller) {
     // The caller keeps the pins of the delivered prefix; chunks delivered past a gap are
     // useless to it and are unpinned here.
-    MemoryTier* memory = impl_->l1.get();
-    state->on_finish = [memory](OpHandle::State& st) {
+    MemoryTier* tier = l1.get();
+    state->on_finish = [tier](OpHandle::State& st) {
       st.result.slots.assign(st.slots.begin(), st.slots.begin() + st.result.chunks);
       for (size_t i = st.result.chunks; i < st.slots.size(); ++i) {
         if (st.outcome[i] == OpHandle::State::kDone && st.slots[i] != kNoSlot) {
-          memory->Unpin(st.slots[i]);
+          tier->Unpin(st.slots[i]);
         }
       }
     };
@@ -891,7 +932,7 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
         state->outcome[i] = OpHandle::State::kDone;
         --state->remaining;
       }
-      impl_->memory.served += from_memory.size();
+      memory.served += from_memory.size();
     }
     if (state->remaining == 0) state->Finish();
   }
@@ -905,24 +946,24 @@ Result<OpHandle> Engine::StartLoad(std::span<const ChunkKey> keys,
         // found the slots still pinned, and its stores evicted what it had just stored instead.
         bool unpinned = false;
         state->ChunkDone(i, Status::Ok(), [&] {
-          std::memcpy(out.data(), impl_->l1->SlotData(slot).data(), out.size());
-          impl_->l1->AddBytesOut(out.size());
-          impl_->memory.served++;
-          impl_->l1->Unpin(slot);
+          std::memcpy(out.data(), l1->SlotData(slot).data(), out.size());
+          l1->AddBytesOut(out.size());
+          memory.served++;
+          l1->Unpin(slot);
           unpinned = true;
         });
-        if (!unpinned) impl_->l1->Unpin(slot);
+        if (!unpinned) l1->Unpin(slot);
       });
     }
-    Status submitted = impl_->pool.TrySubmit(std::move(tasks));
+    Status submitted = pool.TrySubmit(std::move(tasks));
     if (!submitted.ok()) {
-      for (size_t i : from_memory) impl_->l1->Unpin(pinned[i]);
-      impl_->rejected_ops++;
+      for (size_t i : from_memory) l1->Unpin(pinned[i]);
+      rejected_ops++;
       return submitted;
     }
   }
   if (!from_file.empty()) StartFileReads(state, keys, from_file, dst);
-  impl_->loads++;
+  loads++;
   return OpHandle(state);
 }
 
@@ -930,7 +971,7 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
   std::vector<SlotId> slots;
   slots.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto r = ReserveInMemory(keys[i], i ? &keys[i - 1] : nullptr);
+    auto r = impl_->ReserveInMemory(keys[i], i ? &keys[i - 1] : nullptr);
     if (!r.ok()) break;
     slots.push_back(r->already_present ? kNoSlot : r->slot);
   }
@@ -940,7 +981,7 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
 void Engine::CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots) {
   impl_->stores++;  // a server's store: its reservation (ReserveSlots) committed
   for (size_t i = 0; i < slots.size() && i < keys.size(); ++i) {
-    if (slots[i] != kNoSlot) PublishStored(slots[i], keys[i]);
+    if (slots[i] != kNoSlot) impl_->PublishStored(slots[i], keys[i]);
   }
 }
 
@@ -953,7 +994,7 @@ void Engine::AbortSlots(std::span<const SlotId> slots) {
 void Engine::Unpin(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
     impl_->l1->Unpin(s);
-    impl_->l1->AddBytesOut(options_.chunk_bytes);
+    impl_->l1->AddBytesOut(impl_->options.chunk_bytes);
   }
 }
 
@@ -964,7 +1005,7 @@ bool Engine::Drain() {
   for (;;) {
     // The flusher's headroom, cleaned now rather than at its next wake-up. Chunks whose writes
     // failed are not retried here (the flusher's thread retries them).
-    size_t flushing = StoresDirty() ? FlushPass() : 0;
+    size_t flushing = impl_->StoresDirty() ? impl_->FlushPass() : 0;
     if (!impl_->l2->Drain()) return false;  // stuck in the kernel: stop waiting
     bool deferred;
     {
@@ -976,7 +1017,7 @@ bool Engine::Drain() {
     failed = impl_->flusher->failed;
     // Deferred write-throughs whose retry no completion triggered (all finished before they
     // were deferred).
-    ResubmitDeferred();
+    impl_->ResubmitDeferred();
   }
 }
 
@@ -998,7 +1039,7 @@ Status Engine::FlushDirty() {
     std::lock_guard lock(outcome->mu);
     if (outcome->first.ok()) outcome->first = s;
   };
-  if (StoresDirty()) {
+  if (impl_->StoresDirty()) {
     // Through the write pool, several at a time but never more than its queue holds, so the
     // flush itself causes no refusals. If the tier's writes are stuck in the kernel, the flush
     // stops after a stall timeout and the rest stays unwritten (kTimeout).
@@ -1075,6 +1116,8 @@ Engine::Pool Engine::pool() const {
 }
 
 bool Engine::has_file_tier() const { return impl_->l2 != nullptr; }
+
+const EngineOptions& Engine::options() const { return impl_->options; }
 
 MemoryTier& EngineInternals::memory(Engine& e) { return *e.impl_->l1; }
 FileTier* EngineInternals::file(Engine& e) { return e.impl_->l2.get(); }

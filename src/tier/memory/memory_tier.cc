@@ -10,8 +10,11 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace kvtier {
 namespace {
@@ -139,6 +142,62 @@ Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
 
 }  // namespace
 
+// Every slot's state and the keys' index, changed together under mu_. Reserve evicts and
+// Commit inserts in the policy under the same lock, so the index, the policy's order and the
+// counters always agree.
+class MemoryTier::Table {
+ public:
+  Table(uint32_t num_slots, EvictionPolicyKind eviction);
+
+  size_t LookupPrefix(std::span<const ChunkKey> keys);
+  bool Contains(const ChunkKey& key) const;
+  Result<SlotId> Pin(const ChunkKey& key);
+  void Unpin(SlotId slot);
+  Result<Reservation> Reserve(const ChunkKey& key, const ChunkKey* parent, Victims victims);
+  void Commit(SlotId slot, bool dirty);
+  void Abort(SlotId slot);
+  std::vector<ChunkKey> DirtyKeys() const;
+  Result<SlotId> BeginClean(const ChunkKey& key);
+  std::vector<Dirty> TakeFlushCandidates(uint32_t headroom, size_t max);
+  void EndClean(SlotId slot, bool stored);
+  Status Remove(const ChunkKey& key);
+  // The table's part of MemoryTier::Stats: the slot counts and the counters it keeps.
+  void FillStats(MemoryTierStats& st) const;
+
+ private:
+  enum class SlotState : uint8_t { kFree, kReserved, kResident };
+  struct Slot {
+    ChunkKey key;
+    ChunkKey parent;
+    bool has_parent = false;
+    SlotState state = SlotState::kFree;
+    bool dirty = false;
+    bool cleaning = false;  // pinned by a writer to a lower tier
+    uint32_t pins = 0;
+  };
+
+  void ReleaseSlotLocked(SlotId slot);
+  void SetDirtyLocked(Slot& s, bool dirty);
+
+  mutable std::mutex mu_;
+  std::unordered_map<ChunkKey, SlotId, ChunkKeyHash> index_;  // reserved and resident keys
+  std::vector<Slot> slots_;
+  std::vector<SlotId> free_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  uint32_t resident_ = 0, pinned_ = 0, dirty_ = 0, cleaning_ = 0;
+  uint64_t lookups_ = 0, hits_ = 0, misses_ = 0;
+  uint64_t evictions_ = 0, dirty_evictions_ = 0, dirty_refusals_ = 0, rejections_ = 0;
+};
+
+MemoryTier::Table::Table(uint32_t num_slots, EvictionPolicyKind eviction) {
+  slots_.resize(num_slots);
+  free_.reserve(num_slots);
+  // Hand out low slots first: they sit together at the start of the arena.
+  for (uint64_t s = num_slots; s-- > 0;) free_.push_back(static_cast<SlotId>(s));
+  index_.reserve(static_cast<size_t>(num_slots) * 2);
+  policy_ = MakeEvictionPolicy(eviction, num_slots);
+}
+
 Result<std::unique_ptr<MemoryTier>> MemoryTier::Open(const MemoryTierOptions& options) {
   if (options.chunk_bytes == 0) {
     return Status::InvalidArgument("memory tier: chunk_bytes must be positive");
@@ -168,12 +227,7 @@ Result<std::unique_ptr<MemoryTier>> MemoryTier::Open(const MemoryTierOptions& op
   tier->slot_bytes_ = slot_bytes;
   tier->chunk_bytes_ = options.chunk_bytes;
   tier->num_slots_ = static_cast<uint32_t>(num_slots);
-  tier->slots_.resize(num_slots);
-  tier->free_.reserve(num_slots);
-  // Hand out low slots first: they sit together at the start of the arena.
-  for (uint64_t s = num_slots; s-- > 0;) tier->free_.push_back(static_cast<SlotId>(s));
-  tier->index_.reserve(num_slots * 2);
-  tier->policy_ = MakeEvictionPolicy(options.eviction, static_cast<uint32_t>(num_slots));
+  tier->table_ = std::make_unique<Table>(tier->num_slots_, options.eviction);
   return tier;
 }
 
@@ -182,7 +236,7 @@ MemoryTier::~MemoryTier() {
   if (fd_ >= 0) close(fd_);
 }
 
-size_t MemoryTier::LookupPrefix(std::span<const ChunkKey> keys) {
+size_t MemoryTier::Table::LookupPrefix(std::span<const ChunkKey> keys) {
   std::lock_guard lock(mu_);
   ++lookups_;
   size_t n = 0;
@@ -195,13 +249,13 @@ size_t MemoryTier::LookupPrefix(std::span<const ChunkKey> keys) {
   return n;
 }
 
-bool MemoryTier::Contains(const ChunkKey& key) const {
+bool MemoryTier::Table::Contains(const ChunkKey& key) const {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);
   return it != index_.end() && slots_[it->second].state == SlotState::kResident;
 }
 
-Result<SlotId> MemoryTier::Pin(const ChunkKey& key) {
+Result<SlotId> MemoryTier::Table::Pin(const ChunkKey& key) {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);
   if (it == index_.end() || slots_[it->second].state != SlotState::kResident) {
@@ -213,14 +267,15 @@ Result<SlotId> MemoryTier::Pin(const ChunkKey& key) {
   return it->second;
 }
 
-void MemoryTier::Unpin(SlotId slot) {
+void MemoryTier::Table::Unpin(SlotId slot) {
   std::lock_guard lock(mu_);
   Slot& s = slots_[slot];
   if (s.pins > 0 && --s.pins == 0) --pinned_;
 }
 
-Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const ChunkKey* parent,
-                                                    Victims victims) {
+Result<MemoryTier::Reservation> MemoryTier::Table::Reserve(const ChunkKey& key,
+                                                           const ChunkKey* parent,
+                                                           Victims victims) {
   std::lock_guard lock(mu_);
   if (index_.contains(key)) {
     Reservation present;
@@ -274,7 +329,7 @@ Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const C
   return r;
 }
 
-void MemoryTier::Commit(SlotId slot, bool dirty) {
+void MemoryTier::Table::Commit(SlotId slot, bool dirty) {
   std::lock_guard lock(mu_);
   Slot& s = slots_[slot];
   s.state = SlotState::kResident;
@@ -288,13 +343,13 @@ void MemoryTier::Commit(SlotId slot, bool dirty) {
   policy_->OnInsert(slot, parent_slot);
 }
 
-void MemoryTier::Abort(SlotId slot) {
+void MemoryTier::Table::Abort(SlotId slot) {
   std::lock_guard lock(mu_);
   policy_->OnRemove(slot);  // unlinks children that committed before this reservation failed
   ReleaseSlotLocked(slot);
 }
 
-void MemoryTier::ReleaseSlotLocked(SlotId slot) {
+void MemoryTier::Table::ReleaseSlotLocked(SlotId slot) {
   Slot& s = slots_[slot];
   index_.erase(s.key);
   s.state = SlotState::kFree;
@@ -303,7 +358,7 @@ void MemoryTier::ReleaseSlotLocked(SlotId slot) {
   free_.push_back(slot);
 }
 
-void MemoryTier::SetDirtyLocked(Slot& s, bool dirty) {
+void MemoryTier::Table::SetDirtyLocked(Slot& s, bool dirty) {
   if (s.dirty == dirty) return;
   s.dirty = dirty;
   if (dirty) {
@@ -313,7 +368,7 @@ void MemoryTier::SetDirtyLocked(Slot& s, bool dirty) {
   }
 }
 
-Result<SlotId> MemoryTier::BeginClean(const ChunkKey& key) {
+Result<SlotId> MemoryTier::Table::BeginClean(const ChunkKey& key) {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);
   if (it == index_.end()) return Status::NotFound("not in the memory tier");
@@ -327,7 +382,8 @@ Result<SlotId> MemoryTier::BeginClean(const ChunkKey& key) {
   return it->second;
 }
 
-std::vector<MemoryTier::Dirty> MemoryTier::TakeFlushCandidates(uint32_t headroom, size_t max) {
+std::vector<MemoryTier::Dirty> MemoryTier::Table::TakeFlushCandidates(uint32_t headroom,
+                                                                      size_t max) {
   std::vector<Dirty> taken;
   std::lock_guard lock(mu_);
   // Chunks being cleaned count once, whether or not the walk meets them (the prefix-aware
@@ -350,7 +406,7 @@ std::vector<MemoryTier::Dirty> MemoryTier::TakeFlushCandidates(uint32_t headroom
   return taken;
 }
 
-void MemoryTier::EndClean(SlotId slot, bool stored) {
+void MemoryTier::Table::EndClean(SlotId slot, bool stored) {
   std::lock_guard lock(mu_);
   Slot& s = slots_[slot];
   if (!s.cleaning) return;
@@ -360,7 +416,7 @@ void MemoryTier::EndClean(SlotId slot, bool stored) {
   if (s.pins > 0 && --s.pins == 0) --pinned_;
 }
 
-std::vector<ChunkKey> MemoryTier::DirtyKeys() const {
+std::vector<ChunkKey> MemoryTier::Table::DirtyKeys() const {
   std::lock_guard lock(mu_);
   std::vector<ChunkKey> keys;
   for (const Slot& s : slots_) {
@@ -369,7 +425,7 @@ std::vector<ChunkKey> MemoryTier::DirtyKeys() const {
   return keys;
 }
 
-Status MemoryTier::Remove(const ChunkKey& key) {
+Status MemoryTier::Table::Remove(const ChunkKey& key) {
   std::lock_guard lock(mu_);
   auto it = index_.find(key);
   if (it == index_.end() || slots_[it->second].state != SlotState::kResident) {
@@ -383,26 +439,51 @@ Status MemoryTier::Remove(const ChunkKey& key) {
   return Status::Ok();
 }
 
-MemoryTierStats MemoryTier::Stats() const {
+void MemoryTier::Table::FillStats(MemoryTierStats& st) const {
   std::lock_guard lock(mu_);
-  MemoryTierStats st;
-  st.capacity_bytes = arena_bytes_;
-  st.slot_bytes = slot_bytes_;
-  st.num_slots = num_slots_;
   st.resident = resident_;
   st.pinned = pinned_;
-  st.huge_pages = huge_pages_;
   st.lookups = lookups_;
   st.hits = hits_;
   st.misses = misses_;
-  st.bytes_in = bytes_in_.load(std::memory_order_relaxed);
-  st.bytes_out = bytes_out_.load(std::memory_order_relaxed);
   st.dirty = dirty_;
   st.cleaning = cleaning_;
   st.evictions = evictions_;
   st.dirty_evictions = dirty_evictions_;
   st.dirty_refusals = dirty_refusals_;
   st.rejections = rejections_;
+}
+
+// The tier's methods on slots: the table's, under its lock.
+size_t MemoryTier::LookupPrefix(std::span<const ChunkKey> keys) {
+  return table_->LookupPrefix(keys);
+}
+bool MemoryTier::Contains(const ChunkKey& key) const { return table_->Contains(key); }
+Result<SlotId> MemoryTier::Pin(const ChunkKey& key) { return table_->Pin(key); }
+void MemoryTier::Unpin(SlotId slot) { table_->Unpin(slot); }
+Result<MemoryTier::Reservation> MemoryTier::Reserve(const ChunkKey& key, const ChunkKey* parent,
+                                                    Victims victims) {
+  return table_->Reserve(key, parent, victims);
+}
+void MemoryTier::Commit(SlotId slot, bool dirty) { table_->Commit(slot, dirty); }
+void MemoryTier::Abort(SlotId slot) { table_->Abort(slot); }
+std::vector<ChunkKey> MemoryTier::DirtyKeys() const { return table_->DirtyKeys(); }
+Result<SlotId> MemoryTier::BeginClean(const ChunkKey& key) { return table_->BeginClean(key); }
+std::vector<MemoryTier::Dirty> MemoryTier::TakeFlushCandidates(uint32_t headroom, size_t max) {
+  return table_->TakeFlushCandidates(headroom, max);
+}
+void MemoryTier::EndClean(SlotId slot, bool stored) { table_->EndClean(slot, stored); }
+Status MemoryTier::Remove(const ChunkKey& key) { return table_->Remove(key); }
+
+MemoryTierStats MemoryTier::Stats() const {
+  MemoryTierStats st;
+  st.capacity_bytes = arena_bytes_;
+  st.slot_bytes = slot_bytes_;
+  st.num_slots = num_slots_;
+  st.huge_pages = huge_pages_;
+  st.bytes_in = bytes_in_.load(std::memory_order_relaxed);
+  st.bytes_out = bytes_out_.load(std::memory_order_relaxed);
+  table_->FillStats(st);
   return st;
 }
 
