@@ -60,6 +60,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "kvtier/chunk_key.h"
 #include "kvtier/io.h"
@@ -156,9 +157,22 @@ struct FileTierStats {
   uint64_t non_regular = 0;  // chunk paths that were not regular files (counted as foreign)
   uint64_t stalled_reads = 0, stalled_writes = 0;  // running longer than stall_timeout now
   uint64_t replacement_threads = 0;  // threads started to replace stalled ones, so far
+  // The numbers above are FileTierStatFields()' rows; the two below are written by name.
   bool o_direct = false;             // every file so far was opened with O_DIRECT in effect
   std::string io_engine;             // "io_uring", "threads", ...
 };
+
+// The schema of FileTierStats' numbers, as the engine's counters have theirs (kvtier/engine.h):
+// the server's /stats (tiers.file.detail) and the Python binding's file_detail iterate it, so a
+// new number is its field and one row. file_tier_stats.cc checks at compile time that every
+// number has its row.
+struct FileTierStatField {
+  std::string_view name;
+  std::string_view help;
+  uint64_t FileTierStats::*field;
+};
+// In the order of the struct.
+std::span<const FileTierStatField> FileTierStatFields();
 
 class FileTier {
  public:

@@ -3,6 +3,7 @@ interpreter), including a wrong token, a server killed mid-use and a stalled one
 in-process server of start_server()."""
 
 import gc
+import json
 import os
 import shutil
 import signal
@@ -324,3 +325,20 @@ def test_engine_counters_are_named_alike_everywhere(tmp_path):
             assert f'kvtier_{name}_total{{tier="memory"}}' in metrics, name
     finally:
         server.stop()
+
+
+def test_file_tier_numbers_are_named_alike_in_stats_and_python(serve, ns, tmp_path):
+    """The file tier's own numbers (its schema) reach /stats' tiers.file.detail and Python's
+    file_detail alike, beside the counters every tier has."""
+    server = serve("--l2", json.dumps({"type": "fs", "path": str(tmp_path / "served")}),
+                   "--write-policy", "write_through")
+    with kvtier.connect(ns, socket_path=server.socket) as c:
+        assert c.store(keys_for(ns, 2), chunks(2)).wait().ok
+        served = c.stats()["tiers"]["file"]
+    with kvtier.open_engine(ns, CHUNK, l1_size_gb=0.0625,
+                            l2={"type": "fs", "path": str(tmp_path / "local")}) as engine:
+        local = engine.stats()
+    assert set(served["detail"]) == set(local["file_detail"])
+    assert {"chunks", "queued_writes", "write_no_space", "o_direct", "io_engine"} <= set(
+        local["file_detail"])
+    assert set(local["file"]) <= set(served)  # the counters every tier has

@@ -19,28 +19,12 @@ nb::dict CountersDict(const TierCounters& c) {
   return d;
 }
 
+// The file tier's numbers from their schema (kvtier/file_tier.h), as /stats' tiers.file.detail.
 nb::dict FileTierStatsDict(const FileTierStats& f) {
   nb::dict file;
-  file["chunks"] = f.chunks;
-  file["bytes"] = f.bytes;
-  file["capacity_bytes"] = f.capacity_bytes;
-  file["reads"] = f.reads;
-  file["writes"] = f.writes;
-  file["hits"] = f.hits;
-  file["misses"] = f.misses;
-  file["bytes_read"] = f.bytes_read;
-  file["bytes_written"] = f.bytes_written;
-  file["evictions"] = f.evictions;
-  file["rejections"] = f.rejections;
-  file["errors"] = f.errors;
-  file["corrupt"] = f.corrupt;
-  file["foreign"] = f.foreign;
-  file["disk_rechecks"] = f.disk_rechecks;
-  file["found_on_disk"] = f.found_on_disk;
-  file["stale_temps_removed"] = f.stale_temps_removed;
-  file["bounce_copies"] = f.bounce_copies;
-  file["queued_reads"] = f.queued_reads;
-  file["queued_writes"] = f.queued_writes;
+  for (const FileTierStatField& field : FileTierStatFields()) {
+    file[std::string(field.name).c_str()] = f.*field.field;
+  }
   file["o_direct"] = f.o_direct;
   file["io_engine"] = f.io_engine;
   return file;

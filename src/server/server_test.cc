@@ -722,7 +722,8 @@ TEST_F(ServerTest, RestartedServerServesFileTierChunks) {
         nlohmann::json st;
         ASSERT_TRUE(testing::WaitUntil([&] {
           st = Stats(**c);
-          return st["tiers"]["file"]["chunks"] == 4 && st["tiers"]["file"]["queued_writes"] == 0;
+          const auto& file = st["tiers"]["file"]["detail"];
+          return file["chunks"] == 4 && file["queued_writes"] == 0;
         })) << "the writes did not reach the file tier: "
             << st["tiers"]["file"].dump();
         server.Kill(SIGKILL);
@@ -1093,7 +1094,8 @@ TEST_F(ServerTest, HolesPunchedInThePoolCostTheirChunksNotTheServer) {
     nlohmann::json st;
     ASSERT_TRUE(testing::WaitUntil([&] {
       st = Stats(**c);
-      return st["tiers"]["file"]["chunks"] == n && st["tiers"]["file"]["queued_writes"] == 0;
+      const auto& file = st["tiers"]["file"]["detail"];
+      return file["chunks"] == n && file["queued_writes"] == 0;
     })) << "the writes did not reach the file tier: "
         << st["tiers"]["file"].dump();
     std::vector<uint32_t> on_disk_only;
@@ -2151,7 +2153,7 @@ bool WaitForFileTierChunks(Client& c, uint64_t chunks) {
   return testing::WaitUntil([&] {
            auto text = c.StatsJson();
            failed = !text.ok();
-           return failed || nlohmann::json::parse(*text)["tiers"]["file"].value(
+           return failed || nlohmann::json::parse(*text)["tiers"]["file"]["detail"].value(
                                 "chunks", uint64_t{0}) >= chunks;
          }) &&
          !failed;

@@ -120,7 +120,7 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected):
         a.reset_prefix_cache()
         assert a.complete(LONG) == expected["long"]
         assert a.alive()
-        assert server.stats()["tiers"]["file"]["corrupt"] > 0
+        assert server.stats()["tiers"]["file"]["detail"]["corrupt"] > 0
 
         # The server stalls (stopped, not dead): the client's deadline turns it into misses.
         server.proc.send_signal(signal.SIGSTOP)
