@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -86,6 +87,10 @@ T Unwrap(Result<T> r) {
 std::string TakePythonErrorText();
 
 std::string TypeName(nb::handle obj);
+
+// The JSON text of a configuration argument given as a JSON string or a dict (which is dumped);
+// anything else is a TypeError "<expected>, not <type>".
+std::string JsonTextOf(nb::handle obj, std::string_view expected);
 
 // str(obj). (nb::str(o) of an object that is no str yet would not convert it.)
 std::string StrOf(nb::handle obj);

@@ -466,15 +466,7 @@ PyChunkStore* OpenEngine(const KeyNamespace& ns, uint64_t chunk_bytes, double l1
   if (l2.is_none()) {
     config.no_l2 = true;
   } else {
-    std::string text;
-    if (PyUnicode_Check(l2.ptr())) {
-      text = nb::cast<std::string>(l2);
-    } else if (PyDict_Check(l2.ptr())) {
-      text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(l2));
-    } else {
-      throw nb::type_error(
-          fmt::format("l2 must be None, a JSON string or a dict, not {}", TypeName(l2)).c_str());
-    }
+    const std::string text = JsonTextOf(l2, "l2 must be None, a JSON string or a dict");
     config.l2.push_back(Unwrap(server::ParseL2Spec(text)));
   }
   auto options = server::BuildServerOptions(config);

@@ -92,6 +92,14 @@ std::string TakePythonErrorText() {
 
 std::string TypeName(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
+std::string JsonTextOf(nb::handle obj, std::string_view expected) {
+  if (PyUnicode_Check(obj.ptr())) return nb::cast<std::string>(obj);
+  if (PyDict_Check(obj.ptr())) {
+    return nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(obj));
+  }
+  throw nb::type_error(fmt::format("{}, not {}", expected, TypeName(obj)).c_str());
+}
+
 std::string StrOf(nb::handle obj) {
   nb::object s = nb::steal(PyObject_Str(obj.ptr()));
   if (!s.is_valid()) throw nb::python_error();

@@ -231,15 +231,7 @@ PyFileTier* OpenFileTier(const KeyNamespace& ns, uint64_t chunk_bytes, nb::handl
                          int64_t max_queued_chunks, std::optional<bool> sync_data) {
   if (chunk_bytes == 0) ThrowInvalid("open_file_tier: chunk_bytes must be positive");
   if (max_queued_chunks < 1) ThrowInvalid("open_file_tier: max_queued_chunks must be positive");
-  std::string text;
-  if (PyUnicode_Check(l2.ptr())) {
-    text = nb::cast<std::string>(l2);
-  } else if (PyDict_Check(l2.ptr())) {
-    text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(l2));
-  } else {
-    throw nb::type_error(
-        fmt::format("l2 must be a JSON string or a dict, not {}", TypeName(l2)).c_str());
-  }
+  const std::string text = JsonTextOf(l2, "l2 must be a JSON string or a dict");
   // The same JSON, parsing and mapping as `kvtier serve --l2`.
   server::ServeConfig config;
   config.chunk_size = ns.chunk_tokens;

@@ -59,16 +59,7 @@ class PyServer {
 };
 
 PyServer* StartServer(nb::handle config_obj) {
-  std::string text;
-  if (PyUnicode_Check(config_obj.ptr())) {
-    text = nb::cast<std::string>(config_obj);
-  } else if (PyDict_Check(config_obj.ptr())) {
-    text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(config_obj));
-  } else {
-    throw nb::type_error(
-        fmt::format("config must be a JSON string or a dict, not {}", TypeName(config_obj))
-            .c_str());
-  }
+  const std::string text = JsonTextOf(config_obj, "config must be a JSON string or a dict");
   // The same settings and checks as `kvtier serve --config`.
   server::ServeConfig config;
   Check(server::ApplyConfigJson(text, &config));
