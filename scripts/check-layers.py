@@ -31,6 +31,8 @@ UNITS = {
     "planner": (6, ["planner/"], ["src/planner/"]),
     # What `kvtier bench server` and `kvtier bench tier` measure; drives a server and its clients.
     "benchmarks": (6, ["benchmarks/"], ["src/benchmarks/"]),
+    # What `kvtier stress` runs: a server, its clients and an adversary, as processes.
+    "stress": (6, ["stress/"], ["src/stress/"]),
     "python": (7, ["python/"], ["src/python/"]),
     "tools": (8, ["tools/"], ["src/tools/"]),
     # Test helpers (temporary directories, waits, NFS targets), also used by bench commands.
