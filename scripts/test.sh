@@ -85,7 +85,7 @@ stage "ThreadSanitizer: the concurrent parts (task pool, I/O, tiers, engine, ser
 # tests start the `kvtier` binary, which this build lacks, so the server runs under TSan in
 # kvtier_stress (every server it starts is in-process).
 build tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_TSAN=ON "${remote[@]}" \
-  -DKVTIER_COMPONENTS="common;testing;io;tier/memory;tier/file;engine;server;client;testing/stress"
+  -DKVTIER_COMPONENTS="common;testing;io;tier/memory;tier/file;engine;server;client;stress;testing/stress"
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan-suppressions.txt"
 run_tests tsan
 ./build/tsan/src/testing/stress/kvtier_stress stress --seconds 20
