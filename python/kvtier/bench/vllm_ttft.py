@@ -326,7 +326,7 @@ def copy_bandwidth() -> float | None:
 
 # --- the run -----------------------------------------------------------------------------------
 
-def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
+def transfer_config(args, arm: str, disk: Path, socket: str) -> dict | None:
     cpu_bytes = int(args.cpu_gb * 1e9)
     if arm == "gpu":
         return None
@@ -335,7 +335,7 @@ def transfer_config(args, arm: str, workdir: Path, socket: str) -> dict | None:
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
                                               "block_size": args.chunk_tokens}}
     if arm == "tiering":
-        fs_dir = workdir / "tiering-fs"
+        fs_dir = disk / "tiering-fs"  # on the disk of kvtier's file tier
         shutil.rmtree(fs_dir, ignore_errors=True)
         fs_dir.mkdir(parents=True)
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.monotonic()
         for i, arm in enumerate(a for a in arms if a != "file"):
-            servers[arm] = Vllm(args, arm, 8100 + i, transfer_config(args, arm, workdir, socket),
+            servers[arm] = Vllm(args, arm, 8100 + i, transfer_config(args, arm, disk, socket),
                                 workdir)
         results["failed_arms"] = {}
         for arm, vllm in list(servers.items()):
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
                               for arm, s in samples.items()}}
             results["contexts"][context] = row
             (args.out / f"ttft-{context}.json").write_text(json.dumps(row, indent=1))
-            for f in (workdir / "tiering-fs").glob("*"):  # the disk is not large enough for all
+            for f in (disk / "tiering-fs").glob("*"):  # the disk is not large enough for all
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
         results["output_depends_on_prompt"] = sensitive
         if serve is not None and "server" in servers and args.fault_check:
