@@ -35,6 +35,11 @@ different tokens somewhere in the run (a check that cannot pass on a constant mo
 host->GPU copy bandwidth is measured in the same run and printed with each hit as the copy
 floor: prefix KV bytes / bandwidth.
 
+On vLLM's CPU build (no CUDA device: no copy floor; `--dtype float32` where the CPU lacks
+bf16) the GPU memory flags are left out and each vLLM's KV cache is sized through
+VLLM_CPU_KVCACHE_SPACE; vLLM's native offloading refuses to run there, so its arms fail and are
+left out. The test command runs the kvtier arms that way (python/tests/vllm/test_vllm_ttft.py).
+
 Results go to --out as one JSON file per context as it finishes, so a run cut short keeps what
 it measured, and `--json`/`--plot` write the whole table.
 """
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -151,9 +157,10 @@ def make_model(out: Path, config_name: str, seed: int = 0, std: float = 0.02) ->
     log(f"model written to {out}: {cfg['num_hidden_layers']} layers, seed {seed}")
 
 
-def kv_bytes_per_token(model: Path) -> int:
+def kv_bytes_per_token(model: Path, dtype: str = "bfloat16") -> int:
     cfg = json.loads((model / "config.json").read_text())
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    element = 4 if dtype == "float32" else 2
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * element
 
 
 class Answer:
@@ -189,18 +196,22 @@ class Vllm:
     def __init__(self, args, arm: str, port: int, transfer: dict | None, workdir: Path):
         self.arm, self.port = arm, port
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(args.model), "--served-model-name", "bench", "--dtype", "bfloat16",
+               str(args.model), "--served-model-name", "bench", "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--port", str(port),
                "--host", "127.0.0.1", "--enforce-eager", "--disable-log-stats",
-               "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", "0"]
+               "--seed", "0"]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        if args.on_gpu:
+            cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
+                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        else:  # vLLM's CPU build sizes its KV cache from the environment, in GiB
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(args.kv_cache_gb)))
         if transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
         if arm == "costfile":  # its decisions reach the log with the stats (connector_counters)
             cmd.remove("--disable-log-stats")
         cmd += args.vllm_args.split()
         self.log_path = workdir / f"vllm-{arm}.log"
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         if arm == "lmcache":
             env.update(LMCACHE_CHUNK_SIZE=str(args.chunk_tokens), LMCACHE_LOCAL_CPU="True",
                        LMCACHE_MAX_LOCAL_CPU_SIZE=str(args.cpu_gb))
@@ -251,15 +262,15 @@ class Serve:
 
     def __init__(self, args, socket: str, directory: Path, log_path: Path):
         self.socket, self.dir, self.log_path = socket, directory, log_path
+        chunk_bytes = kv_bytes_per_token(args.model, args.dtype) * args.chunk_tokens
         self.cmd = [args.kvtier, "serve", "--socket", socket, "--http-port", "-1",
-                    "--model", str(args.model / "config.json"), "--chunk-size",
-                    str(args.chunk_tokens), "--l1-size-gb", str(args.cpu_gb),
+                    "--chunk-size", str(args.chunk_tokens), "--chunk-bytes", str(chunk_bytes),
+                    "--l1-size-gb", str(args.cpu_gb),
                     "--write-policy", "write_through",
                     # as the in-process connector's own server: the scheduler may pin a whole
                     # long prompt for a layer-wise load (the default limit is half the pool)
                     "--max-client-slots",
-                    str(int(args.cpu_gb * 2**30 * 3 / 4 // (kv_bytes_per_token(args.model)
-                                                             * args.chunk_tokens))),
+                    str(int(args.cpu_gb * 2**30 * 3 / 4 // chunk_bytes)),
                     "--l2", json.dumps({"type": "fs", "path": str(directory),
                                         "max_size_gb": args.disk_gb})]
         self.proc = None
@@ -390,6 +401,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15,
                     help="what each vLLM asks to be free at start (its KV is --kv-cache-gb)")
     ap.add_argument("--max-model-len", type=int, default=34000)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="vLLM's --dtype (float32 for vLLM's CPU build on CPUs without bf16)")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds between a prefix's store and its hit (saves land)")
     ap.add_argument("--vllm-args", default="",
@@ -445,8 +458,9 @@ def main(argv=None) -> int:
     disk = args.disk_dir or workdir
     disk.mkdir(parents=True, exist_ok=True)
     socket = str(workdir / "kvtier.sock")
-    bpt = kv_bytes_per_token(args.model)
+    bpt = kv_bytes_per_token(args.model, args.dtype)
     bw = copy_bandwidth()
+    args.on_gpu = bw is not None  # else vLLM's CPU build: no GPU memory flags
     log(f"host->GPU copy bandwidth {bw / 1e9:.1f} GB/s" if bw else "no GPU: no copy floor")
     serve = None
     if "server" in arms:
