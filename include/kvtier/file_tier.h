@@ -97,6 +97,12 @@ struct FileTierOptions {
   std::chrono::milliseconds rescan_interval{5000};
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
   bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
+  // Caps the tier's chunk reads, all readers together, at this many bytes per second (0: no
+  // cap): to leave a shared storage's bandwidth to others, or to see what a slower storage
+  // does (the connector's cost-aware lookups are tested on a tier slowed so). A read returns no
+  // sooner than its turn's share of the budget ends; a cap so low that one chunk's share
+  // outlasts stall_timeout makes reads count as stalled.
+  double read_limit_bytes_per_s = 0;
   bool sync_directory = false;  // also fsync the directory after publishing (power-loss safe)
   // nullptr = an env of our own: POSIX, or NFS (NewNfsEnv) for an nfs:// root. Tests pass a
   // fault-injecting one, which must outlive the tier and any operation it abandons at shutdown.

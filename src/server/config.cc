@@ -103,10 +103,12 @@ Result<L2Spec> L2FromJson(const json& j) {
       KVTIER_RETURN_IF_ERROR(GetInt(v, key, &spec.write_threads));
     } else if (key == "sync_data") {
       KVTIER_RETURN_IF_ERROR(GetBool(v, key, &spec.sync_data));
+    } else if (key == "read_limit_gbps") {
+      KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.read_limit_gbps));
     } else {
       return Status::InvalidArgument(
           fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, part_mib, "
-                      "max_size_gb, read_threads, write_threads, sync_data)",
+                      "max_size_gb, read_threads, write_threads, sync_data, read_limit_gbps)",
                       k));
     }
   }
@@ -161,6 +163,9 @@ Result<L2Spec> L2FromJson(const json& j) {
   if (spec.read_threads < 1 || spec.read_threads > 256 || spec.write_threads < 1 ||
       spec.write_threads > 256) {
     return Status::InvalidArgument("L2 read_threads and write_threads must be in [1, 256]");
+  }
+  if (!(spec.read_limit_gbps >= 0) || spec.read_limit_gbps > 1e6) {
+    return Status::InvalidArgument("L2 \"read_limit_gbps\" must be in [0, 1e6] (0 = no cap)");
   }
   return spec;
 }
@@ -426,6 +431,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.read_threads = l2[0].read_threads;
     f.write_threads = l2[0].write_threads;
     f.sync_data = l2[0].sync_data;
+    f.read_limit_bytes_per_s = l2[0].read_limit_gbps * 1e9;
     f.connections = l2[0].connections;
     f.s3_part_bytes = static_cast<size_t>(l2[0].part_mib) << 20;
     o.engine.file = f;

@@ -31,6 +31,9 @@ struct L2Spec {
   // loss may leave published chunks that fail their checksum: misses, never wrong data
   // (docs/file-format.md, "Without step 4").
   bool sync_data = true;
+  // Caps the tier's reads at this many GB/s (10^9 bytes; FileTierOptions::read_limit_bytes_per_s);
+  // 0: no cap.
+  double read_limit_gbps = 0;
 };
 
 struct ServeConfig {

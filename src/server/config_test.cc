@@ -60,8 +60,22 @@ TEST(ServeConfigTest, L2SpecsAreValidated) {
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs"})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_threads":0})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","max_size_gb":-1})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_limit_gbps":-0.5})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","colour":"red"})").ok());
   EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
+}
+
+TEST(ServeConfigTest, L2ReadLimitReachesTheFileTierInBytesPerSecond) {
+  auto capped = ParseL2Spec(R"({"type":"fs","path":"/x","read_limit_gbps":0.05})");
+  ASSERT_TRUE(capped.ok()) << capped.status().ToString();
+  ServeConfig c;
+  c.l2 = {*capped};
+  auto options = BuildServerOptions(c);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  EXPECT_DOUBLE_EQ(options->engine.file->read_limit_bytes_per_s, 5e7);
+  auto defaults = BuildServerOptions(ServeConfig{});
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults->engine.file->read_limit_bytes_per_s, 0);
 }
 
 TEST(ServeConfigTest, L2SyncDataIsABooleanThatReachesTheFileTier) {

@@ -125,7 +125,11 @@ class CostModel:
         self.prefill = prefill
         self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
         self.min_file_read_bps = min_file_read_bps
-        self.file_rate = ReadRate(file_read_bps or self.PRIOR_READ_BPS)
+        # The prior weighs as one chunk read at its rate: any real load outweighs it at once
+        # (weighed as a fixed time instead, an optimistic prior's bytes outweighed the loads of a
+        # slow tier with small chunks: 80 MB of prior against 7 MB read in a second).
+        prior = file_read_bps or self.PRIOR_READ_BPS
+        self.file_rate = ReadRate(prior, prior_s=chunk_bytes / prior)
 
     def choose(self, n_tokens: int, local: int, memory: int, hits: int) -> Choice:
         """local: tokens vLLM has; memory and hits: leading chunks in L1 and in kvtier (memory

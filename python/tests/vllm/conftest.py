@@ -135,7 +135,7 @@ class KvtierServer:
     """`kvtier serve` with its own socket, HTTP port and file tier."""
 
     def __init__(self, workdir: Path, l2_dir: Path | None, l1_size_gb: float = 0.25,
-                 load_deadline_args: list[str] = ()):
+                 load_deadline_args: list[str] = (), l2_extra: dict | None = None):
         binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier")
         assert binary, "the kvtier CLI is not on PATH (pip install . puts it there)"
         self.socket = str(workdir / "kvtier.sock")
@@ -149,7 +149,8 @@ class KvtierServer:
         if l2_dir is None:
             args.append("--no-l2")
         else:
-            args += ["--l2", json.dumps({"type": "fs", "path": str(l2_dir), "max_size_gb": 1})]
+            args += ["--l2", json.dumps({"type": "fs", "path": str(l2_dir), "max_size_gb": 1,
+                                         **(l2_extra or {})})]
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

@@ -32,6 +32,16 @@ def transfer_metric(vllm: Vllm, name: str, timeout: float = 25.0) -> int:
         time.sleep(1)
 
 
+def transfer_metric_reaches(vllm: Vllm, name: str, value: int, timeout: float = 30.0) -> int:
+    """Waits until the sum of a connector counter over vLLM's log reaches `value`; returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total = transfer_metric(vllm, name, timeout=0)
+        if total >= value or time.monotonic() > deadline:
+            return total
+        time.sleep(1)
+
+
 def reconnect(vllm: Vllm, server: KvtierServer) -> None:
     """After a server restart: the connector notices the lost connection on its next use (that
     request is a miss) and reconnects in the background."""
@@ -352,6 +362,48 @@ def test_cost_aware_lookups_load_only_what_pays(workdir: Path, expected):
         finally:
             c.stop()
             server.stop()
+
+
+def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, expected):
+    """The same prefix on the file tier only, read by one vLLM three times, kvtier serve
+    restarted with an empty L1 before each: from the disk as it is (fast: loaded); then capped
+    at 8 MB/s ("read_limit_gbps"), which the estimate learned from the fast disk does not know:
+    loaded, slowly, and measured; then, still capped, declined (recomputing ~2,000 tokens is
+    predicted at 0.3 s, reading 7 MiB at the rate measured at about 0.5 s). One slow load
+    corrects the estimate; the answers are vLLM's own every time."""
+    l2 = workdir / "l2-slowed"
+    server = KvtierServer(workdir, l2)
+    try:
+        plain = Vllm(workdir, "slowed-store", connector_config(**{"kvtier.socket": server.socket}))
+        try:
+            assert plain.complete(LONG) == expected["long"]
+        finally:
+            plain.stop()
+    finally:
+        server.stop()  # write-back: L1 drains to the file tier
+    server = KvtierServer(workdir, l2)
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefill_table": "4096:0.6"})
+    c = Vllm(workdir, "slowed", cfg)
+    try:
+        loaded = declined = 0
+        for cap, loads in ((None, True), (0.008, True), (0.008, False)):
+            if cap is not None:  # a new server on the same directory: an empty L1
+                server.stop()
+                server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": cap})
+                reconnect(c, server)
+            c.reset_prefix_cache()
+            assert c.complete(LONG) == expected["long"]
+            if loads:
+                loaded += 1792
+                assert transfer_metric_reaches(c, "tokens_loaded", loaded) >= loaded
+            else:
+                declined += 1792
+                assert transfer_metric_reaches(c, "tokens_declined", declined) >= declined
+        assert transfer_metric(c, "tokens_loaded", timeout=0) < loaded + 1792  # no third load
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()
 
 
 def test_a_lost_servers_pool_stays_mapped_a_while(workdir: Path, monkeypatch):

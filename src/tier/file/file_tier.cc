@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -376,6 +377,22 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   void NoteDirect(const File& f) {
     if (!f.direct() && options_.use_o_direct) all_direct_.store(false);
   }
+  // FileTierOptions::read_limit_bytes_per_s: each read books the next `bytes / rate` of the
+  // budget after those booked before it and returns at its end, so all readers together move at
+  // most the rate (a token bucket without a burst).
+  void PaceRead(uint64_t bytes) {
+    const double rate = options_.read_limit_bytes_per_s;
+    if (!(rate > 0)) return;
+    const auto share = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(static_cast<double>(bytes) / rate));
+    std::chrono::steady_clock::time_point until;
+    {
+      std::lock_guard<std::mutex> lock(pace_mu_);
+      pace_next_ = std::max(pace_next_, std::chrono::steady_clock::now()) + share;
+      until = pace_next_;
+    }
+    std::this_thread::sleep_until(until);
+  }
 
   const FileTierOptions options_;
   const std::string ns_dir_;
@@ -383,6 +400,9 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   const uint64_t file_bytes_;
   std::unique_ptr<Env> owned_env_;
   Env* env_ = nullptr;
+
+  std::mutex pace_mu_;  // PaceRead's booking
+  std::chrono::steady_clock::time_point pace_next_{};
 
   mutable std::mutex mu_;
   std::condition_variable mutation_cv_;  // signalled whenever a mutation ends
@@ -901,6 +921,7 @@ Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
     bounce_copies_.fetch_add(1);
   }
   Status s = ReadExact(file, ops, &hashing);
+  if (s.ok()) PaceRead(n);
   // The header records the payload's length, so a file of any other size than the one it
   // implies is not a chunk as written (docs/file-format.md, check 1): judged after the header.
   // Asked after the reads, which tell an object store's client the size as they go.
@@ -1308,6 +1329,9 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const FileTierOptions& options)
   }
   if (options.max_queued_reads == 0 || options.max_queued_writes == 0) {
     return Status::InvalidArgument("max_queued_reads and max_queued_writes must be positive");
+  }
+  if (!(options.read_limit_bytes_per_s >= 0) || std::isinf(options.read_limit_bytes_per_s)) {
+    return Status::InvalidArgument("read_limit_bytes_per_s must be a finite number >= 0");
   }
   if (options.rescan_interval.count() < 0 || options.negative_cache_ttl.count() < 0 ||
       options.stall_timeout.count() < 0) {

@@ -162,6 +162,9 @@ TEST(FileTierTest, RejectsBadOptionsAndForeignDirectories) {
   o = Options(dir.Sub("c"), 4096);
   o.read_threads = 0;
   EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o = Options(dir.Sub("c"), 4096);
+  o.read_limit_bytes_per_s = -1;
+  EXPECT_EQ(FileTier::Open(o).status().code(), StatusCode::kInvalidArgument);
   // A non-empty directory that is not a cache is refused, so a typo cannot litter /home.
   fs::create_directories(dir.LocalOf(dir.Sub("home")));
   std::ofstream(dir.LocalOf(dir.Sub("home/notes.txt"))) << "mine";
@@ -173,6 +176,41 @@ TEST(FileTierTest, RejectsBadOptionsAndForeignDirectories) {
   std::ofstream(dir.LocalOf(dir.Sub("file"))) << "x";
   o = Options(dir.Sub("file"), 4096);
   EXPECT_FALSE(FileTier::Open(o).ok());
+}
+
+// A capped tier's readers together move no more than the cap: 16 reads of 64 KiB at 4 MiB/s
+// take at least 0.25 s from four threads at once (a lower bound: a slow machine only adds), and
+// every byte is as written. Writes are not capped.
+TEST(FileTierTest, ReadLimitCapsAllReadersTogether) {
+  testing::StorageDir dir;
+  FileTierOptions o = Options(dir.path(), 64 * 1024);
+  o.read_limit_bytes_per_s = 4.0 * (1 << 20);
+  auto tier = OpenTier(o);
+  AlignedBuffer buf(64 * 1024);
+  for (uint64_t i = 0; i < 16; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> readers;
+  std::atomic<int> good{0};
+  for (int t = 0; t < 4; ++t) {
+    readers.emplace_back([&, t] {
+      AlignedBuffer mine(64 * 1024), want(64 * 1024);
+      for (uint64_t i = t; i < 16; i += 4) {
+        FillChunk(TestKey(i), want.span());
+        if (tier->Read(TestKey(i), mine.span()).ok() &&
+            std::memcmp(mine.data(), want.data(), want.size()) == 0) {
+          good.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& r : readers) r.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(good.load(), 16);
+  EXPECT_GE(seconds, 0.24);  // 1 MiB at 4 MiB/s: 0.25 s
 }
 
 TEST(FileTierTest, WritesAreIdempotentAndSizesChecked) {
