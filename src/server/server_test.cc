@@ -1796,7 +1796,9 @@ TEST_F(ServerTest, OutOfFileDescriptorsPausesAcceptInsteadOfSpinning) {
     if (!c.ok()) c = server.Connect();
     return c.ok();
   });
-  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  // (Seen once in a sanitizer build under load: no connection for 30 s. The server's log tells
+  // whether it still ran and what it did.)
+  ASSERT_TRUE(c.ok()) << c.status().ToString() << "; the server's log:\n" << server.Log();
   EXPECT_TRUE((*c)->Ping().ok());
   const double errors = Metric(server.HttpPort(), "kvtier_accept_errors_total");
   EXPECT_GE(errors, 1) << server.Log();
