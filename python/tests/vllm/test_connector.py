@@ -21,23 +21,14 @@ LONG = random_prompt(1, 2000)
 PROMPTS = [random_prompt(100 + i, n) for i, n in enumerate((300, 700, 1030, 1500, 260, 2100))]
 
 
-def transfer_metric(vllm: Vllm, name: str, timeout: float = 25.0) -> int:
-    """Sum of a connector counter over vLLM's periodic "KV Transfer metrics" log lines."""
+def transfer_metric(vllm: Vllm, name: str, timeout: float = 25.0, at_least: int = 1) -> int:
+    """Sum of a connector counter over vLLM's periodic "KV Transfer metrics" log lines, waited
+    for until it reaches `at_least` (or `timeout` passes)."""
     deadline = time.monotonic() + timeout
     while True:
         total = sum(int(m) for m in re.findall(rf"KV Transfer metrics:.*?\b{name}=(\d+)",
                                                 vllm.log()))
-        if total > 0 or time.monotonic() > deadline:
-            return total
-        time.sleep(1)
-
-
-def transfer_metric_reaches(vllm: Vllm, name: str, value: int, timeout: float = 30.0) -> int:
-    """Waits until the sum of a connector counter over vLLM's log reaches `value`; returns it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        total = transfer_metric(vllm, name, timeout=0)
-        if total >= value or time.monotonic() > deadline:
+        if total >= at_least or time.monotonic() > deadline:
             return total
         time.sleep(1)
 
@@ -331,21 +322,27 @@ def test_requests_aborted_during_their_load(workdir: Path, expected, load_mode):
         server.stop()
 
 
+def store_on_the_file_tier(workdir: Path, l2: Path, expected) -> None:
+    """LONG's prefix stored through a vLLM into kvtier serve's file tier in `l2` (write-back:
+    the server's stop drains L1 to it)."""
+    server = KvtierServer(workdir, l2)
+    try:
+        plain = Vllm(workdir, "file-store", connector_config(**{"kvtier.socket": server.socket}))
+        try:
+            assert plain.complete(LONG) == expected["long"]
+        finally:
+            plain.stop()
+    finally:
+        server.stop()
+
+
 def test_cost_aware_lookups_load_only_what_pays(workdir: Path, expected):
     """A prefix only on the file tier (kvtier serve restarted with an empty L1): with a prefill
     table that makes computing it dearer than reading it, it is loaded, and the file tier's
     reads are predicted and measured; with one that makes computing it almost free, it is
     declined (counted) and recomputed. The answers are vLLM's own either way."""
     l2 = workdir / "l2-cost"
-    server = KvtierServer(workdir, l2)
-    try:
-        plain = Vllm(workdir, "cost-store", connector_config(**{"kvtier.socket": server.socket}))
-        try:
-            assert plain.complete(LONG) == expected["long"]
-        finally:
-            plain.stop()
-    finally:
-        server.stop()  # write-back: L1 drains to the file tier
+    store_on_the_file_tier(workdir, l2, expected)
     for table, loads in (("4096:1000", True), ("4096:0.000001", False)):
         server = KvtierServer(workdir, l2)  # an empty L1: the prefix is on the file tier only
         cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefill_table": table})
@@ -372,15 +369,7 @@ def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, ex
     predicted at 0.3 s, reading 7 MiB at the rate measured at about 0.5 s). One slow load
     corrects the estimate; the answers are vLLM's own every time."""
     l2 = workdir / "l2-slowed"
-    server = KvtierServer(workdir, l2)
-    try:
-        plain = Vllm(workdir, "slowed-store", connector_config(**{"kvtier.socket": server.socket}))
-        try:
-            assert plain.complete(LONG) == expected["long"]
-        finally:
-            plain.stop()
-    finally:
-        server.stop()  # write-back: L1 drains to the file tier
+    store_on_the_file_tier(workdir, l2, expected)
     server = KvtierServer(workdir, l2)
     cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefill_table": "4096:0.6"})
     c = Vllm(workdir, "slowed", cfg)
@@ -395,10 +384,10 @@ def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, ex
             assert c.complete(LONG) == expected["long"]
             if loads:
                 loaded += 1792
-                assert transfer_metric_reaches(c, "tokens_loaded", loaded) >= loaded
+                assert transfer_metric(c, "tokens_loaded", 30, at_least=loaded) >= loaded
             else:
                 declined += 1792
-                assert transfer_metric_reaches(c, "tokens_declined", declined) >= declined
+                assert transfer_metric(c, "tokens_declined", 30, at_least=declined) >= declined
         assert transfer_metric(c, "tokens_loaded", timeout=0) < loaded + 1792  # no third load
         assert "Traceback" not in c.log()
     finally:
