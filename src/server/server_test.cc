@@ -70,13 +70,18 @@ class ServerProcess {
   pid_t pid() const { return pid_; }
   ~ServerProcess() { Kill(SIGKILL); }
 
-  // Starts the process and waits until it accepts clients.
+  // Starts the process and waits until it has started: its "listening on" line, logged once
+  // Server::Start returned. The socket accepts connections (into its backlog) a moment earlier,
+  // while the HTTP listener is still being set up: a test that changes the process's limits then
+  // (descriptors, say) can make that set-up fail and the server exit.
   void Start() {
     Launch();
     ASSERT_GT(pid_, 0);
     bool exited = false;
     const bool up = testing::WaitUntil([&] {
-      if (Listening()) return true;
+      if (Log().find("listening on ", log_start_) != std::string::npos && Listening()) {
+        return true;
+      }
       int status;
       exited = exited || waitpid(pid_, &status, WNOHANG) == pid_;
       return exited;
@@ -89,6 +94,7 @@ class ServerProcess {
   }
   // Starts the process, not waiting for anything.
   void Launch() {
+    log_start_ = Log().size();  // servers started one after another in a test share the log
     pid_ = fork();
     if (pid_ == 0) {
       int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
@@ -168,6 +174,7 @@ class ServerProcess {
   std::vector<std::string> args_;
   std::function<void()> in_child_;
   pid_t pid_ = -1;
+  size_t log_start_ = 0;
 };
 
 std::vector<ChunkKey> Keys(uint32_t n, uint32_t seed) {
