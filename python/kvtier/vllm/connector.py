@@ -24,7 +24,7 @@ from vllm.logger import init_logger  # noqa: E402
 
 from .config import parse_config  # noqa: E402
 from .metadata import KvtierConnectorMetadata
-from .stats import KvtierConnectorStats
+from .stats import KvtierConnectorStats, KvtierPromMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +121,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return KvtierConnectorStats(data=dict(data)) if data is not None else KvtierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        if KvtierPromMetrics is None:
+            return None
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

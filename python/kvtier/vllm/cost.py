@@ -18,6 +18,12 @@ tokens [a, b) with [0, a) cached is P(b) - P(a), P the table interpolated. Atten
 convex, so a prefix shorter than the whole hit is never better than both ends when the reads
 and the compute run one after the other: the choice is between the three points above.
 
+The table is kept current from what the engine actually takes: the workers time every step
+that prefills (on the GPU's own clock: CUDA events around the forward pass), the scheduler had
+predicted that step's compute from the table, and the ratio of the two sums, decayed like the
+read rate below, scales every compute() the model predicts. A table measured on another machine,
+or before a change of settings, corrects itself within a few prefills.
+
 read() uses the file tier's read rate as the connector measures it on real loads (bytes per
 second of the loads' wall time), decayed with a half-life towards a prior (the rate measured
 beforehand with `kvtier bench storage`, kvtier.file_read_gbps, or else an optimistic guess), so
@@ -74,36 +80,47 @@ def parse_prefill_table(value) -> list[tuple[int, float]]:
     return [(int(t), float(s)) for t, s in value]
 
 
-class ReadRate:
-    """A tier's read rate in bytes per second, from loads' bytes and wall time, each weighted by
-    exp(-age / half-life * ln 2), plus a prior worth `prior_s` seconds of reading that never
-    decays: with no recent loads the estimate returns to the prior."""
+class DecayedRatio:
+    """A ratio of two sums (bytes over seconds, measured over predicted seconds), each observation
+    weighted by exp(-age / half-life * ln 2), plus a prior worth `prior_den` of the denominator
+    that never decays: with no recent observations the ratio returns to the prior."""
 
-    def __init__(self, prior_bps: float, prior_s: float = 0.02, half_life_s: float = 60.0):
-        self._prior_bytes, self._prior_s = prior_bps * prior_s, prior_s
+    def __init__(self, prior: float, prior_den: float, half_life_s: float = 60.0):
+        self._prior_num, self._prior_den = prior * prior_den, prior_den
         self._half_life = half_life_s
-        self._bytes = self._seconds = 0.0
+        self._num = self._den = 0.0
         self._at = time.monotonic()
         self._lock = threading.Lock()
 
     def _decay(self, now: float) -> None:
         factor = math.exp(-(now - self._at) / self._half_life * math.log(2))
-        self._bytes *= factor
-        self._seconds *= factor
+        self._num *= factor
+        self._den *= factor
         self._at = now
 
-    def observe(self, nbytes: float, seconds: float, now: float | None = None) -> None:
-        if nbytes <= 0 or seconds <= 0:
+    def observe(self, num: float, den: float, now: float | None = None) -> None:
+        if num <= 0 or den <= 0:
             return
         with self._lock:
             self._decay(time.monotonic() if now is None else now)
-            self._bytes += nbytes
-            self._seconds += seconds
+            self._num += num
+            self._den += den
 
-    def bytes_per_s(self, now: float | None = None) -> float:
+    def value(self, now: float | None = None) -> float:
         with self._lock:
             self._decay(time.monotonic() if now is None else now)
-            return (self._bytes + self._prior_bytes) / (self._seconds + self._prior_s)
+            return (self._num + self._prior_num) / (self._den + self._prior_den)
+
+
+class ReadRate(DecayedRatio):
+    """A tier's read rate in bytes per second, from loads' bytes and wall time; the prior is
+    worth `prior_s` seconds of reading."""
+
+    def __init__(self, prior_bps: float, prior_s: float = 0.02, half_life_s: float = 60.0):
+        super().__init__(prior_bps, prior_s, half_life_s)
+
+    def bytes_per_s(self, now: float | None = None) -> float:
+        return self.value(now)
 
 
 @dataclass
@@ -119,6 +136,12 @@ class CostModel:
     # Without a measured rate, the file tier is assumed this fast until a load is measured:
     # tried, then measured.
     PRIOR_READ_BPS = 4e9
+    # The table's own word weighs as this many seconds of measured prefill: one long prefill
+    # outweighs it.
+    PRIOR_COMPUTE_S = 0.05
+    # Steps that prefill fewer tokens than this are not timed: their time is the model's fixed
+    # cost per step (weights read once), which the table, measured on long prompts, does not hold.
+    MIN_TIMED_TOKENS = 512
 
     def __init__(self, prefill: PrefillCost | None, chunk_tokens: int, chunk_bytes: int,
                  min_file_read_bps: float = 0.0, file_read_bps: float = 0.0):
@@ -130,6 +153,21 @@ class CostModel:
         # slow tier with small chunks: 80 MB of prior against 7 MB read in a second).
         prior = file_read_bps or self.PRIOR_READ_BPS
         self.file_rate = ReadRate(prior, prior_s=chunk_bytes / prior)
+        # Measured step time over the table's prediction for it.
+        self.compute_scale = DecayedRatio(1.0, self.PRIOR_COMPUTE_S)
+
+    def step_prediction(self, work: list[tuple[int, int]]) -> float:
+        """The table's (unscaled) seconds for a step that computes tokens [a, b) of each request
+        in `work`; 0 when the step is not worth timing (no table, or too little prefill)."""
+        prefill = [(a, b) for a, b in work if b - a > 1]  # decodes ride along
+        if self.prefill is None or sum(b - a for a, b in prefill) < self.MIN_TIMED_TOKENS:
+            return 0.0
+        return sum(self.prefill.compute(a, b) for a, b in prefill)
+
+    def compute(self, start: int, end: int) -> float:
+        """Predicted seconds to compute tokens [start, end): the table, scaled by what the engine
+        took lately."""
+        return self.prefill.compute(start, end) * self.compute_scale.value()
 
     def choose(self, n_tokens: int, local: int, memory: int, hits: int) -> Choice:
         """local: tokens vLLM has; memory and hits: leading chunks in L1 and in kvtier (memory
@@ -146,8 +184,8 @@ class CostModel:
             return Choice(fallback, 0.0, 0.0)
         if self.prefill is None:
             return Choice(hits, read_s, read_s)
-        options = [Choice(hits, read_s + self.prefill.compute(end(hits), n_tokens), read_s)]
+        options = [Choice(hits, read_s + self.compute(end(hits), n_tokens), read_s)]
         if end(memory) > local:
-            options.append(Choice(memory, self.prefill.compute(end(memory), n_tokens), 0.0))
-        options.append(Choice(0, self.prefill.compute(local, n_tokens), 0.0))
+            options.append(Choice(memory, self.compute(end(memory), n_tokens), 0.0))
+        options.append(Choice(0, self.compute(local, n_tokens), 0.0))
         return min(options, key=lambda c: c.predicted_s)

@@ -41,3 +41,6 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list[ChunkJob] = field(default_factory=list)
     # Requests preempted this step: their blocks are freed, so pending saves must finish first.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The step's prefill compute as the cost model's table predicts it (0: not timed): the workers
+    # time the step and report both, and the model learns how far off its table is (cost.py).
+    prefill_predicted_s: float = 0.0

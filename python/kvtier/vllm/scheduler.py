@@ -400,6 +400,7 @@ class SchedulerSide:
                 st.load = None
                 self._drop_lookup(st)
                 st.load_issued = st.saves_scheduled = False
+        meta.prefill_predicted_s = self._step_prediction(scheduler_output)
         ct = self.cfg.chunk_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -426,6 +427,22 @@ class SchedulerSide:
             st.saves_scheduled = True
         return meta
 
+    def _step_prediction(self, scheduler_output) -> float:
+        """The table's seconds for this step's prompt tokens, for the workers to time (0: not
+        timed: no cost model, a request the connector does not know, or too little prefill)."""
+        if self._cost is None or self._cost.prefill is None:
+            return 0.0
+        work = []
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self._requests.get(req_id)
+            if st is None:
+                return 0.0
+            start = st.request.num_computed_tokens  # before this step
+            end = min(start + scheduled, st.request.num_prompt_tokens)
+            if end > start:
+                work.append((start, end))
+        return self._cost.step_prediction(work)
+
     def _count(self, name: str, value: int) -> None:
         with self._stats_lock:
             self._stats.add(name, value)
@@ -438,14 +455,16 @@ class SchedulerSide:
         return stats
 
     def update_connector_output(self, output) -> None:
-        """The workers' counters of this step: the file tier's measured reads feed the cost
-        model."""
+        """The workers' counters of this step: the file tier's measured reads and the timed
+        prefill steps feed the cost model."""
         stats = getattr(output, "kv_connector_stats", None)
         data = getattr(stats, "data", None)
         if self._cost is None or not isinstance(data, dict):
             return
         self._cost.file_rate.observe(data.get("file_read_bytes", 0),
                                      data.get("file_read_us", 0) / 1e6)
+        self._cost.compute_scale.observe(data.get("prefill_measured_us", 0),
+                                         data.get("prefill_predicted_us", 0))
 
     def request_finished(self, request) -> tuple[bool, dict | None]:
         st = self._requests.pop(request.request_id, None)

@@ -1,4 +1,5 @@
-"""The connector's counters, reported through vLLM's connector stats (KV Transfer metrics log)."""
+"""The connector's counters, reported through vLLM's connector stats: its "KV Transfer metrics"
+log line and, as counters named vllm:kvtier_<counter>_total, its Prometheus /metrics."""
 
 from __future__ import annotations
 
@@ -7,12 +8,37 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+try:  # vLLM's per-connector Prometheus metrics (in every tested version; optional elsewhere)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+except ImportError:  # pragma: no cover
+    KVConnectorPromMetrics = None
+
 # tokens_declined: tokens kvtier had that the cost model chose not to load (cost.py);
 # file_read_predicted_us / file_read_us: the file tier's reads of loads, predicted at lookup and
-# measured by the workers (with file_read_bytes, the rate the cost model learns).
+# measured by the workers (with file_read_bytes, the rate the cost model learns);
+# prefill_predicted_us / prefill_measured_us: the timed prefill steps, as the cost model's table
+# predicted them and as the workers measured them (their ratio scales the table).
+HELP = {
+    "tokens_loaded": "Tokens loaded from kvtier into vLLM's KV cache",
+    "tokens_saved": "Tokens saved to kvtier",
+    "chunks_loaded": "Chunks loaded from kvtier",
+    "chunks_saved": "Chunks saved to kvtier",
+    "load_errors": "Chunks that failed to load (recomputed)",
+    "save_errors": "Chunks that failed to save",
+    "saves_skipped": "Saves skipped (kvtier had the chunk, or the store was unreachable)",
+    "layerwise_loads": "Loads done layer by layer within the step",
+    "tokens_declined": "Tokens kvtier held that the cost model chose to recompute instead",
+    "file_read_predicted_us": "File-tier read time of loads as predicted at lookup (us)",
+    "file_read_us": "File-tier read time of loads as measured (us)",
+    "file_read_bytes": "Bytes the loads read from the file tier",
+    "prefill_steps": "Prefill steps timed for the cost model",
+    "prefill_predicted_us": "Timed steps' prefill time as the prefill table predicts it (us)",
+    "prefill_measured_us": "Timed steps' time as measured (us)",
+}
 COUNTERS = ("tokens_loaded", "tokens_saved", "chunks_loaded", "chunks_saved", "load_errors",
             "save_errors", "saves_skipped", "layerwise_loads", "tokens_declined",
-            "file_read_predicted_us", "file_read_us", "file_read_bytes")
+            "file_read_predicted_us", "file_read_us", "file_read_bytes", "prefill_steps",
+            "prefill_predicted_us", "prefill_measured_us")
 
 
 @dataclass
@@ -37,3 +63,29 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k, 0) for k in COUNTERS)
+
+
+if KVConnectorPromMetrics is not None:
+    class KvtierPromMetrics(KVConnectorPromMetrics):
+        """One Prometheus counter per COUNTERS entry, per engine."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._children: dict[tuple[str, int], Any] = {}
+            self._counters = {
+                name: self._counter_cls(name=f"vllm:kvtier_{name}_total",
+                                        documentation=HELP[name], labelnames=labelnames)
+                for name in COUNTERS}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+            for name, value in transfer_stats_data.items():
+                counter = self._counters.get(name)
+                if counter is None or not value:
+                    continue
+                child = self._children.get((name, engine_idx))
+                if child is None:
+                    child = counter.labels(*self.per_engine_labelvalues[engine_idx])
+                    self._children[(name, engine_idx)] = child
+                child.inc(value)
+else:  # pragma: no cover
+    KvtierPromMetrics = None

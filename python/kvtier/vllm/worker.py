@@ -53,6 +53,51 @@ logger = init_logger("vllm.kvtier")
 LAYERS_AHEAD = 3
 
 
+
+class _StepTimer:
+    """Times the steps the scheduler marked (prefill_predicted_s): from the step's start to the
+    end of its forward pass, on the GPU's clock (CUDA events, read once they have completed,
+    never waited for) or, on a host KV cache, the wall clock. Only the worker's step thread
+    starts and stops; collect() runs on the same thread (vLLM asks for stats after a step)."""
+
+    def __init__(self):
+        self._open = None  # (start, predicted seconds, on the GPU)
+        self._pending: list = []  # (start event, end event, predicted seconds)
+        self._done: list[tuple[float, float]] = []
+
+    def start(self, predicted_s: float, cuda: bool) -> None:
+        self._open = None
+        if predicted_s <= 0:
+            return
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        self._open = (start, predicted_s, cuda)
+
+    def stop(self) -> None:
+        if self._open is None:
+            return
+        start, predicted_s, cuda = self._open
+        self._open = None
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((start, end, predicted_s))
+            del self._pending[:-64]  # not collected (no stats asked for): keep the newest
+        else:
+            self._done.append((time.perf_counter() - start, predicted_s))
+
+    def collect(self) -> list[tuple[float, float]]:
+        """(measured, predicted) seconds of the timed steps that have finished since the last
+        call."""
+        while self._pending and self._pending[0][1].query():
+            start, end, predicted_s = self._pending.pop(0)
+            self._done.append((start.elapsed_time(end) / 1e3, predicted_s))
+        done, self._done = self._done, []
+        return done
+
 class _JobThread:
     """One background thread running jobs in order; join() waits for the queue to empty."""
 
@@ -131,6 +176,7 @@ class WorkerSide:
         self._layer_events: list | None = None  # this step's layer-wise load, one per layer
         # This step's layer-wise load: (block ids, chunk addresses, copy stream, its blocks).
         self._layer_plan = None
+        self._step_timer = _StepTimer()
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -232,6 +278,8 @@ class WorkerSide:
     # --- per step ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+        self._step_timer.start(meta.prefill_predicted_s,
+                               self._device is not None and self._device.type == "cuda")
         self._layer_events = None
         layerwise = [job for job in meta.loads if job.layerwise]
         later = [job for job in meta.loads if not job.layerwise]
@@ -343,6 +391,7 @@ class WorkerSide:
                 and self._layer_events:
             torch.cuda.current_stream().wait_event(self._layer_events[-1])
         self._layer_plan = None
+        self._step_timer.stop()
         if not meta.saves:
             return
         ready = None
@@ -393,7 +442,12 @@ class WorkerSide:
         return failed
 
     def get_stats(self) -> KvtierConnectorStats | None:
+        timed = self._step_timer.collect()
         with self._lock:
+            for measured_s, predicted_s in timed:
+                self._stats.add("prefill_steps")
+                self._stats.add("prefill_measured_us", int(measured_s * 1e6))
+                self._stats.add("prefill_predicted_us", int(predicted_s * 1e6))
             if self._stats.is_empty():
                 return None
             stats, self._stats = self._stats, KvtierConnectorStats()

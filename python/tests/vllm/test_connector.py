@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -389,6 +390,41 @@ def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, ex
                 declined += 1792
                 assert transfer_metric(c, "tokens_declined", 30, at_least=declined) >= declined
         assert transfer_metric(c, "tokens_loaded", timeout=0) < loaded + 1792  # no third load
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()
+
+
+def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expected):
+    """A prefill table 1,000x too slow for this machine ("4096:1000": recomputing LONG's prefix
+    would take some 440 s) would load a prefix from a tier capped at 8 MB/s (7 MiB: about 0.9
+    s), as test_cost_aware_lookups_load_only_what_pays shows. The workers time the prefills
+    vLLM runs (three new prompts of 1,500 tokens), the table is scaled to what they took, and
+    the capped file tier's hit is declined and recomputed. The decision and the timings are on
+    vLLM's Prometheus /metrics too."""
+    l2 = workdir / "l2-learn"
+    store_on_the_file_tier(workdir, l2, expected)
+    server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.008})
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefill_table": "4096:1000",
+                              "kvtier.file_read_gbps": 0.008})
+    c = Vllm(workdir, "learn", cfg)
+    try:
+        for seed in range(3):
+            c.complete(random_prompt(300 + seed, 1500), max_tokens=1)
+        steps = transfer_metric(c, "prefill_steps", 30, at_least=3)
+        assert steps >= 3
+        measured = transfer_metric(c, "prefill_measured_us", timeout=0)
+        predicted = transfer_metric(c, "prefill_predicted_us", timeout=0)
+        assert 0 < measured < predicted / 100, (measured, predicted)
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_declined", 30, at_least=1792) >= 1792
+        assert transfer_metric(c, "tokens_loaded", timeout=0) == 0
+        metrics = urllib.request.urlopen(c.url + "/metrics", timeout=10).read().decode()
+        declined = re.search(r"^vllm:kvtier_tokens_declined_total\{[^}]*\} (\S+)$", metrics,
+                             re.M)
+        assert declined and float(declined.group(1)) >= 1792, metrics[-3000:]
+        assert re.search(r"^vllm:kvtier_prefill_steps_total\{", metrics, re.M)
         assert "Traceback" not in c.log()
     finally:
         c.stop()

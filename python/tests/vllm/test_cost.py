@@ -96,3 +96,24 @@ def test_a_measured_read_rate_decides_the_first_load_and_is_what_the_estimate_re
     assert measured.choose(32768, 0, 0, 127).chunks == 127
     # ...and it decays back to the measured 1.2 GB/s, not to the optimistic guess.
     assert measured.file_rate.bytes_per_s(now=time.monotonic() + 3600) == pytest.approx(1.2e9, rel=0.01)
+
+
+def test_a_wrong_prefill_table_corrects_itself_within_a_few_prefills():
+    # A table measured on a machine twice as fast as this one: a 16k disk-only hit at 3 GB/s
+    # (0.77 s of reading) looks dearer than recomputing it (0.59 s by the table)...
+    model = CostModel(PrefillCost(TABLE), 256, 36 * MB, file_read_bps=3e9)
+    assert model.choose(16384, 0, 0, 63).chunks == 0
+    # ...until the workers' timings of three 8k prefills (0.5 s each, the table said 0.25 s)
+    # have scaled the table: recomputing is now predicted at 1.18 s, and the hit is loaded.
+    assert model.step_prediction([(0, 8192)]) == pytest.approx(0.25)
+    for _ in range(3):
+        model.compute_scale.observe(0.5, model.step_prediction([(0, 8192)]))
+    assert model.compute_scale.value() == pytest.approx(2.0, rel=0.05)
+    assert model.choose(16384, 0, 0, 63).chunks == 63
+    # Decodes ride along in a step and are not predicted; a step with little prefill is not
+    # timed at all (its time is the step's fixed cost, which the table does not hold).
+    assert model.step_prediction([(0, 8192), (9000, 9001)]) == pytest.approx(0.25)
+    assert model.step_prediction([(0, 300), (9000, 9001)]) == 0
+    assert CostModel(None, 256, 36 * MB).step_prediction([(0, 8192)]) == 0
+    # Without timings for a while, the table's own word comes back.
+    assert model.compute_scale.value(now=time.monotonic() + 3600) == pytest.approx(1.0, rel=0.01)
