@@ -401,7 +401,8 @@ def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expect
     would take some 440 s) would load a prefix from a tier capped at 8 MB/s (7 MiB: about 0.9
     s), as test_cost_aware_lookups_load_only_what_pays shows. The workers time the prefills
     vLLM runs (three new prompts of 1,500 tokens), the table is scaled to what they took, and
-    the capped file tier's hit is declined and recomputed. The decision and the timings are on
+    the capped file tier's hit is declined and recomputed; the recompute puts its chunks back
+    into L1, so the same prefix next time is a memory hit. The decision and the timings are on
     vLLM's Prometheus /metrics too."""
     l2 = workdir / "l2-learn"
     store_on_the_file_tier(workdir, l2, expected)
@@ -420,6 +421,13 @@ def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expect
         assert c.complete(LONG) == expected["long"]
         assert transfer_metric(c, "tokens_declined", 30, at_least=1792) >= 1792
         assert transfer_metric(c, "tokens_loaded", timeout=0) == 0
+        # The recompute saved the declined chunks into L1 (the store had them on disk only):
+        # the conversation's next turn is a memory hit, loaded.
+        served_from_memory = kvtier_hits(server, "memory")
+        c.reset_prefix_cache()
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_loaded", 30, at_least=1792) >= 1792
+        assert kvtier_hits(server, "memory") >= served_from_memory + 7
         metrics = urllib.request.urlopen(c.url + "/metrics", timeout=10).read().decode()
         declined = re.search(r"^vllm:kvtier_tokens_declined_total\{[^}]*\} (\S+)$", metrics,
                              re.M)
