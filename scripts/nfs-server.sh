@@ -2,7 +2,9 @@
 # A real NFS server on loopback for tests and benchmarks: nfs-ganesha (VFS FSAL) exporting
 # STATE_DIR/export as nfs://127.0.0.1/export, NFSv3 (and v4) over TCP on 127.0.0.1:2049, mountd
 # on 20048. Clients are libnfs (nfs-ls, nfs-cp, nfs-cat, or kvtier's NFS backend); nothing is
-# mounted in the kernel.
+# mounted in the kernel. KVTIER_NFS_ADDR (default 127.0.0.1) binds it to another local address
+# instead, e.g. that of a network namespace standing in for a file server (the two-host test,
+# python/tests/test_two_hosts.py, runs it in one with a private /run for its own rpcbind).
 #
 #   scripts/nfs-server.sh start   [STATE_DIR]   # start (or find already running); prints the URL
 #   scripts/nfs-server.sh stop    [STATE_DIR]   # SIGTERM, wait up to 10 s, then SIGKILL
@@ -28,25 +30,29 @@ set -euo pipefail
 # shellcheck source=lib/test-server.sh disable=SC1091  # followed with shellcheck -x
 source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/lib/test-server.sh"
 
-readonly URL=nfs://127.0.0.1/export
+readonly ADDR=${KVTIER_NFS_ADDR:-127.0.0.1}
+readonly URL=nfs://$ADDR/export
 readonly READY_TIMEOUT_S=20
 readonly PACKAGES=(nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-dev libnfs-utils)
 # shellcheck disable=SC2034  # read by lib/test-server.sh
 readonly PROG=nfs-server DEFAULT_STATE_DIR=/tmp/kvtier-nfs SERVER=ganesha \
   SERVER_PID_FILE=ganesha.pid ROOT_REASON="ganesha's VFS FSAL needs it" EXTRA_COMMANDS=() \
   WAKE_PAUSED_ON_STOP=0
+[[ $ADDR =~ ^[0-9]{1,3}(\.[0-9]{1,3}){3}$ ]] ||
+  die "KVTIER_NFS_ADDR must be an IPv4 address, not '$ADDR'"
 
 usage() {
   cat <<EOF
 Usage: $(basename "$0") COMMAND [STATE_DIR]
 
-Runs nfs-ganesha (VFS FSAL, NFSv3 over TCP) on 127.0.0.1, exporting STATE_DIR/export as
-$URL, for kvtier's tests and benchmarks. STATE_DIR defaults to /tmp/kvtier-nfs.
+Runs nfs-ganesha (VFS FSAL, NFSv3 over TCP) on $ADDR (\$KVTIER_NFS_ADDR, default 127.0.0.1),
+exporting STATE_DIR/export as $URL, for kvtier's tests and benchmarks. STATE_DIR defaults
+to /tmp/kvtier-nfs.
 
 Commands:
   start    start rpcbind (if not running) and ganesha; wait until the export answers.
            Exits 0 at once if this STATE_DIR's server is already up; fails if another
-           NFS server already answers on 127.0.0.1:2049.
+           NFS server already answers on $ADDR:2049.
   stop     SIGTERM ganesha (and rpcbind if this script started it), SIGKILL after
            ${STOP_TIMEOUT_S} s. Exits 0 when nothing was running.
   restart  stop, then start; the files in STATE_DIR/export are kept.
@@ -74,11 +80,14 @@ our_rpcbind() {
   if pid_is "$pid" rpcbind -f; then echo "$pid"; fi
 }
 
-# True if any ganesha.nfsd process is alive (zombies, which an init that does not reap leaves
-# behind, do not count). Only looks; never signals it.
+# True if any ganesha.nfsd process is alive in this network namespace (zombies, which an init
+# that does not reap leaves behind, do not count; one in another namespace registers with that
+# namespace's rpcbind). Only looks; never signals it.
 other_ganesha_alive() {
-  local p
+  local p ours
+  ours=$(readlink /proc/self/ns/net 2>/dev/null) || ours=""
   for p in $(pgrep -x ganesha.nfsd 2>/dev/null); do
+    [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$ours" ] || continue
     if pid_is "$p"; then return 0; fi
   done
   return 1
@@ -86,7 +95,7 @@ other_ganesha_alive() {
 
 answering() { timeout 5 nfs-ls "$URL" >/dev/null 2>&1; }
 
-rpcbind_answering() { rpcinfo -p 127.0.0.1 >/dev/null 2>&1; }
+rpcbind_answering() { rpcinfo -p "$ADDR" >/dev/null 2>&1; }
 
 # --- setup ---------------------------------------------------------------------------------
 
@@ -117,7 +126,7 @@ write_config() {
   cat > "$state/ganesha.conf" <<EOF
 # Written by scripts/nfs-server.sh; rewritten on every start.
 NFS_CORE_PARAM {
-  Bind_addr = 127.0.0.1;
+  Bind_addr = $ADDR;
   NFS_Port = 2049;
   MNT_Port = 20048;
   Protocols = 3, 4;
@@ -180,7 +189,7 @@ start_rpcbind() {
     sleep 1
     # One that did start (under another PID, or another caller's) is as good as ours.
     if rpcbind_answering; then
-      warn "an rpcbind answers on 127.0.0.1 now; using it"
+      warn "an rpcbind answers on $ADDR now; using it"
       return 0
     fi
   done

@@ -17,7 +17,8 @@
 # spool/. moto keeps its state in its process: a stop, kill or restart loses every bucket, object
 # and credential, so credentials.env is rewritten on every start. moto lives in a virtual
 # environment of its own, $KVTIER_S3_VENV (default /opt/kvtier-s3-venv), that start (or install)
-# creates with pip from PyPI when missing. The port is $KVTIER_S3_PORT (default 9000).
+# creates with pip from PyPI when missing. The port is $KVTIER_S3_PORT (default 9000), the address
+# $KVTIER_S3_HOST (default 127.0.0.1; another local address, e.g. a network namespace's).
 #
 # Only processes this script started are ever signalled, by the PID it recorded, and only after
 # checking /proc/PID/cmdline still names moto_server and /proc/PID/environ this STATE_DIR: a
@@ -30,7 +31,7 @@ set -euo pipefail
 # shellcheck source=lib/test-server.sh disable=SC1091  # followed with shellcheck -x
 source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/lib/test-server.sh"
 
-readonly HOST=127.0.0.1
+readonly HOST=${KVTIER_S3_HOST:-127.0.0.1}
 readonly REGION=us-east-1
 readonly BUCKET=kvtier-test
 readonly READY_TIMEOUT_S=30
@@ -42,12 +43,15 @@ want_port=${KVTIER_S3_PORT:-9000}
 # shellcheck disable=SC2034  # read by lib/test-server.sh
 readonly PROG=s3-server DEFAULT_STATE_DIR=/tmp/kvtier-s3 SERVER=moto SERVER_PID_FILE=moto.pid \
   ROOT_REASON="" EXTRA_COMMANDS=(install) WAKE_PAUSED_ON_STOP=1
+[[ $HOST =~ ^[0-9]{1,3}(\.[0-9]{1,3}){3}$ ]] ||
+  die "KVTIER_S3_HOST must be an IPv4 address, not '$HOST'"
 
 usage() {
   cat <<EOF
 Usage: $(basename "$0") COMMAND [STATE_DIR]
 
-Runs moto's S3 server on http://$HOST:PORT (PORT: \$KVTIER_S3_PORT, default 9000) for
+Runs moto's S3 server on http://$HOST:PORT (PORT: \$KVTIER_S3_PORT, default 9000; the address:
+\$KVTIER_S3_HOST, default 127.0.0.1) for
 kvtier's tests and benchmarks, with bucket s3://$BUCKET. STATE_DIR defaults to /tmp/kvtier-s3.
 
 Commands:
@@ -118,11 +122,11 @@ answering() {  # PORT
   [[ $code == 2?? ]]
 }
 
-# Prints what listens on 127.0.0.1:PORT (or on every address at PORT), nothing if nothing does.
+# Prints what listens on HOST:PORT (or on every address at PORT), nothing if nothing does.
 listener() {  # PORT
-  ss -Hltnp "sport = :$1" 2>/dev/null | awk -v p=":$1" '
-    $4 == "127.0.0.1" p || $4 == "0.0.0.0" p || $4 == "*" p || $4 == "[::]" p ||
-    $4 == "[::ffff:127.0.0.1]" p' || true
+  ss -Hltnp "sport = :$1" 2>/dev/null | awk -v p=":$1" -v h="$HOST" '
+    $4 == h p || $4 == "0.0.0.0" p || $4 == "*" p || $4 == "[::]" p ||
+    $4 == "[::ffff:" h "]" p' || true
 }
 
 # --- setup ---------------------------------------------------------------------------------
