@@ -105,10 +105,13 @@ Result<L2Spec> L2FromJson(const json& j) {
       KVTIER_RETURN_IF_ERROR(GetBool(v, key, &spec.sync_data));
     } else if (key == "read_limit_gbps") {
       KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.read_limit_gbps));
+    } else if (key == "rescan_interval_s") {
+      KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.rescan_interval_s));
     } else {
       return Status::InvalidArgument(
           fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, part_mib, "
-                      "max_size_gb, read_threads, write_threads, sync_data, read_limit_gbps)",
+                      "max_size_gb, read_threads, write_threads, sync_data, read_limit_gbps, "
+                      "rescan_interval_s)",
                       k));
     }
   }
@@ -166,6 +169,10 @@ Result<L2Spec> L2FromJson(const json& j) {
   }
   if (!(spec.read_limit_gbps >= 0) || spec.read_limit_gbps > 1e6) {
     return Status::InvalidArgument("L2 \"read_limit_gbps\" must be in [0, 1e6] (0 = no cap)");
+  }
+  if (!(spec.rescan_interval_s >= 0) || spec.rescan_interval_s > 86400) {
+    return Status::InvalidArgument(
+        "L2 \"rescan_interval_s\" must be in [0, 86400] seconds (0 = no rescans)");
   }
   return spec;
 }
@@ -432,6 +439,8 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.write_threads = l2[0].write_threads;
     f.sync_data = l2[0].sync_data;
     f.read_limit_bytes_per_s = l2[0].read_limit_gbps * 1e9;
+    f.rescan_interval = std::chrono::milliseconds(
+        static_cast<int64_t>(std::llround(l2[0].rescan_interval_s * 1000)));
     f.connections = l2[0].connections;
     f.s3_part_bytes = static_cast<size_t>(l2[0].part_mib) << 20;
     o.engine.file = f;

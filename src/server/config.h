@@ -34,6 +34,10 @@ struct L2Spec {
   // Caps the tier's reads at this many GB/s (10^9 bytes; FileTierOptions::read_limit_bytes_per_s);
   // 0: no cap.
   double read_limit_gbps = 0;
+  // How often the tier lists its directory for what other hosts published and removed
+  // (FileTierOptions::rescan_interval); 0: never. Hosts sharing a directory and a capacity go
+  // over it by what the others wrote in about one interval (docs/multi-node.md).
+  double rescan_interval_s = 5;
 };
 
 struct ServeConfig {

@@ -61,6 +61,7 @@ TEST(ServeConfigTest, L2SpecsAreValidated) {
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_threads":0})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","max_size_gb":-1})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_limit_gbps":-0.5})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","rescan_interval_s":-1})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","colour":"red"})").ok());
   EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
 }
@@ -76,6 +77,19 @@ TEST(ServeConfigTest, L2ReadLimitReachesTheFileTierInBytesPerSecond) {
   auto defaults = BuildServerOptions(ServeConfig{});
   ASSERT_TRUE(defaults.ok());
   EXPECT_EQ(defaults->engine.file->read_limit_bytes_per_s, 0);
+}
+
+TEST(ServeConfigTest, L2RescanIntervalReachesTheFileTier) {
+  auto spec = ParseL2Spec(R"({"type":"fs","path":"/x","rescan_interval_s":0.25})");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  ServeConfig c;
+  c.l2 = {*spec};
+  auto options = BuildServerOptions(c);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  EXPECT_EQ(options->engine.file->rescan_interval, std::chrono::milliseconds(250));
+  auto defaults = BuildServerOptions(ServeConfig{});
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults->engine.file->rescan_interval, FileTierOptions{}.rescan_interval);
 }
 
 TEST(ServeConfigTest, L2SyncDataIsABooleanThatReachesTheFileTier) {

@@ -269,8 +269,9 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
          "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION); max_size_gb is in GiB (2^30 "
          "bytes); \"sync_data\":false skips the fdatasync of each chunk file before it is "
          "published (faster writes; after a power loss some chunks fail their checksum and are "
-         "misses, never wrong data; default true) (default: a 10 GiB fs tier in the cache "
-         "directory)")
+         "misses, never wrong data; default true); \"rescan_interval_s\" is how often the "
+         "tier lists its directory for chunks other hosts published or removed (default 5, 0: "
+         "never; docs/multi-node.md) (default: a 10 GiB fs tier in the cache directory)")
       ->type_name("JSON");
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });
