@@ -95,6 +95,16 @@ struct FileTierOptions {
   // four times its own last duration, so a slow listing (a large cache, NFS, S3) costs at most a
   // fifth of one background thread. 0: no rescans.
   std::chrono::milliseconds rescan_interval{5000};
+  // Several hosts share this directory and its capacity. A tier counts only what it knows of
+  // (its index), so without this the directory goes over the capacity by what the other hosts
+  // published since this tier last listed it (up to a whole capacity per host in a burst). With
+  // it, every publish also leaves a marker, <ns>/recent/<key>.<unix_ms>, and every write first
+  // lists those markers and counts the chunks it did not know of before it makes room: the
+  // directory then goes over by at most the writes in flight on the other hosts (one chunk per
+  // write thread). Costs a listing of that folder per write and a marker per publish; markers
+  // older than `shared_capacity_window` are removed by whoever lists them. docs/multi-node.md.
+  bool shared_capacity = false;
+  std::chrono::milliseconds shared_capacity_window{30000};
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
   bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
   // Caps the tier's chunk reads, all readers together, at this many bytes per second (0: no

@@ -107,11 +107,13 @@ Result<L2Spec> L2FromJson(const json& j) {
       KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.read_limit_gbps));
     } else if (key == "rescan_interval_s") {
       KVTIER_RETURN_IF_ERROR(GetNumber(v, key, &spec.rescan_interval_s));
+    } else if (key == "shared_capacity") {
+      KVTIER_RETURN_IF_ERROR(GetBool(v, key, &spec.shared_capacity));
     } else {
       return Status::InvalidArgument(
           fmt::format("unknown L2 key \"{}\" (expected type, path, url, connections, part_mib, "
                       "max_size_gb, read_threads, write_threads, sync_data, read_limit_gbps, "
-                      "rescan_interval_s)",
+                      "rescan_interval_s, shared_capacity)",
                       k));
     }
   }
@@ -441,6 +443,7 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     f.read_limit_bytes_per_s = l2[0].read_limit_gbps * 1e9;
     f.rescan_interval = std::chrono::milliseconds(
         static_cast<int64_t>(std::llround(l2[0].rescan_interval_s * 1000)));
+    f.shared_capacity = l2[0].shared_capacity;
     f.connections = l2[0].connections;
     f.s3_part_bytes = static_cast<size_t>(l2[0].part_mib) << 20;
     o.engine.file = f;

@@ -38,6 +38,9 @@ struct L2Spec {
   // (FileTierOptions::rescan_interval); 0: never. Hosts sharing a directory and a capacity go
   // over it by what the others wrote in about one interval (docs/multi-node.md).
   double rescan_interval_s = 5;
+  // Hosts share this directory's capacity: each write first counts what the others published
+  // lately (FileTierOptions::shared_capacity, docs/multi-node.md).
+  bool shared_capacity = false;
 };
 
 struct ServeConfig {

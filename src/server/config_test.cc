@@ -62,6 +62,7 @@ TEST(ServeConfigTest, L2SpecsAreValidated) {
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","max_size_gb":-1})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","read_limit_gbps":-0.5})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","rescan_interval_s":-1})").ok());
+  EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","shared_capacity":1})").ok());
   EXPECT_FALSE(ParseL2Spec(R"({"type":"fs","path":"/x","colour":"red"})").ok());
   EXPECT_FALSE(ParseL2Spec("fs:/x").ok());
 }
@@ -79,17 +80,20 @@ TEST(ServeConfigTest, L2ReadLimitReachesTheFileTierInBytesPerSecond) {
   EXPECT_EQ(defaults->engine.file->read_limit_bytes_per_s, 0);
 }
 
-TEST(ServeConfigTest, L2RescanIntervalReachesTheFileTier) {
-  auto spec = ParseL2Spec(R"({"type":"fs","path":"/x","rescan_interval_s":0.25})");
+TEST(ServeConfigTest, L2RescanIntervalAndSharedCapacityReachTheFileTier) {
+  auto spec =
+      ParseL2Spec(R"({"type":"fs","path":"/x","rescan_interval_s":0.25,"shared_capacity":true})");
   ASSERT_TRUE(spec.ok()) << spec.status().ToString();
   ServeConfig c;
   c.l2 = {*spec};
   auto options = BuildServerOptions(c);
   ASSERT_TRUE(options.ok()) << options.status().ToString();
   EXPECT_EQ(options->engine.file->rescan_interval, std::chrono::milliseconds(250));
+  EXPECT_TRUE(options->engine.file->shared_capacity);
   auto defaults = BuildServerOptions(ServeConfig{});
   ASSERT_TRUE(defaults.ok());
   EXPECT_EQ(defaults->engine.file->rescan_interval, FileTierOptions{}.rescan_interval);
+  EXPECT_FALSE(defaults->engine.file->shared_capacity);
 }
 
 TEST(ServeConfigTest, L2SyncDataIsABooleanThatReachesTheFileTier) {

@@ -271,7 +271,9 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
          "published (faster writes; after a power loss some chunks fail their checksum and are "
          "misses, never wrong data; default true); \"rescan_interval_s\" is how often the "
          "tier lists its directory for chunks other hosts published or removed (default 5, 0: "
-         "never; docs/multi-node.md) (default: a 10 GiB fs tier in the cache directory)")
+         "never); \"shared_capacity\":true for hosts sharing the directory and its "
+         "max_size_gb: each write first counts what the others published lately "
+         "(docs/multi-node.md) (default: a 10 GiB fs tier in the cache directory)")
       ->type_name("JSON");
   add(cmd->add_flag("--no-l2", f.no_l2, "Run with the L1 pool only"),
       [a](ServeConfig& c) { c.no_l2 = a->flags.no_l2; });

@@ -82,6 +82,8 @@ Status Walk(Env* env, const std::string& root, std::vector<Item>* items, uint64_
     for (const DirEntry& a : *l1) {
       const std::string apath = fmt::format("{}/{}", npath, a.name);
       if (a.name == kNamespaceFileName) continue;
+      // Markers of recent publishes (shared_capacity): short-lived, removed by the tiers.
+      if (a.name == kRecentDirName && a.type == DirEntry::Type::kDirectory) continue;
       if (a.name.starts_with(kNamespaceFileName) && a.name.find(kTempInfix) != std::string::npos) {
         items->push_back({Item::Kind::kTemp, apath, n.name, "", a.name});
         continue;

@@ -19,6 +19,8 @@ inline constexpr size_t kMaxModelIdBytes = 1024;
 inline constexpr std::string_view kMarkerName = "kvtier-cache.json";
 inline constexpr std::string_view kNamespaceFileName = "namespace.json";
 inline constexpr std::string_view kTempInfix = ".tmp.";
+// FileTierOptions::shared_capacity: markers of recent publishes, <ns>/recent/<key>.<unix_ms>.
+inline constexpr std::string_view kRecentDirName = "recent";
 
 struct ChunkHeader {
   ChunkKey namespace_root;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -356,6 +357,11 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   Status EnsureLeafDir(const std::string& dir, bool force);
   Status WriteDirectoryFiles();
   Status WriteAndPublish(const ChunkKey& key, std::span<const uint8_t> src);
+  // FileTierOptions::shared_capacity: indexes the chunks other tiers published lately (their
+  // markers in recent_dir_) that this one has not counted yet, and removes expired markers.
+  void AdoptRecentPublishes();
+  // Leaves the marker of a chunk this tier just published.
+  void MarkPublished(const ChunkKey& key);
   // The filesystem is full: lower the budget to what we hold on it minus this write's file, and
   // pick victims to make that room. False if there is nothing of ours to evict.
   bool DiskFull(std::vector<ChunkKey>* victims);
@@ -435,6 +441,13 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   std::mutex dirs_mu_;
   std::unordered_set<std::string> leaf_dirs_;  // created (or seen) by us
 
+  // FileTierOptions::shared_capacity. A marker is counted once: recent_seen_ holds the names of
+  // those already adopted (or our own) that the last listing still showed, so a chunk that has
+  // since been evicted is not counted again from its marker.
+  std::string recent_dir_;
+  std::mutex recent_mu_;  // one listing at a time; guards recent_seen_
+  std::unordered_set<std::string> recent_seen_;
+
   std::atomic<uint64_t> reads_{0}, writes_{0}, hits_{0}, misses_{0}, bytes_read_{0},
       bytes_written_{0}, evictions_{0}, rejections_{0}, errors_{0}, corrupt_{0}, foreign_{0},
       disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0},
@@ -494,6 +507,10 @@ Status FileTier::Impl::Init() {
     }
   }
   KVTIER_RETURN_IF_ERROR(WriteDirectoryFiles());
+  if (options_.shared_capacity) {
+    recent_dir_ = ns_dir_ + "/" + std::string(kRecentDirName);
+    KVTIER_RETURN_IF_ERROR(env_->CreateDirs(recent_dir_).WithContext("creating " + recent_dir_));
+  }
   KVTIER_RETURN_IF_ERROR(ScanNamespace());
   if (options_.capacity_bytes != 0) {
     // Informational: a capacity above the free space is legal (ENOSPC makes the tier evict), but
@@ -1134,6 +1151,8 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
     return Status::InvalidArgument(
         fmt::format("chunk of {} bytes, this tier stores {}", src.size(), options_.chunk_bytes));
   }
+  // Count what the other hosts published lately before deciding what room this write needs.
+  if (options_.shared_capacity) AdoptRecentPublishes();
   std::vector<ChunkKey> victims;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -1183,8 +1202,110 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
     CountWriteFailure(key, s);
     return s;
   }
+  if (options_.shared_capacity) MarkPublished(key);
   bytes_written_.fetch_add(options_.chunk_bytes);
   return Status::Ok();
+}
+
+namespace {
+int64_t UnixMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A marker of shared_capacity, <64 hex digits>.<unix ms>: its key and time, or nothing.
+std::optional<std::pair<ChunkKey, int64_t>> ParseMarker(std::string_view name) {
+  if (name.size() < 66 || name[64] != '.' || !IsChunkName(name.substr(0, 64))) return std::nullopt;
+  int64_t ms = 0;
+  const char* end = name.data() + name.size();
+  auto [ptr, ec] = std::from_chars(name.data() + 65, end, ms);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return std::make_pair(ChunkKey::FromHex(name.substr(0, 64)).value(), ms);
+}
+}  // namespace
+
+void FileTier::Impl::MarkPublished(const ChunkKey& key) {
+  const std::string name = fmt::format("{}.{}", key.ToHex(), UnixMillis());
+  {
+    std::lock_guard<std::mutex> lock(recent_mu_);
+    recent_seen_.insert(name);  // ours: already counted
+  }
+  // One byte: an object store stores no file that was never written to.
+  Status s;
+  {
+    OpenOptions oo;
+    oo.write = oo.create = oo.truncate = true;
+    auto f = env_->Open(fmt::format("{}/{}", recent_dir_, name), oo);
+    if (f.ok()) {
+      std::vector<uint8_t> byte = {'\n'};
+      IoOp op = IoOp::Write(0, byte);
+      s = WriteExact(**f, std::span<IoOp>(&op, 1));
+      // An object store publishes a file at its Sync; a filesystem has it at its creation.
+      if (s.ok() && env_->publishes_at_sync()) s = (*f)->Sync();
+    } else {
+      s = f.status();
+    }
+  }
+  if (!s.ok()) {
+    // The chunk is published either way; other hosts count it at their next rescan instead.
+    if (auto held = write_log_.Allow()) {
+      spdlog::warn("file tier: marking {} published: {}{}", key.ToHex(), s.ToString(),
+                   LogLimiter::Suppressed(*held));
+    }
+  }
+}
+
+void FileTier::Impl::AdoptRecentPublishes() {
+  std::lock_guard<std::mutex> one_listing(recent_mu_);
+  auto listed = env_->List(recent_dir_);
+  if (!listed.ok()) {
+    if (auto held = rescan_log_.Allow()) {
+      spdlog::warn("file tier: listing {}: {}{}", recent_dir_, listed.status().ToString(),
+                   LogLimiter::Suppressed(*held));
+    }
+    return;  // this write counts what the index knows, as without shared_capacity
+  }
+  const int64_t now_ms = UnixMillis();
+  const int64_t window_ms = options_.shared_capacity_window.count();
+  std::unordered_set<std::string> present;
+  std::vector<ChunkKey> fresh;
+  std::vector<std::string> expired;
+  for (const DirEntry& e : *listed) {
+    auto marker = ParseMarker(e.name);
+    if (!marker) continue;  // not a marker: left alone
+    if (now_ms - marker->second > window_ms) {
+      expired.push_back(e.name);
+      continue;
+    }
+    present.insert(e.name);
+    if (!recent_seen_.contains(e.name)) fresh.push_back(marker->first);
+  }
+  for (const std::string& name : recent_seen_) {
+    // Our own markers just made may not be listed yet (an object store's listing may lag).
+    auto marker = ParseMarker(name);
+    if (marker && now_ms - marker->second <= window_ms) present.insert(name);
+  }
+  recent_seen_ = std::move(present);
+  uint64_t added = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const ChunkKey& key : fresh) {
+      // Ours in flight, or known: nothing to count. Adopted as the most recently used: others
+      // published it just now.
+      if (index_.count(key) || mutating_.count(key)) continue;
+      InsertLocked(key, file_bytes_);
+      negative_.erase(key);
+      ++added;
+    }
+  }
+  found_on_disk_.fetch_add(added, std::memory_order_relaxed);
+  // Every tier's rescan has seen these chunks by now (or their absence): the markers have done
+  // their work. Whoever lists them first removes them; losing that race is fine.
+  constexpr size_t kMaxRemovals = 64;  // per write, so that a backlog costs no single write much
+  for (size_t i = 0; i < expired.size() && i < kMaxRemovals; ++i) {
+    (void)env_->Unlink(fmt::format("{}/{}", recent_dir_, expired[i]));
+  }
 }
 
 bool FileTier::Impl::DiskFull(std::vector<ChunkKey>* victims) {

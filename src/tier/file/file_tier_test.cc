@@ -372,6 +372,54 @@ bool Eventually(F done) {
 
 // 1,000 chunks on disk, none in any memory tier: the lookup answers from the index and makes no
 // Env call at all (a FaultInjectionEnv without faults counts every call), hit or miss.
+// Two tiers (two hosts) on one directory with one capacity, writing in turn. Each counts what it
+// knows of: without shared_capacity the other's chunks stay uncounted until a rescan or a probe
+// finds them (both off here), so the directory ends up holding both tiers' capacity. With it,
+// each write first counts the other's recent publishes (their markers) and evicts for them too.
+TEST(FileTierTest, SharedCapacityCountsWhatTheOtherHostsPublished) {
+  for (bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared_capacity" : "without shared_capacity");
+    testing::StorageDir dir;
+    FileTierOptions o = Options(dir.path(), 8192);
+    o.capacity_bytes = 4 * (4096 + 8192);  // four files
+    o.rescan_interval = std::chrono::milliseconds(0);
+    o.max_queued_probes = 0;
+    o.shared_capacity = shared;
+    auto a = OpenTier(o);
+    auto b = OpenTier(o);
+    ASSERT_TRUE(a && b);
+    const std::string ns_dir = dir.LocalOf(a->namespace_dir());
+    size_t peak = 0;
+    for (uint64_t i = 0; i < 12; ++i) {
+      WriteChunks(*a, i, 1);
+      peak = std::max(peak, ChunkFilesOnDisk(ns_dir).first);
+      WriteChunks(*b, 100 + i, 1);
+      peak = std::max(peak, ChunkFilesOnDisk(ns_dir).first);
+    }
+    if (!shared) {
+      EXPECT_EQ(peak, 8u);  // the cause: each tier kept four of its own
+      continue;
+    }
+    EXPECT_LE(peak, 4u);
+    EXPECT_EQ(ChunkFilesOnDisk(ns_dir).first, 4u);
+    // The newest chunks of both are the ones kept, and read back whole.
+    AlignedBuffer buf(8192);
+    for (uint64_t k : {10, 11, 110, 111}) {
+      ASSERT_TRUE(a->Read(TestKey(k), buf.span()).ok()) << k;
+      EXPECT_TRUE(VerifyChunk(TestKey(k), buf.span())) << k;
+    }
+    // Markers older than the window are removed by the next write that lists them.
+    o.shared_capacity_window = std::chrono::milliseconds(0);
+    auto c = OpenTier(o);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    WriteChunks(*c, 200, 1);
+    size_t markers = 0;
+    for (auto& e : fs::directory_iterator(fs::path(ns_dir) / "recent"))
+      markers += e.is_regular_file();
+    EXPECT_LE(markers, 1u);  // c's own, at most
+  }
+}
+
 TEST(FileTierIndexTest, LookupOfAThousandChunksOnDiskMakesNoEnvCall) {
   testing::StorageDir dir;
   constexpr uint64_t kKeys = 1000;
