@@ -1151,8 +1151,17 @@ Status FileTier::Impl::Write(const ChunkKey& key, std::span<const uint8_t> src) 
     return Status::InvalidArgument(
         fmt::format("chunk of {} bytes, this tier stores {}", src.size(), options_.chunk_bytes));
   }
-  // Count what the other hosts published lately before deciding what room this write needs.
-  if (options_.shared_capacity) AdoptRecentPublishes();
+  // Count what the other hosts published lately before deciding what room this write needs
+  // (unless there is nothing to write: the listing is a round trip to the storage).
+  if (options_.shared_capacity) {
+    bool known;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      known = index_.count(key) != 0;
+    }
+    if (known) return Status::Ok();  // idempotent, as below
+    AdoptRecentPublishes();
+  }
   std::vector<ChunkKey> victims;
   {
     std::unique_lock<std::mutex> lock(mu_);
