@@ -44,6 +44,9 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
     case Opcode::kPing:
       keep = HandlePing(r);
       break;
+    case Opcode::kDescribe:
+      keep = HandleDescribe(r);
+      break;
     case Opcode::kHello:
       break;
   }
@@ -285,6 +288,14 @@ bool Server::Impl::HandleStats(const Request& r) {
   Status s = DecodeEmptyRequest(r.body);
   if (!s.ok()) return Malformed(r, s);
   return Reply(r, Status::Ok(), TextReplyFields(StatsJson(StatsView::kTenant, r.c.tenant)));
+}
+
+bool Server::Impl::HandleDescribe(const Request& r) {
+  auto entries = DecodeDescribeRequest(r.body, options_.max_keys_per_request);
+  if (!entries.ok()) return Malformed(r, entries.status());
+  // Without KV-cache events the descriptors have no use: they are checked for framing only and
+  // answered at once, so a client that describes need not know how the server runs.
+  return Reply(r, Status::Ok());
 }
 
 bool Server::Impl::HandlePing(const Request& r) {

@@ -90,6 +90,7 @@ class Server::Impl {
   bool HandleRelease(const Request& r);
   bool HandleStats(const Request& r);
   bool HandlePing(const Request& r);
+  bool HandleDescribe(const Request& r);
   // Answers `r` (an error reply is counted); false if the connection is gone.
   bool Reply(const Request& r, const Status& s, std::span<const uint8_t> fields = {});
   // Answers a request that broke the protocol; returns false (the connection is closed).

@@ -500,6 +500,37 @@ TEST_F(ServerTest, MalformedAndOversizedMessagesGetAnErrorAndADisconnect) {
   EXPECT_EQ((*c)->Lookup(keys).total, 2u);
 }
 
+// A server without --kv-events takes describe and ignores it, so clients need not know how it
+// runs; the client splits a batch larger than one message, and a malformed describe is a
+// protocol error like any other.
+TEST_F(ServerTest, DescribeWithoutKvEventsIsAcceptedAndIgnored) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(100, 3);
+  // 100 x 16 KiB: two frames under the 1 MiB message limit.
+  std::vector<uint8_t> descriptor(server::kMaxDescriptorBytes, 0xc0);
+  std::vector<std::span<const uint8_t>> descriptors(keys.size(), descriptor);
+  EXPECT_TRUE((*c)->Describe(keys, descriptors).ok());
+  EXPECT_TRUE((*c)->Describe({}, {}).ok());
+  EXPECT_EQ((*c)->Describe(keys, std::span(descriptors).first(2)).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<uint8_t> huge(server::kMaxDescriptorBytes + 1);
+  std::vector<std::span<const uint8_t>> too_big = {huge};
+  EXPECT_EQ((*c)->Describe(std::span(keys).first(1), too_big).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*c)->Ping().ok());
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  EXPECT_EQ(Stats(**c)["pool"]["resident"], 100);
+
+  std::vector<uint8_t> lying(server::kHeaderBytes);
+  server::EncodeHeader({8, static_cast<uint16_t>(server::Opcode::kDescribe), 0, 78}, lying.data());
+  for (uint8_t b : {0xFF, 0xFF, 0, 0, 1, 2, 3, 4}) lying.push_back(b);
+  auto [lie, lie_closed] = SendRaw(server.socket(), lying, true);
+  EXPECT_EQ(lie.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(lie_closed);
+}
+
 TEST_F(ServerTest, SigkilledClientsMidLoadLeaveNoPinnedSlot) {
   // The observer takes every slot at the end: no per-client limit below the pool.
   ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "256"});
