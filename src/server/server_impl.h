@@ -97,6 +97,9 @@ class Server::Impl {
   bool Malformed(const Request& r, const Status& s);
   // The keys the engine stores for a client's keys (its namespace's, or its tenant's).
   std::vector<ChunkKey> Derive(Connection& c, const std::vector<ChunkKey>& keys);
+  // KV-cache events: tells the publisher which client chunk (and rank) each derived key is.
+  void BindForEvents(Connection& c, const std::vector<ChunkKey>& keys,
+                     const std::vector<ChunkKey>& derived);
   // How many of `n` new slots `c` may take: reservations and pins are capped per client
   // process, over all its connections (two connections of one process took the whole pool when
   // the cap was per connection), and an isolated connection's by its window. An error when
@@ -169,6 +172,8 @@ class Server::Impl {
   std::list<std::shared_ptr<Connection>> conns_;  // past the handshake
 
   std::unique_ptr<HttpListener> http_;
+  // KV-cache events (options_.kv_events); null when off. The tiers hold it as their listener.
+  std::shared_ptr<events::Publisher> events_;
 
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;

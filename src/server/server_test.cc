@@ -903,6 +903,47 @@ std::pair<int, std::string> RunServeFailing(const testing::TempDir& dir,
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, ss.str()};
 }
 
+// KV-cache events: a bad endpoint, bad values and --kv-events-endpoint with --isolate-clients
+// end the start with a message and a non-zero status, never a hang; a good one serves.
+TEST_F(ServerTest, KvEventsOptionsFailClearlyOrServe) {
+  const std::string sock = dir_.Sub("ev.sock");
+  auto expect_failure = [&](std::vector<std::string> args, const std::string& says) {
+    args.insert(args.begin(), {"--socket", sock, "--no-l2", "--http-port", "-1"});
+    auto [rc, out] = RunServeFailing(dir_, args);
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find(says), std::string::npos) << out;
+  };
+  expect_failure({"--kv-events", "--kv-events-endpoint", "udp://x:1"}, "not a ZMQ endpoint");
+  expect_failure({"--kv-events", "--kv-events-endpoint", "ipc:///nonexistent-kvtier/dir/pub"},
+                 "cannot bind");
+  expect_failure({"--kv-events", "--kv-events-replay-endpoint", "tcp://*:notaport"},
+                 "tcp://HOST:PORT");
+  expect_failure({"--kv-events-endpoint", "ipc://" + dir_.Sub("p")}, "need --kv-events");
+  expect_failure({"--kv-events", "--kv-events-media", "CPU"}, "two names");
+  expect_failure({"--kv-events", "--kv-events-batch-ms", "0"}, "batch-ms");
+  expect_failure(
+      {"--kv-events", "--isolate-clients", "--kv-events-endpoint", "ipc://" + dir_.Sub("p")},
+      "refused with --isolate-clients");
+
+  ServerProcess server(
+      dir_, {"--no-l2", "--kv-events", "--kv-events-endpoint", "ipc://" + dir_.Sub("pub"),
+             "--kv-events-replay-endpoint", "ipc://" + dir_.Sub("replay")});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(2, 5);
+  const std::vector<uint8_t> junk = {0x80};  // an empty map: invalid, dropped and counted
+  std::vector<std::span<const uint8_t>> descriptors(keys.size(), junk);
+  EXPECT_TRUE((*c)->Describe(keys, descriptors).ok());
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  auto st = Stats(**c);
+  ASSERT_TRUE(st.contains("kv_events")) << st.dump();
+  EXPECT_EQ(st["kv_events"]["dropped_descriptors"], 2);
+  struct stat pub_stat {};
+  ASSERT_EQ(::stat(dir_.Sub("pub").c_str(), &pub_stat), 0);
+  EXPECT_EQ(pub_stat.st_mode & 0777, 0600u);
+}
+
 TEST_F(ServerTest, BadCommandLinesFailClearly) {
   std::string sock = dir_.Sub("bad.sock");
   auto [rc1, out1] = RunServeFailing(dir_, {"--socket", sock, "--no-such-flag"});
