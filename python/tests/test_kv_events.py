@@ -71,7 +71,10 @@ def server():
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             log.flush()
-            pytest.fail(f"kvtier serve did not start: {open(log.name).read()}")
+            text = open(log.name).read()
+            if "built with libzmq and msgpack-cxx" in text:
+                pytest.skip("this kvtier was built without KV-cache events (libzmq, msgpack-cxx)")
+            pytest.fail(f"kvtier serve did not start: {text}")
         time.sleep(0.02)
     yield {"socket": sock, "pub": pub, "replay": replay}
     proc.send_signal(signal.SIGTERM)

@@ -149,7 +149,9 @@ class Publisher::Impl {
     if (!o_.endpoint.empty()) {
       pub_ = zmq_socket(ctx_, ZMQ_PUB);
       zmq_setsockopt(pub_, ZMQ_SNDHWM, &o_.hwm, sizeof(int));
-      int linger = 0;
+      // The batches published at Stop get a moment to leave; a subscriber that is gone costs
+      // the drain no more than this.
+      int linger = 200;
       zmq_setsockopt(pub_, ZMQ_LINGER, &linger, sizeof(int));
       KVTIER_ASSIGN_OR_RETURN(
           endpoint_, Attach(pub_, o_.endpoint, ShouldBind(o_.endpoint), "--kv-events-endpoint"));

@@ -906,6 +906,9 @@ std::pair<int, std::string> RunServeFailing(const testing::TempDir& dir,
 // KV-cache events: a bad endpoint, bad values and --kv-events-endpoint with --isolate-clients
 // end the start with a message and a non-zero status, never a hang; a good one serves.
 TEST_F(ServerTest, KvEventsOptionsFailClearlyOrServe) {
+#ifndef KVTIER_WITH_KV_EVENTS
+  GTEST_SKIP() << "built without KV-cache events (libzmq, msgpack-cxx)";
+#endif
   const std::string sock = dir_.Sub("ev.sock");
   auto expect_failure = [&](std::vector<std::string> args, const std::string& says) {
     args.insert(args.begin(), {"--socket", sock, "--no-l2", "--http-port", "-1"});
