@@ -13,9 +13,11 @@ import sys
 # unit -> (layer, headers it owns, source folders or files it owns)
 UNITS = {
     "common": (0, ["kvtier/status.h", "kvtier/chunk_key.h", "kvtier/layout.h", "kvtier/store.h",
-                   "kvtier/socket_path.h", "common/"], ["src/common/"]),
+                   "kvtier/socket_path.h", "kvtier/tier_listener.h", "common/"], ["src/common/"]),
     "protocol": (1, ["server/codec.h"], ["src/server/codec.cc", "src/server/fuzz/"]),
     "io": (1, ["kvtier/io.h", "io/"], ["src/io/"]),
+    # KV-cache events in vLLM's format (docs/kv-events.md): fed by the tiers' listeners.
+    "events": (1, ["events/"], ["src/events/"]),
     "gpu": (1, ["kvtier/paged_kv.h", "gpu/"], ["src/gpu/"]),
     "memory_tier": (2, ["kvtier/eviction.h", "kvtier/memory_tier.h", "tier/memory/"],
                     ["src/tier/memory/"]),

@@ -16,6 +16,7 @@ packages=(
   libcurl4-openssl-dev prometheus-cpp-dev
   zlib1g-dev                        # gzip'd request logs (kvtier plan --from-log)
   libpugixml-dev                    # the S3 client's XML (s3:// directories; with libcurl)
+  libzmq3-dev libmsgpack-cxx-dev    # KV-cache events in vLLM's format (kvtier serve --kv-events)
   fio gnuplot-nox curl python3 python3-pip
   python3-venv                      # scripts/vllm-cpu-server.sh (optional real server)
 )

@@ -92,6 +92,13 @@ class Client final : public ChunkStore {
 
   // An empty round trip (for health checks and latency measurements).
   Status Ping();
+  // Tells the server the vLLM block hashes of chunks, for its KV-cache events
+  // (docs/kv-events.md): descriptors[i] is the msgpack descriptor of the chunk keys[i] names (a
+  // client key, as in Store). A server without --kv-events accepts and ignores them. Batches of
+  // any length are split to the server's limits. kInvalidArgument if the spans differ in length
+  // or a descriptor is empty or over 16 KiB (nothing is sent then).
+  Status Describe(std::span<const ChunkKey> keys,
+                  std::span<const std::span<const uint8_t>> descriptors);
   // The server's statistics as JSON (protocol.md, `stats`; isolated: its tenant's clients only).
   Result<std::string> StatsJson();
   // False once the connection broke; the reason is in broken_status().

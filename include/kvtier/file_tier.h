@@ -65,6 +65,7 @@
 #include "kvtier/chunk_key.h"
 #include "kvtier/io.h"
 #include "kvtier/status.h"
+#include "kvtier/tier_listener.h"
 
 namespace kvtier {
 
@@ -129,6 +130,9 @@ struct FileTierOptions {
   // After the filesystem answered ENOSPC, the byte budget stays at what it held then for this
   // long before the configured capacity is tried again.
   std::chrono::seconds disk_full_hold{30};
+  // Told of every chunk entering the index (a publish, a file found) or leaving it (eviction,
+  // a corrupt or vanished file) (kvtier/tier_listener.h); none when null.
+  std::shared_ptr<TierListener> listener;
 };
 
 struct FileTierStats {

@@ -32,6 +32,7 @@
 #include "kvtier/chunk_key.h"
 #include "kvtier/eviction.h"
 #include "kvtier/status.h"
+#include "kvtier/tier_listener.h"
 
 namespace kvtier {
 
@@ -43,6 +44,8 @@ struct MemoryTierOptions {
   // MapArena); 4 KiB pages with a warning where the kernel's shmem_enabled setting refuses.
   bool huge_pages = false;
   bool prefault = true;     // fault every page in at Open, so the first stores run at full speed
+  // Told of every commit, eviction and removal (kvtier/tier_listener.h); none when null.
+  std::shared_ptr<TierListener> listener;
 };
 
 struct MemoryTierStats {

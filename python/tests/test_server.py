@@ -238,6 +238,25 @@ def test_stalled_server_times_out_and_other_threads_run(serve, ns):
     c.close()
 
 
+def test_describe_is_accepted_and_ignored_without_kv_events(serve, ns):
+    """describe(keys, descriptors) -> None against a server without --kv-events; bad arguments
+    raise before anything is sent."""
+    server = serve()
+    with kvtier.connect(ns, socket_path=server.socket) as c:
+        keys = keys_for(ns, 3)
+        assert c.describe(keys, [b"\x80"] * 3) is None
+        assert c.describe([], []) is None
+        with pytest.raises(kvtier.InvalidArgumentError):
+            c.describe(keys, [b"\x80"])
+        with pytest.raises(kvtier.InvalidArgumentError):
+            c.describe(keys[:1], [b""])
+        with pytest.raises(kvtier.InvalidArgumentError):
+            c.describe(keys[:1], [b"x" * (16 * 1024 + 1)])
+        with pytest.raises(kvtier.InvalidArgumentError):
+            c.describe(keys[:1], ["not bytes"])
+        c.ping()
+
+
 def test_dropping_never_blocks_on_a_stalled_server(serve, ns):
     # An unanswered prepare_load (its destructor releases pins with an RPC), a store whose copy
     # thread waits on the server, and the client itself (it waits for its copies) are all

@@ -751,6 +751,45 @@ Status Client::Ping() {
   return server::DecodeEmptyReply(r);
 }
 
+Status Client::Describe(std::span<const ChunkKey> keys,
+                        std::span<const std::span<const uint8_t>> descriptors) {
+  if (keys.size() != descriptors.size()) {
+    return Status::InvalidArgument(
+        fmt::format("describe: {} keys but {} descriptors", keys.size(), descriptors.size()));
+  }
+  std::vector<server::DescribeEntry> entries(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const size_t n = descriptors[i].size();
+    if (n == 0 || n > server::kMaxDescriptorBytes) {
+      return Status::InvalidArgument(
+          fmt::format("describe: descriptor {} has {} bytes (1 to {} allowed)", i, n,
+                      server::kMaxDescriptorBytes));
+    }
+    entries[i] = {keys[i], descriptors[i]};
+  }
+  // Frames within the server's limits: at most max_keys_per_request entries and
+  // max_message_bytes of body each.
+  const size_t max_body = impl_->hello.max_message_bytes;
+  size_t at = 0;
+  while (at < entries.size()) {
+    size_t end = at, body = 4;
+    while (end < entries.size() && end - at < impl_->hello.max_keys_per_request) {
+      const size_t add = server::DescribeEntryBytes(entries[end].descriptor.size());
+      if (end > at && body + add > max_body) break;
+      body += add;
+      ++end;
+    }
+    auto part = std::span<const server::DescribeEntry>(entries).subspan(at, end - at);
+    KVTIER_ASSIGN_OR_RETURN(
+        auto f, impl_->Call([&](uint64_t id) { return server::EncodeDescribeRequest(id, part); }));
+    server::Reader r(f.body);
+    KVTIER_RETURN_IF_ERROR(RemoteStatus(r));
+    KVTIER_RETURN_IF_ERROR(server::DecodeEmptyReply(r));
+    at = end;
+  }
+  return Status::Ok();
+}
+
 Result<std::string> Client::StatsJson() {
   KVTIER_ASSIGN_OR_RETURN(auto f, impl_->Call([](uint64_t id) {
     return server::EncodeEmptyRequest(Opcode::kStats, id);

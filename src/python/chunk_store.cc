@@ -434,6 +434,25 @@ class PyServerClient : public PyChunkStore {
   void Ping() {
     Check(Run([](StoreCore& c) { return c.client->Ping(); }));
   }
+  void Describe(nb::handle keys_obj, nb::handle descriptors_obj) {
+    std::vector<ChunkKey> keys = ParseKeys(keys_obj);
+    // Copied while the GIL is held: the call then runs without it.
+    std::vector<std::string> owned;
+    if (!nb::isinstance<nb::list>(descriptors_obj) && !nb::isinstance<nb::tuple>(descriptors_obj)) {
+      ThrowInvalid("describe: descriptors must be a list of bytes");
+    }
+    for (nb::handle d : descriptors_obj) {
+      if (!nb::isinstance<nb::bytes>(d)) ThrowInvalid("describe: each descriptor must be bytes");
+      nb::bytes b = nb::borrow<nb::bytes>(d);
+      owned.emplace_back(b.c_str(), b.size());
+    }
+    std::vector<std::span<const uint8_t>> views;
+    views.reserve(owned.size());
+    for (const std::string& o : owned) {
+      views.emplace_back(reinterpret_cast<const uint8_t*>(o.data()), o.size());
+    }
+    Check(Run([&](StoreCore& c) { return c.client->Describe(keys, views); }));
+  }
   // A property that health checks poll: a closed client is simply not connected.
   bool connected() const { return !closed() && Core()->client->connected(); }
   uint64_t session_id() const { return Core()->client->session_id(); }
@@ -618,6 +637,13 @@ void RegisterChunkStore(nb::module_& m) {
       "rpc_timeout_ms, the connection breaks: lookup reports (0, 0) and every other call fails "
       "fast with code \"unavailable\". Reconnect with connect().")
       .def("ping", &PyServerClient::Ping, "An empty round trip; raises if the server is gone.")
+      .def("describe", &PyServerClient::Describe, nb::arg("keys"), nb::arg("descriptors"),
+           "Tells the server the vLLM block hashes of chunks, for its KV-cache events "
+           "(docs/kv-events.md): descriptors[i] (bytes, a msgpack map of at most 16 KiB) "
+           "describes the chunk keys[i] names. A server without --kv-events accepts and "
+           "ignores them; a server with it checks them and drops bad ones (counted). Returns "
+           "None; raises InvalidArgumentError for mismatched lengths or a descriptor that is "
+           "not bytes, empty or too large, and the usual errors if the server is gone.")
       .def_prop_ro("connected", &PyServerClient::connected,
                    "False once the connection broke or the client was closed.")
       .def_prop_ro("session_id", &PyServerClient::session_id, "The server's id for this session.");

@@ -15,6 +15,7 @@ std::string_view OpcodeName(uint16_t opcode) {
     case Opcode::kRelease: return "release";
     case Opcode::kStats: return "stats";
     case Opcode::kPing: return "ping";
+    case Opcode::kDescribe: return "describe";
   }
   return "unknown";
 }
@@ -99,6 +100,10 @@ void Reader::Raw(void* dst, size_t n) {
   if (!Need(n, "field") || n == 0) return;
   std::memcpy(dst, in_.data() + pos_, n);
   pos_ += n;
+}
+
+void Reader::Skip(size_t n) {
+  if (Need(n, "field")) pos_ += n;
 }
 
 std::string Reader::Str() {
@@ -218,6 +223,21 @@ std::vector<uint8_t> EncodeEmptyRequest(Opcode op, uint64_t request_id) {
   return Frame(static_cast<uint16_t>(op), request_id, {});
 }
 
+std::vector<uint8_t> EncodeDescribeRequest(uint64_t request_id,
+                                           std::span<const DescribeEntry> entries) {
+  size_t hint = 4;
+  for (const DescribeEntry& e : entries) hint += DescribeEntryBytes(e.descriptor.size());
+  auto out = StartFrame(hint);
+  Writer w(&out);
+  w.U32(static_cast<uint32_t>(entries.size()));
+  for (const DescribeEntry& e : entries) {
+    w.Raw(e.key.data(), ChunkKey::kSize);
+    w.U32(static_cast<uint32_t>(e.descriptor.size()));
+    w.Raw(e.descriptor.data(), e.descriptor.size());
+  }
+  return EndFrame(std::move(out), static_cast<uint16_t>(Opcode::kDescribe), request_id);
+}
+
 std::vector<uint8_t> EncodeReply(uint16_t request_opcode, uint64_t request_id,
                                  const Status& status, std::span<const uint8_t> fields) {
   auto out = StartFrame(4 + fields.size() + status.message().size());
@@ -323,6 +343,42 @@ Result<std::vector<SlotId>> DecodeSlotsRequest(std::span<const uint8_t> body,
 
 Status DecodeEmptyRequest(std::span<const uint8_t> body) {
   return Reader(body).Finish("empty request");
+}
+
+Result<std::vector<DescribeEntry>> DecodeDescribeRequest(std::span<const uint8_t> body,
+                                                         uint32_t max_entries) {
+  Reader r(body);
+  const uint32_t n = r.U32();
+  if (!r.ok()) return r.Finish("describe");
+  if (n > max_entries) {
+    return Status::InvalidArgument(
+        fmt::format("bad describe: {} entries exceed the limit of {} per request", n, max_entries));
+  }
+  // Each entry takes at least 37 bytes: a count the body cannot hold is refused before any
+  // allocation.
+  if (static_cast<uint64_t>(n) * DescribeEntryBytes(1) > r.remaining()) {
+    return Status::InvalidArgument(
+        fmt::format("bad describe: {} entries cannot fit in {} bytes", n, r.remaining()));
+  }
+  std::vector<DescribeEntry> entries(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    std::array<uint8_t, ChunkKey::kSize> key;
+    r.Raw(key.data(), key.size());
+    const uint32_t len = r.U32();
+    if (!r.ok()) break;
+    if (len == 0 || len > kMaxDescriptorBytes) {
+      return Status::InvalidArgument(
+          fmt::format("bad describe: entry {}'s descriptor has {} bytes (1 to {} allowed)", i, len,
+                      kMaxDescriptorBytes));
+    }
+    const size_t at = body.size() - r.remaining();
+    r.Skip(len);  // a truncated body fails here, reported by Finish
+    if (!r.ok()) break;
+    entries[i].key = ChunkKey(key);
+    entries[i].descriptor = body.subspan(at, len);
+  }
+  KVTIER_RETURN_IF_ERROR(r.Finish("describe"));
+  return entries;
 }
 
 Status DecodeReplyStatus(Reader& reader, Status* remote) {

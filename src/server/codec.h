@@ -43,8 +43,13 @@ enum class Opcode : uint16_t {
   kRelease = 7,
   kStats = 8,
   kPing = 9,
+  kDescribe = 10,
 };
-inline constexpr uint16_t kMaxOpcode = 9;
+inline constexpr uint16_t kMaxOpcode = 10;
+// Largest descriptor one `describe` entry may carry. A 256-token chunk of 16-token blocks with
+// 32-byte hashes and token ids takes about 1.8 KB; the bound leaves room for 2,048-token chunks
+// while keeping what one entry can make the server hold small.
+inline constexpr uint32_t kMaxDescriptorBytes = 16 * 1024;
 std::string_view OpcodeName(uint16_t opcode);  // "lookup", ...; "unknown" otherwise
 
 struct FrameHeader {
@@ -98,6 +103,7 @@ class Reader {
   std::vector<ChunkKey> Keys(uint32_t max);
   std::vector<SlotId> Slots(uint32_t max);
   void Raw(void* dst, size_t n);
+  void Skip(size_t n);
   // OK if every read succeeded and the input was consumed exactly.
   Status Finish(std::string_view what) const;
   bool ok() const { return error_.empty(); }
@@ -135,6 +141,13 @@ struct LookupReply {
   uint32_t memory = 0;
 };
 
+// One entry of a `describe` request: a client chunk key and the msgpack descriptor of its vLLM
+// block hashes (docs/kv-events.md). Decoded entries point into the request body.
+struct DescribeEntry {
+  ChunkKey key;
+  std::span<const uint8_t> descriptor;
+};
+
 struct PrepareLoadReply {
   uint32_t chunks = 0;
   std::vector<SlotId> slots;
@@ -147,6 +160,13 @@ std::vector<uint8_t> EncodeKeysRequest(Opcode op, uint64_t request_id,
 std::vector<uint8_t> EncodeSlotsRequest(Opcode op, uint64_t request_id,
                                         std::span<const SlotId> slots);
 std::vector<uint8_t> EncodeEmptyRequest(Opcode op, uint64_t request_id);
+// REQUIRES: every descriptor is at most kMaxDescriptorBytes (callers check first).
+std::vector<uint8_t> EncodeDescribeRequest(uint64_t request_id,
+                                           std::span<const DescribeEntry> entries);
+// The bytes one entry adds to a describe body (the client splits batches by it).
+inline size_t DescribeEntryBytes(size_t descriptor_bytes) {
+  return ChunkKey::kSize + 4 + descriptor_bytes;
+}
 
 // A reply frame: header with opcode|kReplyBit, the status, then `fields` (only when OK).
 std::vector<uint8_t> EncodeReply(uint16_t request_opcode, uint64_t request_id, const Status& status,
@@ -163,6 +183,10 @@ Result<HelloRequest> DecodeHelloRequest(std::span<const uint8_t> body);
 Result<std::vector<ChunkKey>> DecodeKeysRequest(std::span<const uint8_t> body, uint32_t max_keys);
 Result<std::vector<SlotId>> DecodeSlotsRequest(std::span<const uint8_t> body, uint32_t max_slots);
 Status DecodeEmptyRequest(std::span<const uint8_t> body);
+// At most max_entries entries, each descriptor non-empty and at most kMaxDescriptorBytes. The
+// descriptors are not parsed here (only a server publishing events reads them).
+Result<std::vector<DescribeEntry>> DecodeDescribeRequest(std::span<const uint8_t> body,
+                                                         uint32_t max_entries);
 
 // A reply body: the status, and a Reader positioned at the fields (when the status is OK). The
 // returned Status is the decoding outcome; `*remote` receives the server's status.

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace kvtier::server {
 namespace {
 
@@ -36,6 +38,48 @@ TEST(CodecTest, HeaderChecks) {
   Status big = CheckRequestHeader({101, 2, 0, 1}, 100);
   EXPECT_EQ(big.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(big.message().find("exceeds"), std::string::npos);
+}
+
+TEST(CodecTest, DescribeRoundTripAndBounds) {
+  const std::vector<uint8_t> d1 = {0x81, 0xa5, 'i', 'n', 'd', 'e', 'x', 0x00};
+  const std::vector<uint8_t> d2(300, 0xc0);
+  const DescribeEntry in[] = {{Key(1), d1}, {Key(2), d2}};
+  auto frame = EncodeDescribeRequest(9, in);
+  FrameHeader h = DecodeHeader(frame.data());
+  EXPECT_EQ(h.opcode, 10);
+  EXPECT_EQ(h.body_length, 4 + DescribeEntryBytes(d1.size()) + DescribeEntryBytes(d2.size()));
+  auto out = DecodeDescribeRequest(Body(frame), 16);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->size(), 2u);
+  EXPECT_EQ((*out)[0].key, Key(1));
+  EXPECT_EQ((*out)[1].key, Key(2));
+  EXPECT_TRUE(
+      std::equal(d1.begin(), d1.end(), (*out)[0].descriptor.begin(), (*out)[0].descriptor.end()));
+  EXPECT_EQ((*out)[1].descriptor.size(), 300u);
+  EXPECT_EQ(OpcodeName(10), "describe");
+
+  // Too many entries, a count the body cannot hold, an empty or oversized descriptor, a
+  // truncated entry, trailing bytes: all refused.
+  EXPECT_FALSE(DecodeDescribeRequest(Body(frame), 1).ok());
+  std::vector<uint8_t> lie = frame;
+  lie[kHeaderBytes] = 0xff;
+  EXPECT_FALSE(DecodeDescribeRequest(Body(lie), 4096).ok());
+  const DescribeEntry empty[] = {{Key(3), {}}};
+  EXPECT_FALSE(DecodeDescribeRequest(Body(EncodeDescribeRequest(1, empty)), 16).ok());
+  const std::vector<uint8_t> huge(kMaxDescriptorBytes + 1, 0);
+  const DescribeEntry big[] = {{Key(3), huge}};
+  auto oversized = DecodeDescribeRequest(Body(EncodeDescribeRequest(1, big)), 16);
+  ASSERT_FALSE(oversized.ok());
+  EXPECT_NE(oversized.status().message().find("descriptor has"), std::string::npos);
+  auto cut = std::span<const uint8_t>(frame).subspan(kHeaderBytes, h.body_length - 1);
+  EXPECT_FALSE(DecodeDescribeRequest(cut, 16).ok());
+  std::vector<uint8_t> longer = frame;
+  longer.push_back(0);
+  EXPECT_FALSE(DecodeDescribeRequest(Body(longer), 16).ok());
+  const std::vector<uint8_t> none = {0, 0, 0, 0};
+  auto zero = DecodeDescribeRequest(none, 16);
+  ASSERT_TRUE(zero.ok());
+  EXPECT_TRUE(zero->empty());
 }
 
 TEST(CodecTest, HelloRoundTrip) {

@@ -190,6 +190,120 @@ Result<L2Spec> ParseL2Spec(std::string_view text) {
   return spec;
 }
 
+namespace {
+
+Status KvEventsFromJson(const json& j, KvEventsConfig* c) {
+  if (j.is_boolean()) {
+    c->enabled = j.get<bool>();
+    return Status::Ok();
+  }
+  if (!j.is_object()) {
+    return Status::InvalidArgument("\"kv_events\" must be an object of settings, or true/false");
+  }
+  c->enabled = true;
+  for (auto& [k, v] : j.items()) {
+    std::string key = NormalizeKey(k);
+    Status s;
+    if (key == "enabled" || key == "enable_kv_cache_events") {
+      s = GetBool(v, key, &c->enabled);
+    } else if (key == "publisher") {  // vLLM's: "zmq" or "null"
+      std::string p;
+      s = GetString(v, key, &p);
+      if (s.ok() && p != "zmq" && p != "null") {
+        s = Status::InvalidArgument("\"publisher\" must be \"zmq\" or \"null\"");
+      }
+      if (s.ok() && p == "null") c->enabled = false;
+    } else if (key == "endpoint") {
+      s = GetString(v, key, &c->endpoint);
+    } else if (key == "replay_endpoint") {
+      s = GetString(v, key, &c->replay_endpoint);
+    } else if (key == "bind_host") {
+      s = GetString(v, key, &c->bind_host);
+    } else if (key == "topic") {
+      s = GetString(v, key, &c->topic);
+    } else if (key == "pod") {
+      s = GetString(v, key, &c->pod);
+    } else if (key == "media") {
+      s = GetString(v, key, &c->media);
+    } else if (key == "token_ids") {
+      s = GetBool(v, key, &c->token_ids);
+    } else if (key == "clear_on_start") {
+      s = GetBool(v, key, &c->clear_on_start);
+    } else if (key == "batch_ms") {
+      s = GetInt(v, key, &c->batch_ms);
+    } else if (key == "buffer_steps") {
+      s = GetInt(v, key, &c->buffer_steps);
+    } else if (key == "buffer_mb") {
+      s = GetInt(v, key, &c->buffer_mb);
+    } else if (key == "hwm") {
+      s = GetInt(v, key, &c->hwm);
+    } else if (key == "max_queue_size") {
+      s = GetInt(v, key, &c->max_queue_size);
+    } else if (key == "replay_max_chunks") {
+      s = GetInt(v, key, &c->replay_max_chunks);
+    } else {
+      s = Status::InvalidArgument(fmt::format(
+          "unknown key \"{}\" (expected enabled, endpoint, replay_endpoint, bind_host, topic, "
+          "pod, media, token_ids, clear_on_start, batch_ms, buffer_steps, buffer_mb, hwm, "
+          "max_queue_size, replay_max_chunks, enable_kv_cache_events, publisher)",
+          k));
+    }
+    if (!s.ok()) return s.WithContext("\"kv_events\"");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ApplyKvEventsJson(std::string_view text, KvEventsConfig* config) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::InvalidArgument("\"kv_events\" is not valid JSON");
+  return KvEventsFromJson(j, config);
+}
+
+namespace {
+
+Result<events::PublisherOptions> BuildKvEvents(const KvEventsConfig& c, bool isolate_clients) {
+  events::PublisherOptions o;
+  o.endpoint = c.endpoint;
+  o.replay_endpoint = c.replay_endpoint;
+  o.bind_host = c.bind_host;
+  o.topic = c.topic;
+  o.pod = c.pod;
+  const size_t comma = c.media.find(',');
+  if (comma == std::string::npos || c.media.find(',', comma + 1) != std::string::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "--kv-events-media must be two names, L1's and the file tier's (e.g. CPU,STORAGE), got "
+        "\"{}\"",
+        c.media));
+  }
+  o.medium_cpu = c.media.substr(0, comma);
+  o.medium_storage = c.media.substr(comma + 1);
+  o.token_ids = c.token_ids;
+  o.clear_on_start = c.clear_on_start;
+  o.batch_interval = std::chrono::milliseconds(c.batch_ms);
+  o.buffer_steps = c.buffer_steps;
+  o.buffer_bytes = static_cast<uint64_t>(c.buffer_mb) << 20;
+  o.hwm = c.hwm;
+  o.max_queue_size = c.max_queue_size;
+  o.replay_max_chunks = c.replay_max_chunks;
+  if (isolate_clients && !o.endpoint.empty()) {
+    return Status::InvalidArgument(
+        "--kv-events-endpoint is refused with --isolate-clients: one stream would carry every "
+        "tenant's prefixes");
+  }
+#ifdef KVTIER_WITH_KV_EVENTS
+  KVTIER_RETURN_IF_ERROR(events::ValidatePublisherOptions(o));
+  return o;
+#else
+  return Status::Unimplemented(
+      "--kv-events needs a kvtier built with libzmq and msgpack-cxx (scripts/install-deps.sh "
+      "installs them)");
+#endif
+}
+
+}  // namespace
+
 Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
   KVTIER_ASSIGN_OR_RETURN(json j, ParseJson(text, "the configuration"));
   for (auto& [k, v] : j.items()) {
@@ -258,6 +372,8 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetBool(v, key, &c->isolate_clients);
     } else if (key == "max_window_mb") {
       s = GetInt(v, key, &c->max_window_mb);
+    } else if (key == "kv_events") {
+      s = KvEventsFromJson(v, &c->kv_events);
     } else {
       s = Status::InvalidArgument(fmt::format("unknown configuration key \"{}\"", k));
     }
@@ -495,6 +611,13 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     return Status::InvalidArgument("--hello-timeout-ms must be in [1, 600000]");
   }
   o.hello_timeout = std::chrono::milliseconds(c.hello_timeout_ms);
+  if (c.kv_events.enabled) {
+    o.kv_events = true;
+    KVTIER_ASSIGN_OR_RETURN(o.kv_events_options, BuildKvEvents(c.kv_events, c.isolate_clients));
+  } else if (!c.kv_events.endpoint.empty() || !c.kv_events.replay_endpoint.empty()) {
+    return Status::InvalidArgument(
+        "--kv-events-endpoint and --kv-events-replay-endpoint need --kv-events");
+  }
   return o;
 }
 

@@ -43,6 +43,30 @@ struct L2Spec {
   bool shared_capacity = false;
 };
 
+// KV-cache events (docs/kv-events.md, "Configuration"): --kv-events-* flags, or the "kv_events"
+// object of the configuration (the same keys without the prefix; vLLM's KVEventsConfig keys
+// enable_kv_cache_events and publisher are accepted too).
+struct KvEventsConfig {
+  bool enabled = false;
+  std::string endpoint;  // PUB; empty: none
+  std::string replay_endpoint;
+  std::string bind_host;
+  std::string topic = "kv@{host}@{model}";
+  std::string pod;                    // empty: the host name
+  std::string media = "CPU,STORAGE";  // L1's name, the file tier's
+  bool token_ids = true;
+  bool clear_on_start = false;
+  uint32_t batch_ms = 10;
+  uint32_t buffer_steps = 10000;
+  uint32_t buffer_mb = 64;
+  int hwm = 100000;
+  uint32_t max_queue_size = 65536;
+  uint32_t replay_max_chunks = 65536;
+};
+// Applies a "kv_events" JSON value: an object of the keys above (giving one turns events on
+// unless it says "enabled": false), or true/false.
+Status ApplyKvEventsJson(std::string_view text, KvEventsConfig* config);
+
 struct ServeConfig {
   double l1_size_gb = 1.0;  // GiB of shared L1 pool
   std::string eviction_policy = "prefix-aware";
@@ -71,6 +95,7 @@ struct ServeConfig {
   uint32_t max_pending_handshakes = 64;
   uint32_t hello_timeout_ms = 5000;
   bool huge_pages = false;
+  KvEventsConfig kv_events;
 };
 
 // Applies a JSON object of settings (keys as the flags, with '_' or '-'; "l2" is an array of

@@ -179,6 +179,56 @@ TEST(ServeConfigTest, BadValuesAreRefused) {
   EXPECT_FALSE(refused([](ServeConfig& c) { c.eviction_policy = "LRU"; }));
 }
 
+// The "kv_events" object of the configuration (and of kvtier.start_server): the flags' keys
+// without their prefix, and vLLM's KVEventsConfig keys; giving the object turns events on.
+TEST(ServeConfigTest, KvEventsObjectReachesThePublisherOptions) {
+#ifndef KVTIER_WITH_KV_EVENTS
+  GTEST_SKIP() << "built without KV-cache events (libzmq, msgpack-cxx)";
+#endif
+  ServeConfig c;
+  c.no_l2 = true;
+  ASSERT_TRUE(ApplyConfigJson(R"({"kv_events": {"endpoint": "ipc:///tmp/x", "topic": "t",
+      "media": "RAM,DISK", "batch_ms": 5, "buffer_steps": 7, "buffer_mb": 2, "hwm": 9,
+      "max_queue_size": 64, "replay_max_chunks": 3, "token_ids": false, "pod": "p",
+      "bind_host": "127.0.0.1", "replay_endpoint": "tcp://*:0", "clear_on_start": true}})",
+                              &c)
+                  .ok());
+  auto o = BuildServerOptions(c);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->kv_events);
+  const events::PublisherOptions& e = o->kv_events_options;
+  EXPECT_EQ(e.endpoint, "ipc:///tmp/x");
+  EXPECT_EQ(e.replay_endpoint, "tcp://*:0");
+  EXPECT_EQ(e.medium_cpu, "RAM");
+  EXPECT_EQ(e.medium_storage, "DISK");
+  EXPECT_EQ(e.batch_interval.count(), 5);
+  EXPECT_EQ(e.buffer_steps, 7u);
+  EXPECT_EQ(e.buffer_bytes, 2u << 20);
+  EXPECT_EQ(e.max_queue_size, 64u);
+  EXPECT_FALSE(e.token_ids);
+  EXPECT_TRUE(e.clear_on_start);
+
+  ServeConfig off;
+  ASSERT_TRUE(ApplyConfigJson(R"({"kv_events": {"enable_kv_cache_events": false}})", &off).ok());
+  EXPECT_FALSE(off.kv_events.enabled);
+  ASSERT_TRUE(ApplyConfigJson(R"({"kv_events": true})", &off).ok());
+  EXPECT_TRUE(off.kv_events.enabled);
+  for (const char* bad :
+       {R"({"kv_events": {"nope": 1}})", R"({"kv_events": 3})",
+        R"({"kv_events": {"publisher": "kafka"}})", R"({"kv_events": {"hwm": "x"}})"}) {
+    ServeConfig b;
+    EXPECT_FALSE(ApplyConfigJson(bad, &b).ok()) << bad;
+  }
+  ServeConfig isolated = c;
+  isolated.isolate_clients = true;
+  auto refused = BuildServerOptions(isolated);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--isolate-clients"), std::string::npos);
+  ServeConfig media = c;
+  media.kv_events.media = "A,B,C";
+  EXPECT_FALSE(BuildServerOptions(media).ok());
+}
+
 TEST(ServeConfigTest, EveryModelPresetResolvesPerRank) {
   ServeConfig c;
   for (const auto& name : ModelPresetNames()) {

@@ -82,6 +82,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   bool peer_known = false;  // SO_PEERCRED answered (else peer_uid means nothing)
   std::string name;         // printable UTF-8 (checked at hello)
   KeyNamespace ns;
+  // KV-cache events: the group (the namespace without its rank, and the tenant) whose chunks
+  // this connection's keys name; set at hello when events are on.
+  uint64_t events_group = 0;
   // Under isolate_clients: "uid:<uid>" or "tenant:<name>", set at hello by the server alone.
   // Empty with the shared pool, where every client is of one trust domain.
   std::string tenant;

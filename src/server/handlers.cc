@@ -44,6 +44,9 @@ bool Server::Impl::Handle(const std::shared_ptr<Connection>& conn, const FrameHe
     case Opcode::kPing:
       keep = HandlePing(r);
       break;
+    case Opcode::kDescribe:
+      keep = HandleDescribe(r);
+      break;
     case Opcode::kHello:
       break;
   }
@@ -64,6 +67,14 @@ bool Server::Impl::Malformed(const Request& r, const Status& s) {
   ProtocolError(r.c, r.h, s);
   r.malformed = true;
   return false;
+}
+
+void Server::Impl::BindForEvents(Connection& c, const std::vector<ChunkKey>& keys,
+                                 const std::vector<ChunkKey>& derived) {
+  if (!events_) return;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    events_->Bind(c.events_group, keys[i], c.ns.rank, derived[i]);
+  }
 }
 
 std::vector<ChunkKey> Server::Impl::Derive(Connection& c, const std::vector<ChunkKey>& keys) {
@@ -117,6 +128,7 @@ bool Server::Impl::HandleReserve(const Request& r) {
   if (!limited.ok()) return Reply(r, limited);
   keys->resize(allowed);  // a short reply, as when the pool is full
   auto derived = Derive(c, *keys);
+  BindForEvents(c, *keys, derived);
   std::vector<SlotId> slots = engine_->ReserveSlots(derived);
   std::vector<SlotId> unused;  // pool slots with no window slot to hand out (see below)
   {
@@ -216,6 +228,7 @@ bool Server::Impl::HandlePrepareLoad(const Request& r) {
   if (!limited.ok()) return Reply(r, limited);
   keys->resize(allowed);  // a partial hit beyond the limit: the client recomputes the rest
   const std::vector<ChunkKey> derived = Derive(c, *keys);
+  BindForEvents(c, *keys, derived);  // a promotion from the file tier is announced in L1
   // Answered here when L1 alone holds the prefix (the common case, and the latency that
   // matters); else when the promotion from the file tier ends (or its deadline passes),
   // without holding up this connection's other requests.
@@ -285,6 +298,20 @@ bool Server::Impl::HandleStats(const Request& r) {
   Status s = DecodeEmptyRequest(r.body);
   if (!s.ok()) return Malformed(r, s);
   return Reply(r, Status::Ok(), TextReplyFields(StatsJson(StatsView::kTenant, r.c.tenant)));
+}
+
+bool Server::Impl::HandleDescribe(const Request& r) {
+  auto entries = DecodeDescribeRequest(r.body, options_.max_keys_per_request);
+  if (!entries.ok()) return Malformed(r, entries.status());
+  // Without KV-cache events the descriptors have no use: they are checked for framing only and
+  // answered at once, so a client that describes need not know how the server runs. With them,
+  // an invalid descriptor is counted and dropped: a describe never fails the client's store.
+  if (events_) {
+    for (const DescribeEntry& e : *entries) {
+      (void)events_->Describe(r.c.events_group, e.key, e.descriptor);
+    }
+  }
+  return Reply(r, Status::Ok());
 }
 
 bool Server::Impl::HandlePing(const Request& r) {

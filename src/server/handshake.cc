@@ -210,6 +210,15 @@ bool Server::Impl::HandleHello(const std::shared_ptr<Connection>& conn, const Fr
   c.tenant = std::move(tenant);
   c.deriver = c.tenant.empty() ? std::make_unique<KeyDeriver>(c.ns)
                                : std::make_unique<KeyDeriver>(TenantRoot(c.ns, c.tenant));
+  if (events_) {
+    // The ranks of one TP group share their chunks' descriptors: the group is the namespace
+    // with rank 0 (and the tenant, where there is one).
+    KeyNamespace group = c.ns;
+    group.rank = 0;
+    const ChunkKey root = c.tenant.empty() ? group.Root() : TenantRoot(group, c.tenant);
+    std::memcpy(&c.events_group, root.data(), sizeof(c.events_group));
+    events_->RegisterGroup(c.events_group, {c.ns.model_id, "", c.ns.chunk_tokens, c.ns.world_size});
+  }
   c.in = std::move(rest);
   const Engine::Pool pool = engine_->pool();
   HelloReply reply;

@@ -122,6 +122,21 @@ std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) con
   j["draining"] = stopping_.load();
   j["socket"] = options_.socket_path;
   j["write_policy"] = WritePolicyName(engine_->options().write_policy);
+  if (events_) {
+    const events::PublisherStats ev = events_->Stats();
+    j["kv_events"] = {
+        {"endpoint", events_->endpoint()},
+        {"replay_endpoint", events_->replay_endpoint()},
+        {"stored", {{"cpu", ev.stored_events[0]}, {"storage", ev.stored_events[1]}}},
+        {"removed", {{"cpu", ev.removed_events[0]}, {"storage", ev.removed_events[1]}}},
+        {"batches", ev.batches},
+        {"dropped_queue_full", ev.dropped_queue_full},
+        {"dropped_descriptors", ev.dropped_descriptors},
+        {"descriptor_conflicts", ev.descriptor_conflicts},
+        {"undescribed_chunks", ev.undescribed_chunks},
+        {"announced", ev.announced_chunks},
+        {"replays", {{"ring", ev.replays_ring}, {"snapshot", ev.replays_snapshot}}}};
+  }
   j["pool"] = {{"capacity_bytes", m.capacity_bytes},
                {"slot_bytes", m.slot_bytes},
                {"chunk_bytes", engine_->options().chunk_bytes},
@@ -187,7 +202,8 @@ std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) con
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
-std::string MetricsText(const Metrics& metrics, const EngineStats& st) {
+std::string MetricsText(const Metrics& metrics, const EngineStats& st,
+                        const events::PublisherStats* ev) {
   std::vector<prometheus::MetricFamily> families = metrics.registry->Collect();
   using prometheus::ClientMetric;
   using prometheus::MetricFamily;
@@ -263,10 +279,53 @@ std::string MetricsText(const Metrics& metrics, const EngineStats& st) {
     gauge("kvtier_file_tier_last_rescan_seconds", "Duration of the file tier's last rescan",
           {{"", f.last_rescan_us / 1e6}}, nullptr);
   }
+  if (ev) {
+    auto counter = [&](const char* name, const char* help,
+                       std::vector<std::vector<std::pair<std::string, std::string>>> labels,
+                       std::vector<uint64_t> values) {
+      MetricFamily f{name, help, MetricType::Counter, {}};
+      for (size_t i = 0; i < values.size(); ++i) {
+        ClientMetric m;
+        for (auto& [k, v] : labels[i]) m.label.push_back({k, v});
+        m.counter.value = d(values[i]);
+        f.metric.push_back(std::move(m));
+      }
+      families.push_back(std::move(f));
+    };
+    counter("kvtier_kv_events_total", "KV-cache events published, by kind and medium",
+            {{{"kind", "stored"}, {"medium", "cpu"}},
+             {{"kind", "stored"}, {"medium", "storage"}},
+             {{"kind", "removed"}, {"medium", "cpu"}},
+             {{"kind", "removed"}, {"medium", "storage"}},
+             {{"kind", "cleared"}, {"medium", ""}}},
+            {ev->stored_events[0], ev->stored_events[1], ev->removed_events[0],
+             ev->removed_events[1], ev->cleared_events});
+    counter("kvtier_kv_events_batches_total", "KV-cache event batches published", {{}},
+            {ev->batches});
+    counter("kvtier_kv_events_dropped_total",
+            "KV-cache event inputs dropped: tier records on a full queue, descriptors invalid, "
+            "over the bound or expired",
+            {{{"reason", "queue_full"}}, {{"reason", "descriptor"}}},
+            {ev->dropped_queue_full, ev->dropped_descriptors});
+    counter("kvtier_kv_events_replays_total", "KV-cache event replays answered",
+            {{{"kind", "ring"}}, {{"kind", "snapshot"}}}, {ev->replays_ring, ev->replays_snapshot});
+    counter("kvtier_kv_events_descriptor_conflicts_total",
+            "Descriptors differing from the one a chunk already had (dropped)", {{}},
+            {ev->descriptor_conflicts});
+    gauge("kvtier_kv_events_undescribed_chunks",
+          "Chunks in a tier that no descriptor names (never announced)",
+          {{"", d(ev->undescribed_chunks)}}, nullptr);
+    gauge("kvtier_kv_events_announced", "(chunk, medium) pairs announced now",
+          {{"", d(ev->announced_chunks)}}, nullptr);
+  }
   return prometheus::TextSerializer().Serialize(families);
 }
 
 std::string Server::Impl::MetricsText() const {
+  if (events_) {
+    const events::PublisherStats ev = events_->Stats();
+    return server::MetricsText(metrics_, engine_->Stats(), &ev);
+  }
   return server::MetricsText(metrics_, engine_->Stats());
 }
 

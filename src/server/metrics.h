@@ -12,6 +12,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "events/publisher.h"
 #include "kvtier/engine.h"
 #include "server/codec.h"
 
@@ -43,6 +44,8 @@ struct Metrics {
 };
 
 // /metrics: the server's own metrics and the engine's counters and gauges, Prometheus text.
-std::string MetricsText(const Metrics& metrics, const EngineStats& stats);
+// `events`: the KV-cache events publisher's counters, when it runs.
+std::string MetricsText(const Metrics& metrics, const EngineStats& stats,
+                        const events::PublisherStats* events = nullptr);
 
 }  // namespace kvtier::server

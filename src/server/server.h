@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "events/publisher.h"
 #include "kvtier/engine.h"
 #include "kvtier/status.h"
 
@@ -77,6 +78,12 @@ struct ServerOptions {
     std::string token;   // at most 4096 bytes; unique across the list
   };
   std::vector<TenantToken> tenant_tokens;
+  // KV-cache events in vLLM's format (docs/kv-events.md): descriptors (`describe`) are filed and
+  // the tiers' changes announced on kv_events_options' endpoints. Off: `describe` is accepted
+  // and ignored. Needs a build with libzmq and msgpack-cxx; an endpoint is refused with
+  // isolate_clients (one stream would carry every tenant's prefixes).
+  bool kv_events = false;
+  events::PublisherOptions kv_events_options;
   int http_threads = 8;  // HTTP workers (each slow HTTP client ties one up for a while)
   std::chrono::milliseconds send_timeout{10000};  // a client not reading replies is dropped
   uint64_t max_output_bytes = 4u << 20;           // ... or once this much is queued for it

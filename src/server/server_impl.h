@@ -90,12 +90,16 @@ class Server::Impl {
   bool HandleRelease(const Request& r);
   bool HandleStats(const Request& r);
   bool HandlePing(const Request& r);
+  bool HandleDescribe(const Request& r);
   // Answers `r` (an error reply is counted); false if the connection is gone.
   bool Reply(const Request& r, const Status& s, std::span<const uint8_t> fields = {});
   // Answers a request that broke the protocol; returns false (the connection is closed).
   bool Malformed(const Request& r, const Status& s);
   // The keys the engine stores for a client's keys (its namespace's, or its tenant's).
   std::vector<ChunkKey> Derive(Connection& c, const std::vector<ChunkKey>& keys);
+  // KV-cache events: tells the publisher which client chunk (and rank) each derived key is.
+  void BindForEvents(Connection& c, const std::vector<ChunkKey>& keys,
+                     const std::vector<ChunkKey>& derived);
   // How many of `n` new slots `c` may take: reservations and pins are capped per client
   // process, over all its connections (two connections of one process took the whole pool when
   // the cap was per connection), and an isolated connection's by its window. An error when
@@ -168,6 +172,8 @@ class Server::Impl {
   std::list<std::shared_ptr<Connection>> conns_;  // past the handshake
 
   std::unique_ptr<HttpListener> http_;
+  // KV-cache events (options_.kv_events); null when off. The tiers hold it as their listener.
+  std::shared_ptr<events::Publisher> events_;
 
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;

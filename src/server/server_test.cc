@@ -500,6 +500,37 @@ TEST_F(ServerTest, MalformedAndOversizedMessagesGetAnErrorAndADisconnect) {
   EXPECT_EQ((*c)->Lookup(keys).total, 2u);
 }
 
+// A server without --kv-events takes describe and ignores it, so clients need not know how it
+// runs; the client splits a batch larger than one message, and a malformed describe is a
+// protocol error like any other.
+TEST_F(ServerTest, DescribeWithoutKvEventsIsAcceptedAndIgnored) {
+  ServerProcess server(dir_, {"--no-l2"});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(100, 3);
+  // 100 x 16 KiB: two frames under the 1 MiB message limit.
+  std::vector<uint8_t> descriptor(server::kMaxDescriptorBytes, 0xc0);
+  std::vector<std::span<const uint8_t>> descriptors(keys.size(), descriptor);
+  EXPECT_TRUE((*c)->Describe(keys, descriptors).ok());
+  EXPECT_TRUE((*c)->Describe({}, {}).ok());
+  EXPECT_EQ((*c)->Describe(keys, std::span(descriptors).first(2)).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<uint8_t> huge(server::kMaxDescriptorBytes + 1);
+  std::vector<std::span<const uint8_t>> too_big = {huge};
+  EXPECT_EQ((*c)->Describe(std::span(keys).first(1), too_big).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*c)->Ping().ok());
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  EXPECT_EQ(Stats(**c)["pool"]["resident"], 100);
+
+  std::vector<uint8_t> lying(server::kHeaderBytes);
+  server::EncodeHeader({8, static_cast<uint16_t>(server::Opcode::kDescribe), 0, 78}, lying.data());
+  for (uint8_t b : {0xFF, 0xFF, 0, 0, 1, 2, 3, 4}) lying.push_back(b);
+  auto [lie, lie_closed] = SendRaw(server.socket(), lying, true);
+  EXPECT_EQ(lie.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(lie_closed);
+}
+
 TEST_F(ServerTest, SigkilledClientsMidLoadLeaveNoPinnedSlot) {
   // The observer takes every slot at the end: no per-client limit below the pool.
   ServerProcess server(dir_, {"--no-l2", "--max-client-slots", "256"});
@@ -870,6 +901,50 @@ std::pair<int, std::string> RunServeFailing(const testing::TempDir& dir,
   std::stringstream ss;
   ss << in.rdbuf();
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, ss.str()};
+}
+
+// KV-cache events: a bad endpoint, bad values and --kv-events-endpoint with --isolate-clients
+// end the start with a message and a non-zero status, never a hang; a good one serves.
+TEST_F(ServerTest, KvEventsOptionsFailClearlyOrServe) {
+#ifndef KVTIER_WITH_KV_EVENTS
+  GTEST_SKIP() << "built without KV-cache events (libzmq, msgpack-cxx)";
+#endif
+  const std::string sock = dir_.Sub("ev.sock");
+  auto expect_failure = [&](std::vector<std::string> args, const std::string& says) {
+    args.insert(args.begin(), {"--socket", sock, "--no-l2", "--http-port", "-1"});
+    auto [rc, out] = RunServeFailing(dir_, args);
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find(says), std::string::npos) << out;
+  };
+  expect_failure({"--kv-events", "--kv-events-endpoint", "udp://x:1"}, "not a ZMQ endpoint");
+  expect_failure({"--kv-events", "--kv-events-endpoint", "ipc:///nonexistent-kvtier/dir/pub"},
+                 "cannot bind");
+  expect_failure({"--kv-events", "--kv-events-replay-endpoint", "tcp://*:notaport"},
+                 "tcp://HOST:PORT");
+  expect_failure({"--kv-events-endpoint", "ipc://" + dir_.Sub("p")}, "need --kv-events");
+  expect_failure({"--kv-events", "--kv-events-media", "CPU"}, "two names");
+  expect_failure({"--kv-events", "--kv-events-batch-ms", "0"}, "batch-ms");
+  expect_failure(
+      {"--kv-events", "--isolate-clients", "--kv-events-endpoint", "ipc://" + dir_.Sub("p")},
+      "refused with --isolate-clients");
+
+  ServerProcess server(
+      dir_, {"--no-l2", "--kv-events", "--kv-events-endpoint", "ipc://" + dir_.Sub("pub"),
+             "--kv-events-replay-endpoint", "ipc://" + dir_.Sub("replay")});
+  ASSERT_NO_FATAL_FAILURE(server.Start());
+  auto c = server.Connect();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto keys = Keys(2, 5);
+  const std::vector<uint8_t> junk = {0x80};  // an empty map: invalid, dropped and counted
+  std::vector<std::span<const uint8_t>> descriptors(keys.size(), junk);
+  EXPECT_TRUE((*c)->Describe(keys, descriptors).ok());
+  ASSERT_NO_FATAL_FAILURE(StoreChunks(**c, keys));
+  auto st = Stats(**c);
+  ASSERT_TRUE(st.contains("kv_events")) << st.dump();
+  EXPECT_EQ(st["kv_events"]["dropped_descriptors"], 2);
+  struct stat pub_stat {};
+  ASSERT_EQ(::stat(dir_.Sub("pub").c_str(), &pub_stat), 0);
+  EXPECT_EQ(pub_stat.st_mode & 0777, 0600u);
 }
 
 TEST_F(ServerTest, BadCommandLinesFailClearly) {

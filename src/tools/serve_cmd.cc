@@ -371,6 +371,77 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                       "four times the L1 pool)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.max_window_mb = a->flags.max_window_mb; });
+  // KV-cache events (docs/kv-events.md).
+  server::KvEventsConfig& ev = f.kv_events;
+  add(cmd->add_flag("--kv-events", ev.enabled,
+                    "Publish what the tiers hold as vLLM's KV-cache events (BlockStored/"
+                    "BlockRemoved with medium CPU for L1, STORAGE for the file tier) for chunks "
+                    "clients describe (the connector's kvtier.kv_events \"describe\"); "
+                    "docs/kv-events.md. Without it `describe` is accepted and ignored"),
+      [a](ServeConfig& c) { c.kv_events.enabled = a->flags.kv_events.enabled; });
+  add(cmd->add_option("--kv-events-endpoint", ev.endpoint,
+                      "ZMQ PUB endpoint, vLLM's rule: with * or ::, or ipc:// or inproc://, "
+                      "bound; otherwise connected to (the subscriber binds). tcp://*:0 binds a "
+                      "free port (logged). Refused with --isolate-clients. No authentication: "
+                      "keep it on a private network or ipc:// (created owner-only)")
+          ->type_name("ENDPOINT"),
+      [a](ServeConfig& c) { c.kv_events.endpoint = a->flags.kv_events.endpoint; });
+  add(cmd->add_option("--kv-events-replay-endpoint", ev.replay_endpoint,
+                      "ZMQ ROUTER endpoint for replays (always bound): a DEALER sends [empty, "
+                      "start_seq as 8 bytes big-endian] and gets the batches from start_seq, or a "
+                      "snapshot of what is announced now if start_seq is older than the buffer, "
+                      "then an end marker")
+          ->type_name("ENDPOINT"),
+      [a](ServeConfig& c) { c.kv_events.replay_endpoint = a->flags.kv_events.replay_endpoint; });
+  add(cmd->add_option("--kv-events-bind-host", ev.bind_host,
+                      "Address that replaces * in the endpoints (bind one interface)")
+          ->type_name("ADDRESS"),
+      [a](ServeConfig& c) { c.kv_events.bind_host = a->flags.kv_events.bind_host; });
+  add(cmd->add_option("--kv-events-topic", ev.topic,
+                      "Topic template: {host} (the host name or --kv-events-pod), {model} (the "
+                      "client's model id), {ns} (its namespace group)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.topic = a->flags.kv_events.topic; });
+  add(cmd->add_option("--kv-events-pod", ev.pod, "{host} in the topic (default: the host name)"),
+      [a](ServeConfig& c) { c.kv_events.pod = a->flags.kv_events.pod; });
+  add(cmd->add_option("--kv-events-media", ev.media,
+                      "Medium names of L1 and the file tier, comma-separated")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.media = a->flags.kv_events.media; });
+  add(cmd->add_option("--kv-events-token-ids", ev.token_ids,
+                      "Token ids in BlockStored (false: location-only events, block_size 0)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.token_ids = a->flags.kv_events.token_ids; });
+  add(cmd->add_flag("--kv-events-clear-on-start", ev.clear_on_start,
+                    "Send AllBlocksCleared first on each topic (only for a topic kvtier alone "
+                    "uses)"),
+      [a](ServeConfig& c) { c.kv_events.clear_on_start = a->flags.kv_events.clear_on_start; });
+  add(cmd->add_option("--kv-events-batch-ms", ev.batch_ms,
+                      "A batch closes after this (1 to 10000 ms), or at 256 events or 1 MiB")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.batch_ms = a->flags.kv_events.batch_ms; });
+  add(cmd->add_option("--kv-events-buffer-steps", ev.buffer_steps, "Batches kept for replay")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.buffer_steps = a->flags.kv_events.buffer_steps; });
+  add(cmd->add_option("--kv-events-buffer-mb", ev.buffer_mb, "...and at most this many MiB of them")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.buffer_mb = a->flags.kv_events.buffer_mb; });
+  add(cmd->add_option("--kv-events-hwm", ev.hwm,
+                      "ZMQ send high-water mark (messages; a slower subscriber loses batches and "
+                      "sees the gap in seq)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.hwm = a->flags.kv_events.hwm; });
+  add(cmd->add_option("--kv-events-max-queue-size", ev.max_queue_size,
+                      "Tier changes queued for the publisher; a full queue drops (counted), "
+                      "never blocks a store or load")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.kv_events.max_queue_size = a->flags.kv_events.max_queue_size; });
+  add(cmd->add_option("--kv-events-replay-max-chunks", ev.replay_max_chunks,
+                      "Chunks in one snapshot (shallow chunks first)")
+          ->capture_default_str(),
+      [a](ServeConfig& c) {
+        c.kv_events.replay_max_chunks = a->flags.kv_events.replay_max_chunks;
+      });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")
       ->type_name("FILE");
   cmd->add_option("--log-level", args->log_level, "trace, debug, info, warn, error or off")

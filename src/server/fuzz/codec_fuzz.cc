@@ -32,13 +32,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         case Opcode::kRelease: (void)DecodeSlotsRequest(body, max); break;
         case Opcode::kStats:
         case Opcode::kPing: (void)DecodeEmptyRequest(body); break;
+        case Opcode::kDescribe: (void)DecodeDescribeRequest(body, max); break;
       }
     }
   }
 
   // Every body decoder directly, and every reply decoder, as the client reads them.
-  switch (selector % 12) {
+  switch (selector % 13) {
     case 0: (void)DecodeHelloRequest(in); break;
+    case 12: (void)DecodeDescribeRequest(in, max); break;
     case 1: (void)DecodeKeysRequest(in, max); break;
     case 2: (void)DecodeSlotsRequest(in, max); break;
     case 3: (void)DecodeEmptyRequest(in); break;
@@ -46,7 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Reader r(in);
       Status remote;
       if (!DecodeReplyStatus(r, &remote).ok() || !remote.ok()) break;
-      switch (selector % 12) {
+      switch (selector % 13) {
         case 4: (void)DecodeHelloReply(r); break;
         case 5: (void)DecodeLookupReply(r); break;
         case 6: (void)DecodeSlotsReply(r, max); break;

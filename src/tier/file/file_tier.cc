@@ -183,6 +183,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
     lru_.push_front(key);
     index_.emplace(key, Entry{bytes, lru_.begin(), ++index_seq_});
     used_bytes_ += bytes;
+    if (options_.listener) options_.listener->OnTierChange(TierId::kFile, key, true);
   }
   bool EraseLocked(const ChunkKey& key) {
     auto it = index_.find(key);
@@ -190,6 +191,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
     used_bytes_ -= it->second.bytes;
     lru_.erase(it->second.lru);
     index_.erase(it);
+    if (options_.listener) options_.listener->OnTierChange(TierId::kFile, key, false);
     // A rescan in progress may have listed this file before it went: it must not put it back.
     if (rescans_running_ > 0) erased_during_rescan_.insert(key);
     return true;

@@ -726,6 +726,44 @@ TEST(FileTierTest, CorruptFilesAreMissesAndRemoved) {
   EXPECT_TRUE(VerifyChunk(TestKey(0), buf.span()));
 }
 
+// The listener (KV-cache events) hears of chunks entering the index (a write, a file found at
+// open) and leaving it (eviction by capacity, a corrupt file removed), in order per key.
+TEST(FileTierTest, TheListenerHearsPublishesEvictionsAndCorruptFiles) {
+  struct Recorder : TierListener {
+    std::mutex mu;
+    std::vector<std::pair<ChunkKey, bool>> calls;
+    void OnTierChange(TierId tier, const ChunkKey& key, bool stored) noexcept override {
+      EXPECT_EQ(tier, TierId::kFile);
+      std::lock_guard lock(mu);
+      calls.emplace_back(key, stored);
+    }
+  };
+  testing::StorageDir dir;
+  auto recorder = std::make_shared<Recorder>();
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.capacity_bytes = 2 * (4096 + 8192);  // two files
+  o.listener = recorder;
+  AlignedBuffer buf(8192);
+  {
+    auto tier = OpenTier(o);
+    for (int i = 0; i < 3; ++i) {  // the third evicts the first
+      FillChunk(TestKey(i), buf.span());
+      ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+    }
+    FlipByte(dir.LocalOf(tier->ChunkPath(TestKey(1))), 50);
+    EXPECT_TRUE(tier->Read(TestKey(1), buf.span()).IsNotFound());
+  }
+  using Calls = std::vector<std::pair<ChunkKey, bool>>;
+  EXPECT_EQ(recorder->calls, (Calls{{TestKey(0), true},
+                                    {TestKey(1), true},
+                                    {TestKey(0), false},
+                                    {TestKey(2), true},
+                                    {TestKey(1), false}}));
+  recorder->calls.clear();
+  auto reopened = OpenTier(o);  // the start-up scan finds the file that is left
+  EXPECT_EQ(recorder->calls, (Calls{{TestKey(2), true}}));
+}
+
 TEST(FileTierTest, ForeignFilesAreNeverServedNorRemoved) {
   testing::StorageDir dir;
   FileTierOptions o = Options(dir.path(), 8192);

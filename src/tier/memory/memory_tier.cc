@@ -147,7 +147,7 @@ Result<Arena> MapArena(uint64_t bytes, bool want_huge, bool prefault) {
 // counters always agree.
 class MemoryTier::Table {
  public:
-  Table(uint32_t num_slots, EvictionPolicyKind eviction);
+  Table(uint32_t num_slots, EvictionPolicyKind eviction, std::shared_ptr<TierListener> listener);
 
   size_t LookupPrefix(std::span<const ChunkKey> keys);
   bool Contains(const ChunkKey& key) const;
@@ -178,6 +178,11 @@ class MemoryTier::Table {
 
   void ReleaseSlotLocked(SlotId slot);
   void SetDirtyLocked(Slot& s, bool dirty);
+  void Tell(const ChunkKey& key, bool stored) {
+    if (listener_) listener_->OnTierChange(TierId::kMemory, key, stored);
+  }
+
+  std::shared_ptr<TierListener> listener_;  // told under mu_: changes of a key arrive in order
 
   mutable std::mutex mu_;
   std::unordered_map<ChunkKey, SlotId, ChunkKeyHash> index_;  // reserved and resident keys
@@ -189,7 +194,9 @@ class MemoryTier::Table {
   uint64_t evictions_ = 0, dirty_evictions_ = 0, dirty_refusals_ = 0, rejections_ = 0;
 };
 
-MemoryTier::Table::Table(uint32_t num_slots, EvictionPolicyKind eviction) {
+MemoryTier::Table::Table(uint32_t num_slots, EvictionPolicyKind eviction,
+                         std::shared_ptr<TierListener> listener)
+    : listener_(std::move(listener)) {
   slots_.resize(num_slots);
   free_.reserve(num_slots);
   // Hand out low slots first: they sit together at the start of the arena.
@@ -227,7 +234,7 @@ Result<std::unique_ptr<MemoryTier>> MemoryTier::Open(const MemoryTierOptions& op
   tier->slot_bytes_ = slot_bytes;
   tier->chunk_bytes_ = options.chunk_bytes;
   tier->num_slots_ = static_cast<uint32_t>(num_slots);
-  tier->table_ = std::make_unique<Table>(tier->num_slots_, options.eviction);
+  tier->table_ = std::make_unique<Table>(tier->num_slots_, options.eviction, options.listener);
   return tier;
 }
 
@@ -310,6 +317,7 @@ Result<MemoryTier::Reservation> MemoryTier::Table::Reserve(const ChunkKey& key,
     Slot& victim = slots_[r.slot];
     policy_->OnRemove(r.slot);
     index_.erase(victim.key);
+    Tell(victim.key, false);
     --resident_;
     ++evictions_;
     if (victim.dirty) {
@@ -335,6 +343,7 @@ void MemoryTier::Table::Commit(SlotId slot, bool dirty) {
   s.state = SlotState::kResident;
   SetDirtyLocked(s, dirty);
   ++resident_;
+  Tell(s.key, true);
   SlotId parent_slot = kNoSlot;
   if (s.has_parent) {
     auto it = index_.find(s.parent);
@@ -435,6 +444,7 @@ Status MemoryTier::Table::Remove(const ChunkKey& key) {
   if (slots_[slot].pins > 0) return Status::Rejected("chunk is pinned by a reader");
   policy_->OnRemove(slot);
   --resident_;
+  Tell(slots_[slot].key, false);
   ReleaseSlotLocked(slot);
   return Status::Ok();
 }

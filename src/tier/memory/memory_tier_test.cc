@@ -94,6 +94,34 @@ TEST(MemoryTierTest, StoreLookupPinAndIdempotence) {
   EXPECT_FALSE(t->Reserve(Key(2), nullptr)->already_present);
 }
 
+// The listener (KV-cache events) hears of every chunk that becomes loadable or stops being:
+// a commit, an eviction, a removal; never a reservation or an abort.
+TEST(MemoryTierTest, TheListenerHearsCommitsEvictionsAndRemovals) {
+  struct Recorder : TierListener {
+    std::vector<std::pair<ChunkKey, bool>> calls;
+    void OnTierChange(TierId tier, const ChunkKey& key, bool stored) noexcept override {
+      EXPECT_EQ(tier, TierId::kMemory);
+      calls.emplace_back(key, stored);
+    }
+  };
+  auto recorder = std::make_shared<Recorder>();
+  MemoryTierOptions o;
+  o.chunk_bytes = 4096;
+  o.capacity_bytes = 2 * 4096;
+  o.eviction = EvictionPolicyKind::kLru;
+  o.listener = recorder;
+  auto t = std::move(MemoryTier::Open(o)).value();
+  Put(*t, Key(0), 1);
+  Put(*t, Key(1), 2);
+  auto aborted = t->Reserve(Key(9), nullptr);  // evicts 0, then gives the slot back
+  ASSERT_TRUE(aborted.ok());
+  t->Abort(aborted->slot);
+  ASSERT_TRUE(t->Remove(Key(1)).ok());
+  const std::vector<std::pair<ChunkKey, bool>> expected = {
+      {Key(0), true}, {Key(1), true}, {Key(0), false}, {Key(1), false}};
+  EXPECT_EQ(recorder->calls, expected);
+}
+
 TEST(MemoryTierTest, PinnedSlotsAreNeverEvicted) {
   auto t = OpenTier(2);
   Put(*t, Key(0), 1);
