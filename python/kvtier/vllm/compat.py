@@ -22,6 +22,12 @@ What differs, as read from vLLM's own sources (docs/vllm.md, "Supported vLLM ver
   only (0.31 to 0.33); `skip_reading_external_kv` from 0.34. The connector checks both itself.
 * The tiering interface of vLLM's native offloading (`kvtier.vllm.tiering`): an out-of-tree
   secondary tier named by module path from 0.28; before, tiers are vLLM's own only.
+* KV-cache events (`event_hashing`): `to_event_extra_keys` (0.31 and later) turns the tagged
+  extra keys of block hashes (`("lora", name, path)`, ...) into the bare ones events publish;
+  before, events publish `generate_block_hash_extra_keys`' keys as they are (already bare).
+  `maybe_convert_block_hash`, `resolve_block_hashes` and `resolve_kv_cache_block_sizes` are in
+  every supported version; the last two are looked up anyway, with the equivalent of their
+  single-block-size case where they are missing.
 """
 
 from __future__ import annotations
@@ -150,6 +156,51 @@ def skips_external_kv(request: Any) -> bool:
     versions apply this to connector hits themselves, others do not: the connector always does."""
     return bool(getattr(request, "skip_reading_prefix_cache", False)
                 or getattr(request, "skip_reading_external_kv", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class EventHashing:
+    """vLLM's own functions for the block hashes its KV-cache events publish (docs/kv-events.md,
+    "Block hashes"), so that kvtier's events name a chunk's blocks exactly as vLLM's GPU events
+    name the same blocks."""
+
+    convert: Any  # maybe_convert_block_hash: a digest as events publish it (int or bytes)
+    resolve: Any  # resolve_block_hashes(hashes, hash_block_size, block_size): a group's view
+    extra_keys: Any  # generate_block_hash_extra_keys(request, start, end, mm_idx)
+    to_event_extra_keys: Any  # per-block keys as events publish them; None: as they are
+
+
+def _resolve_same_size(block_hashes, hash_block_size: int, block_size: int):
+    if block_size != hash_block_size:
+        raise unsupported("resolve_block_hashes (block hashes at another block size)")
+    return block_hashes
+
+
+def detect_event_hashing(utils: Any) -> EventHashing:
+    """The decisions, from vLLM's kv_cache_utils module (or one shaped like it)."""
+    for name in ("maybe_convert_block_hash", "generate_block_hash_extra_keys"):
+        if not hasattr(utils, name):
+            raise unsupported(f"{name} in vllm.v1.core.kv_cache_utils")
+    return EventHashing(
+        convert=utils.maybe_convert_block_hash,
+        resolve=getattr(utils, "resolve_block_hashes", _resolve_same_size),
+        extra_keys=utils.generate_block_hash_extra_keys,
+        to_event_extra_keys=getattr(utils, "to_event_extra_keys", None),
+    )
+
+
+def event_hashing() -> EventHashing:
+    return detect_event_hashing(importlib.import_module("vllm.v1.core.kv_cache_utils"))
+
+
+def hash_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
+    """The block size `Request.block_hashes` are computed at: the KV cache groups' block size
+    unless vLLM hashes finer (several groups and a prefix_match_unit)."""
+    utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    resolve = getattr(utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is None:
+        return block_size
+    return int(resolve(kv_cache_config, vllm_config)[1])
 
 
 class BlockTables:

@@ -53,10 +53,20 @@ class ConnectorConfig:
     prefill_table: tuple = ()
     min_file_read_gbps: float = 0.0
     file_read_gbps: float = 0.0
+    # KV-cache events (docs/kv-events.md): "off"; "describe" (server mode: tell `kvtier serve
+    # --kv-events` vLLM's block hashes of every saved chunk, its publisher announces them); in
+    # process, an object of the server's kv_events keys (endpoint, replay_endpoint, topic, ...:
+    # the embedded engine publishes, the connector describes).
+    kv_events: Any = "off"
 
     @property
     def server_mode(self) -> bool:
         return self.socket is not None
+
+    @property
+    def describes(self) -> bool:
+        """The scheduler sends descriptors of the chunks it saves."""
+        return self.kv_events != "off"
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
@@ -69,9 +79,31 @@ class ConfigError(ValueError):
     """A bad `kv_connector_extra_config`: the message names the key and what is accepted."""
 
 
+def _kv_events(value: Any) -> str | dict[str, Any]:
+    if isinstance(value, str) and value.strip().startswith("{"):
+        value = json.loads(value)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError("the object's keys must be strings")
+        if "relay" in value:
+            raise ValueError("\"relay\" (kvtier's events through vLLM's own publisher) is not "
+                             "supported yet")
+        return dict(value)
+    if value in ("off", "describe"):
+        return value
+    if value == "vllm":
+        raise ValueError("\"vllm\" (kvtier's events through vLLM's own publisher) is not "
+                         "supported yet; use \"describe\" with kvtier serve --kv-events-endpoint, "
+                         "or in process an object such as {\"endpoint\": \"tcp://*:5560\"}")
+    raise ValueError("expected \"off\", \"describe\" (server mode) or, in process, an object "
+                     "of kv_events keys such as {\"endpoint\": \"tcp://*:5560\"}")
+
+
 def _coerce(name: str, value: Any) -> Any:
     field_type = _FIELDS[name].type
     try:
+        if name == "kv_events":
+            return _kv_events(value)
         if name == "l2":
             if isinstance(value, str):
                 value = json.loads(value)
@@ -149,6 +181,15 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         if getattr(config, name) < 0:
             raise ConfigError(f"'{_PREFIX}{name}' must not be negative, got "
                               f"{getattr(config, name)}")
+    if config.server_mode and isinstance(config.kv_events, dict):
+        raise ConfigError(f"'{_PREFIX}kv_events' as an object configures the in-process "
+                          "engine's publisher; in server mode set it to \"describe\" and give "
+                          "kvtier serve the --kv-events-* flags")
+    if not config.server_mode and config.kv_events == "describe":
+        raise ConfigError(f"'{_PREFIX}kv_events' \"describe\" is for server mode (kvtier serve "
+                          "--kv-events publishes); in process give an object of kv_events keys, "
+                          "such as {\"endpoint\": \"tcp://*:5560\"}, and the embedded engine "
+                          "publishes")
     if config.write_policy not in ("write_back", "write_through", "none"):
         raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
                           f"got {config.write_policy!r}")

@@ -39,9 +39,11 @@ from vllm.v1.request import RequestStatus
 
 import kvtier
 
-from .compat import BlockTables, features, full_cuda_graphs, skips_external_kv
+from .compat import (BlockTables, event_hashing, features, full_cuda_graphs, hash_block_size,
+                     skips_external_kv)
 from .config import ConfigError, ConnectorConfig
 from .cost import CostModel, PrefillCost
+from .events import Describer
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
 from .stats import KvtierConnectorStats
@@ -149,6 +151,16 @@ class SchedulerSide:
             for r in range(self.ns.world_size)]
         for server in self._servers:
             server.connect_now()  # if the server is up, the first lookups can hit
+        # KV-cache events: vLLM's block hashes of every chunk handed to the workers to save,
+        # sent on rank 0's connection (the server files them for every rank's shard).
+        self._describer = None
+        if cfg.describes:
+            token_ids = not (isinstance(cfg.kv_events, dict)
+                             and cfg.kv_events.get("token_ids") in (False, "off"))
+            self._describer = Describer(
+                event_hashing(), self._servers[0].get, self._count, cfg.chunk_tokens,
+                self.block_size, hash_block_size(vllm_config, kv_cache_config, self.block_size),
+                self.groups[0], token_ids)
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
 
     # --- lookups -----------------------------------------------------------------------------
@@ -423,6 +435,8 @@ class SchedulerSide:
             chunks = [[list(block_ids[g][c * b:(c + 1) * b]) for g in self.groups]
                       for c in range(st.saved, n_chunks)]
             meta.saves.append(ChunkJob(req_id, keys[st.saved:n_chunks], chunks))
+            if self._describer is not None:
+                self._describer.add(request, keys[st.saved:n_chunks], st.saved)
             st.saved = n_chunks
             st.saves_scheduled = True
         return meta
@@ -486,5 +500,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._lookup_thread.shutdown(wait=False, cancel_futures=True)
+        if self._describer is not None:
+            self._describer.close()
         for server in self._servers:
             server.close()

@@ -17,7 +17,9 @@ except ImportError:  # pragma: no cover
 # file_read_predicted_us / file_read_us: the file tier's reads of loads, predicted at lookup and
 # measured by the workers (with file_read_bytes, the rate the cost model learns);
 # prefill_predicted_us / prefill_measured_us: the timed prefill steps, as the cost model's table
-# predicted them and as the workers measured them (their ratio scales the table).
+# predicted them and as the workers measured them (their ratio scales the table);
+# chunks_described / describes_dropped: descriptors sent for kvtier's KV-cache events, and those
+# dropped (queue full, server down, no block hashes): chunks stored but never announced.
 HELP = {
     "tokens_loaded": "Tokens loaded from kvtier into vLLM's KV cache",
     "tokens_saved": "Tokens saved to kvtier",
@@ -34,11 +36,14 @@ HELP = {
     "prefill_steps": "Prefill steps timed for the cost model",
     "prefill_predicted_us": "Timed steps' prefill time as the prefill table predicts it (us)",
     "prefill_measured_us": "Timed steps' time as measured (us)",
+    "chunks_described": "Chunk descriptors sent for kvtier's KV-cache events",
+    "describes_dropped": "Chunk descriptors dropped (those chunks are stored, never announced)",
 }
 COUNTERS = ("tokens_loaded", "tokens_saved", "chunks_loaded", "chunks_saved", "load_errors",
             "save_errors", "saves_skipped", "layerwise_loads", "tokens_declined",
             "file_read_predicted_us", "file_read_us", "file_read_bytes", "prefill_steps",
-            "prefill_predicted_us", "prefill_measured_us")
+            "prefill_predicted_us", "prefill_measured_us", "chunks_described",
+            "describes_dropped")
 
 
 @dataclass

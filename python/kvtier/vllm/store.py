@@ -85,6 +85,10 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
                 # scheduler's pins of a layer-wise load may take up to three quarters of the
                 # pool (a whole long prompt), the rest stays for the worker's saves.
                 "max_client_slots": max(1, int(cfg.l1_size_gb * 2**30 * 3 / 4 // chunk_bytes))}
+    if isinstance(cfg.kv_events, dict):
+        # The embedded engine publishes kvtier's KV-cache events (the same keys as kvtier
+        # serve's --kv-events-* flags); the scheduler side describes the chunks it saves.
+        settings["kv_events"] = cfg.kv_events
     if cfg.l2:
         settings["l2"] = cfg.l2
     else:

@@ -1,0 +1,160 @@
+"""kvtier's KV-cache events, the connector's side: the descriptors of saved chunks carry vLLM's
+own block hashes (docs/kv-events.md), checked with vLLM's hash functions and block pool, and end
+to end against the events vLLM itself publishes."""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import pytest
+
+import kvtier
+from kvtier.vllm import compat
+from kvtier.vllm.config import ConfigError, parse_config
+from kvtier.vllm.events import chunk_hashes, encode_descriptor
+
+TOKENS = list(range(1000, 1064))
+# docs/kv-events.md, "Worked example": vLLM's block hashes of tokens 1000..1063 (block size 16,
+# sha256, the fixed seed) as its events publish them, and kvtier's chunk keys (chunk_tokens 32).
+EVENT_HASHES = [7322446309363477352, 17027874615116373601, 2147986591436168966,
+                12280578781915239197]
+DIGEST_2 = ("caf3fc6b", "a4dadf06")
+KVTIER_ROOT = ("07ffa5cf", "33cf1e45")
+KVTIER_KEYS = [("6220b4b6", "567f72e3"), ("1bbe61d0", "4229d777")]
+
+
+def _hex_is(value: bytes, ends: tuple[str, str]) -> bool:
+    return value.hex().startswith(ends[0]) and value.hex().endswith(ends[1])
+
+
+@pytest.fixture
+def sha256_hashing(monkeypatch):
+    """vLLM's block hashing as its engine sets it up with the default `sha256`: NONE_HASH from
+    the fixed seed (PYTHONHASHSEED unset), restored afterwards."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    for name in ("NONE_HASH", "_NONE_HASH_SEED"):
+        monkeypatch.setattr(kv_cache_utils, name, getattr(kv_cache_utils, name, None),
+                            raising=False)
+    kv_cache_utils.init_none_hash(sha256)
+    return kv_cache_utils.get_request_block_hasher(16, sha256)
+
+
+def _request(hasher, tokens, **kwargs):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request("r", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher,
+                   **kwargs)
+
+
+def _descriptors(request, keys, chunk_tokens=32, block_size=16):
+    hashing = compat.event_hashing()
+    chunks = chunk_hashes(hashing, request, keys, 0, chunk_tokens, block_size, block_size)
+    return [msgspec.msgpack.decode(encode_descriptor(hashing, c, block_size, 0))
+            for c in chunks]
+
+
+def test_descriptor_of_the_worked_example(sha256_hashing, monkeypatch):
+    ns = kvtier.KeyNamespace("Qwen/Qwen3-8B", 0x0123456789ABCDEF, 32, 0, 1, "")
+    root = ns.root()
+    keys = [kvtier.chain_chunk_key(root, TOKENS[:32])]
+    keys.append(kvtier.chain_chunk_key(keys[0], TOKENS[32:]))
+    assert _hex_is(root, KVTIER_ROOT)
+    assert all(_hex_is(k, want) for k, want in zip(keys, KVTIER_KEYS))
+
+    request = _request(sha256_hashing, TOKENS)
+    d0, d1 = _descriptors(request, keys)
+    assert d0 == {"index": 0, "block_size": 16, "group_idx": 0,
+                  "block_hashes": EVENT_HASHES[:2], "parent_block_hash": None,
+                  "token_ids": struct.pack("<32I", *TOKENS[:32]), "lora_id": None,
+                  "lora_name": None}
+    assert d1 == {"index": 1, "block_size": 16, "group_idx": 0,
+                  "block_hashes": EVENT_HASHES[2:], "parent_block_hash": EVENT_HASHES[1],
+                  "token_ids": struct.pack("<32I", *TOKENS[32:]), "lora_id": None,
+                  "lora_name": None}
+    # The whole chunk as one 32-token block (a coarser KV cache group over 16-token hashes):
+    # its hash is the chunk's last 16-token block's, its parent the previous chunk's last.
+    hashing = compat.event_hashing()
+    (c1,) = chunk_hashes(hashing, request, keys[1:], 1, 32, 32, 16)
+    d = msgspec.msgpack.decode(encode_descriptor(hashing, c1, 32, 0))
+    assert d["block_hashes"] == EVENT_HASHES[3:] and d["parent_block_hash"] == EVENT_HASHES[1]
+
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the digests themselves, whose low 64 bits are the
+    # int form.
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    _, d1 = _descriptors(request, keys)
+    digests = d1["block_hashes"]
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in digests)
+    assert _hex_is(digests[0], DIGEST_2)
+    assert [int.from_bytes(h[-8:], "big") for h in digests] == EVENT_HASHES[2:]
+    assert int.from_bytes(d1["parent_block_hash"][-8:], "big") == EVENT_HASHES[1]
+
+
+def test_descriptor_matches_vllms_block_pool_with_salt_and_lora(sha256_hashing):
+    """With a cache salt and a LoRA adapter (extra keys): the descriptors carry what vLLM's own
+    block pool publishes for the same blocks, field for field."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.block_pool import BlockPool
+
+    request = _request(sha256_hashing, TOKENS, cache_salt="salt",
+                       lora_request=LoRARequest("adapter", 7, "/adapters/a"))
+    pool = BlockPool(8, True, 16, enable_kv_cache_events=True)
+    pool.cache_full_blocks(request, pool.get_new_blocks(4), 0, 4, 16, 0)
+    (gpu,) = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+
+    descs = _descriptors(request, [b"k0" * 16, b"k1" * 16])
+    assert [h for d in descs for h in d["block_hashes"]] == gpu.block_hashes
+    assert descs[1]["parent_block_hash"] == gpu.block_hashes[1]
+    assert not set(gpu.block_hashes) & set(EVENT_HASHES)  # the salt and adapter changed them
+    gpu_extra = msgspec.msgpack.decode(msgspec.msgpack.encode(gpu.extra_keys))
+    for i, d in enumerate(descs):
+        assert (d["lora_id"], d["lora_name"]) == (gpu.lora_id, gpu.lora_name) == (7, "adapter")
+        assert msgspec.msgpack.decode(d["extra_keys"]) == gpu_extra[2 * i:2 * i + 2]
+        assert struct.unpack("<32I", d["token_ids"]) == tuple(gpu.token_ids[32 * i:32 * i + 32])
+    assert gpu_extra[0] == ["adapter", "salt"] and gpu_extra[1] == ["adapter"]
+
+
+def test_event_hashing_before_and_after_to_event_extra_keys():
+    """0.26-0.30 publish generate_block_hash_extra_keys' keys as they are; 0.31+ through
+    to_event_extra_keys. A vLLM without the hash conversion is refused by name."""
+    import types
+
+    from vllm.v1.core import kv_cache_utils as utils
+
+    old = types.SimpleNamespace(maybe_convert_block_hash=utils.maybe_convert_block_hash,
+                                generate_block_hash_extra_keys=utils.generate_block_hash_extra_keys)
+    h = compat.detect_event_hashing(old)
+    assert h.to_event_extra_keys is None
+    assert h.resolve([b"x"], 16, 16) == [b"x"]
+    with pytest.raises(compat.UnsupportedVllmError):
+        h.resolve([b"x"], 16, 32)
+    assert compat.detect_event_hashing(utils).to_event_extra_keys is utils.to_event_extra_keys
+    with pytest.raises(compat.UnsupportedVllmError, match="maybe_convert_block_hash"):
+        compat.detect_event_hashing(types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("extra,error", [
+    ({"kvtier.kv_events": "on"}, "expected \"off\", \"describe\""),
+    ({"kvtier.kv_events": "vllm"}, "not supported yet"),
+    ({"kvtier.kv_events": {"relay": True}}, "not supported yet"),
+    ({"kvtier.kv_events": "{bad json"}, "kvtier.kv_events"),
+    ({"kvtier.kv_events": "describe"}, "is for server mode"),
+    ({"kvtier.socket": "/s", "kvtier.kv_events": {"endpoint": "ipc:///e"}}, "in server mode"),
+])
+def test_kv_events_config_refuses_bad_values(extra, error):
+    with pytest.raises(ConfigError, match=error):
+        parse_config(extra)
+
+
+def test_kv_events_config_values():
+    assert parse_config({}).kv_events == "off" and not parse_config({}).describes
+    cfg = parse_config({"kvtier.socket": "/s", "kvtier.kv_events": "describe"})
+    assert cfg.describes
+    cfg = parse_config({"kvtier.kv_events": '{"endpoint": "ipc:///tmp/e", "batch_ms": 5}'})
+    assert cfg.kv_events == {"endpoint": "ipc:///tmp/e", "batch_ms": 5} and cfg.describes
