@@ -183,7 +183,7 @@ class Describer:
             return
         try:
             client.describe([c.key for c in batch], descriptors)
-        except kvtier.KvtierError as e:
+        except (kvtier.KvtierError, AttributeError) as e:  # AttributeError: a kvtier without it
             self._count("describes_dropped", len(batch))
             self._warn_once("failed", "kvtier: describing chunks failed (%s); those chunks are "
                             "stored but not announced in KV events", e)
