@@ -65,7 +65,9 @@ def expected(baseline):
 def test_server_mode_two_instances_and_faults(workdir: Path, expected):
     l2 = workdir / "server-l2"
     server = KvtierServer(workdir, l2)
-    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.rpc_timeout_ms": 2000})
+    # With KV-cache event descriptors on (a server without --kv-events takes and ignores them).
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.rpc_timeout_ms": 2000,
+                              "kvtier.kv_events": "describe"})
     a = Vllm(workdir, "server-a", cfg)
     b = None
     try:
@@ -83,6 +85,9 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected):
         assert a.complete(LONG) == expected["long"]
         assert kvtier_hits(server) >= hits_before + 1999 // 256
         assert transfer_metric(a, "tokens_loaded") >= 1792
+        # Every saved chunk described, from the scheduler's background thread, none dropped.
+        assert transfer_metric(a, "chunks_described", at_least=1999 // 256) >= 1999 // 256
+        assert transfer_metric(a, "describes_dropped", timeout=0) == 0
 
         # vLLM holds the prompt's first 128-token block itself (a prompt sharing only that): the
         # first chunk loads around it, leaving the block vLLM shares with that request untouched.
