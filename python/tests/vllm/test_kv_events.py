@@ -140,6 +140,68 @@ def test_event_hashing_before_and_after_to_event_extra_keys():
         compat.detect_event_hashing(types.SimpleNamespace())
 
 
+def test_describer_never_waits_for_a_stalled_server(sha256_hashing, tmp_path):
+    """`kvtier serve` stopped (SIGSTOP) while the scheduler queues descriptors: queueing returns
+    at once, what the bounded queue cannot hold is dropped and counted; once the server runs
+    again the queued ones are sent."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from kvtier.vllm.events import MAX_PENDING, Describer
+
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier", path=path)
+    assert binary, "the kvtier CLI is not installed next to this interpreter nor on PATH"
+    sock = str(tmp_path / "s.sock")
+    proc = subprocess.Popen([binary, "serve", "--socket", sock, "--http-port", "-1",
+                             "--l1-size-gb", "0.0625", "--chunk-bytes", "65536", "--no-l2",
+                             "--log-level", "warn"])
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def count(name: str, value: int) -> None:
+        with lock:
+            counts[name] = counts.get(name, 0) + value
+
+    describer = None
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, "kvtier serve died"
+            time.sleep(0.02)
+        ns = kvtier.KeyNamespace("describe-test", 1, 32, 0, 1, "")
+        client = kvtier.connect(ns, 65536, socket_path=sock, rpc_timeout_ms=60000)
+        request = _request(sha256_hashing, TOKENS)
+        keys = [kvtier.chain_chunk_key(ns.root(), TOKENS[:32])]
+        keys.append(kvtier.chain_chunk_key(keys[0], TOKENS[32:]))
+        proc.send_signal(signal.SIGSTOP)
+        describer = Describer(compat.event_hashing(), lambda: client, count, 32, 16, 16, 0)
+        queued = 2 * MAX_PENDING
+        t0 = time.monotonic()
+        for _ in range(queued // 2):
+            describer.add(request, keys, 0)
+        # A describe waits for the stopped server up to the 60 s RPC timeout: queueing did not.
+        assert time.monotonic() - t0 < 30
+        assert counts["describes_dropped"] >= queued - MAX_PENDING - 64
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while counts.get("chunks_described", 0) + counts["describes_dropped"] < queued:
+            assert time.monotonic() < deadline, counts
+            time.sleep(0.05)
+        assert counts["chunks_described"] >= MAX_PENDING
+        client.close()
+    finally:
+        if describer is not None:
+            describer.close()
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(30)
+
+
 @pytest.mark.parametrize("extra,error", [
     ({"kvtier.kv_events": "on"}, "expected \"off\", \"describe\""),
     ({"kvtier.kv_events": "vllm"}, "not supported yet"),
