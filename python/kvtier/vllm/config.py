@@ -66,6 +66,10 @@ class ConnectorConfig:
     @property
     def describes(self) -> bool:
         """The scheduler sends descriptors of the chunks it saves."""
+        if isinstance(self.kv_events, dict):  # off as vLLM's KVEventsConfig keys say it
+            e = self.kv_events
+            return not (e.get("enabled") is False or e.get("enable_kv_cache_events") is False
+                        or e.get("publisher") == "null")
         return self.kv_events != "off"
 
 

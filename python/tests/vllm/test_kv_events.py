@@ -221,6 +221,8 @@ def test_kv_events_config_values():
     assert cfg.describes
     cfg = parse_config({"kvtier.kv_events": '{"endpoint": "ipc:///tmp/e", "batch_ms": 5}'})
     assert cfg.kv_events == {"endpoint": "ipc:///tmp/e", "batch_ms": 5} and cfg.describes
+    for off in ({"enabled": False}, {"enable_kv_cache_events": False}, {"publisher": "null"}):
+        assert not parse_config({"kvtier.kv_events": off}).describes
 
 
 # --- end to end: kvtier's events against vLLM's own, on vLLM's CPU build -----------------------
