@@ -210,3 +210,106 @@ def baseline(workdir):
     server = Vllm(workdir, "baseline", None)
     yield server
     server.stop()
+
+
+END_SEQ = b"\xff" * 8
+
+
+class EventStream:
+    """A KV-cache event subscriber written against vLLM's published schema only (its
+    KVEventBatch, decoded strictly), following a stream as docs/kv-events.md tells subscribers
+    to: SUB first, a replay from 0 over DEALER, then the live batches past the last replayed.
+    Keeps every BlockStored per medium, hash by hash: (parent, token ids)."""
+
+    def __init__(self, ctx, endpoint: str, replay_endpoint: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self._dealer = ctx.socket(zmq.DEALER)
+        self._dealer.connect(replay_endpoint)
+        self.last_seq = -1
+        self.blocks: dict[str, dict] = {}  # medium -> hash -> (parent, token ids)
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._dealer.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        self.last_seq = max(self.last_seq, seq)
+        for ev in self._decoder.decode(payload).events:
+            if not isinstance(ev, BlockStored):
+                continue
+            blocks = self.blocks.setdefault(ev.medium, {})
+            parent, size = ev.parent_block_hash, ev.block_size
+            for i, h in enumerate(ev.block_hashes):
+                blocks[h] = (parent, tuple(ev.token_ids[i * size:(i + 1) * size]) or None)
+                parent = h
+
+    def follow(self, timeout_s: float = 30) -> None:
+        """A replay from 0 (vLLM's ring, or kvtier's ring or snapshot), then what arrived live
+        past it."""
+        self._dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            assert self._dealer.poll(int(timeout_s * 1000)), "no answer to a replay request"
+            _, _, seq, payload = self._dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            self._apply(int.from_bytes(seq, "big"), payload)
+        while self._sub.poll(0):
+            _, seq, payload = self._sub.recv_multipart()
+            if int.from_bytes(seq, "big") > self.last_seq:
+                self._apply(int.from_bytes(seq, "big"), payload)
+
+
+def vllm_block_hashes(gpu: dict, prompt: list[int], block_size: int) -> list:
+    """The prompt's full blocks' hashes as vLLM's own events name them, found by chaining
+    (parent, tokens) through its GPU BlockStored events."""
+    by_content = {content: h for h, content in gpu.items()}
+    hashes, parent = [], None
+    for j in range(len(prompt) // block_size):
+        h = by_content.get((parent, tuple(prompt[j * block_size:(j + 1) * block_size])))
+        if h is None:
+            break
+        hashes.append(h)
+        parent = h
+    return hashes
+
+
+def assert_kvtier_names_vllms_blocks(ours: EventStream, theirs: EventStream,
+                                     prompts: list[list[int]], chunk_tokens: int,
+                                     timeout_s: float = 60) -> None:
+    """For every full chunk of each prompt, kvtier's CPU BlockStored events carry the hashes of
+    vLLM's own GPU BlockStored events for the same blocks, parents chained across chunks, with
+    the same tokens; nothing of a partial chunk (kvtier stores full chunks only)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ours.follow()
+        theirs.follow()
+        gpu, cpu = theirs.blocks.get("GPU", {}), ours.blocks.get("CPU", {})
+        sizes = {len(tokens) for _, tokens in gpu.values() if tokens}
+        if len(sizes) == 1:
+            block_size = next(iter(sizes))
+            n = chunk_tokens // block_size
+            want = [vllm_block_hashes(gpu, p, block_size)[:len(p) // chunk_tokens * n]
+                    for p in prompts]
+            if (all(len(w) == len(p) // chunk_tokens * n for w, p in zip(want, prompts))
+                    and all(h in cpu for w in want for h in w)):
+                break
+        assert time.monotonic() < deadline, (
+            f"after {timeout_s} s kvtier announced {len(cpu)} CPU blocks, vLLM {len(gpu)} GPU "
+            f"blocks (block sizes {sizes})")
+    for p, w in zip(prompts, want):
+        assert len(w) >= 2 * n, "the prompt must span two chunks (a parent across chunks)"
+        for j, h in enumerate(w):
+            parent, tokens = cpu[h]
+            assert parent == (w[j - 1] if j else None), f"block {j}: parent not chained"
+            assert tokens == tuple(p[j * block_size:(j + 1) * block_size]), f"block {j} tokens"
+        partial = vllm_block_hashes(gpu, p, block_size)[len(w):]
+        assert not set(partial) & set(cpu), "a block of a partial chunk announced"
