@@ -97,6 +97,10 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
         server = kvtier.start_server(json.dumps(settings))
     except kvtier.InvalidArgumentError as e:
         raise ConfigError(f"kvtier in-process settings refused: {e}") from None
+    except kvtier.KvtierError as e:
+        if getattr(e, "code", "") == "unimplemented":  # kv_events in a build without them
+            raise ConfigError(f"kvtier in-process settings refused: {e}") from None
+        raise
     logger.info("kvtier: in-process engine serving this vLLM instance on %s%s", socket_path,
                 f", metrics on http://127.0.0.1:{server.http_port}/metrics"
                 if server.http_port > 0 else "")

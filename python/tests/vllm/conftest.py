@@ -215,6 +215,23 @@ def baseline(workdir):
 END_SEQ = b"\xff" * 8
 
 
+def kvtier_has_kv_events(tmp_dir: Path) -> bool:
+    """This kvtier was built with KV-cache events (libzmq and msgpack-cxx were found)."""
+    import kvtier
+
+    settings = {"chunk_bytes": 65536, "chunk_size": 256, "l1_size_gb": 0.01, "no_l2": True,
+                "socket": str(tmp_dir / "probe.sock"),
+                "kv_events": {"endpoint": f"ipc://{tmp_dir}/probe-events"}}
+    try:
+        server = kvtier.start_server(json.dumps(settings))
+    except kvtier.KvtierError as e:
+        if getattr(e, "code", "") == "unimplemented":
+            return False
+        raise
+    server.stop()
+    return True
+
+
 class EventStream:
     """A KV-cache event subscriber written against vLLM's published schema only (its
     KVEventBatch, decoded strictly), following a stream as docs/kv-events.md tells subscribers
