@@ -64,15 +64,31 @@ def expected(baseline):
     return answers
 
 
-def test_server_mode_two_instances_and_faults(workdir: Path, expected):
+def test_server_mode_two_instances_and_faults(workdir: Path, expected, tmp_path):
+    """Also: the connector describes its saves and the first server publishes KV-cache events
+    (kvtier serve --kv-events, where kvtier was built with them): kvtier's CPU BlockStored name
+    the prompt's full chunks by vLLM's own hashes, as vLLM's events publish them."""
+    import zmq
+
     l2 = workdir / "server-l2"
-    server = KvtierServer(workdir, l2)
-    # With KV-cache event descriptors on (a server without --kv-events takes and ignores them).
+    events = kvtier_has_kv_events(tmp_path)
+    ipc = f"ipc://{tmp_path}"
+    server = KvtierServer(workdir, l2, load_deadline_args=[
+        "--kv-events", "--kv-events-endpoint", f"{ipc}/kvtier", "--kv-events-replay-endpoint",
+        f"{ipc}/kvtier-replay", "--kv-events-batch-ms", "5"] if events else [])
+    # The later servers (restarts) run without --kv-events: they take descriptors and ignore them.
     cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.rpc_timeout_ms": 2000,
                               "kvtier.kv_events": "describe"})
-    a = Vllm(workdir, "server-a", cfg)
+    a = Vllm(workdir, "server-a", cfg, extra_args=["--kv-events-config", json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"{ipc}/vllm",
+         "replay_endpoint": f"{ipc}/vllm-replay"})] if events else [])
     b = None
+    ctx = zmq.Context()
+    streams = ()
     try:
+        if events:
+            streams = (EventStream(ctx, f"{ipc}/kvtier", f"{ipc}/kvtier-replay"),
+                       EventStream(ctx, f"{ipc}/vllm", f"{ipc}/vllm-replay"))
         # Identical greedy answers with the connector, for a batch sent at once...
         assert a.complete_batch(PROMPTS) == expected["batch"]
         # ...and now that kvtier holds their prefixes, one at a time from kvtier.
@@ -90,6 +106,11 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected):
         # Every saved chunk described, from the scheduler's background thread, none dropped.
         assert transfer_metric(a, "chunks_described", at_least=1999 // 256) >= 1999 // 256
         assert transfer_metric(a, "describes_dropped", timeout=0) == 0
+        if streams:
+            assert_kvtier_names_vllms_blocks(*streams, [LONG] + PROMPTS, 256)
+            for stream in streams:
+                stream.close()
+            streams = ()
 
         # vLLM holds the prompt's first 128-token block itself (a prompt sharing only that): the
         # first chunk loads around it, leaving the block vLLM shares with that request untouched.
@@ -147,6 +168,9 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected):
         assert a.alive()
         assert "Traceback" not in a.log()
     finally:
+        for stream in streams:
+            stream.close()
+        ctx.term()
         if b is not None:
             b.stop()
         a.stop()
