@@ -54,6 +54,7 @@ import random
 import re
 import shutil
 import signal
+import socket as socket_module
 import statistics
 import subprocess
 import sys
@@ -263,7 +264,12 @@ class Serve:
     def __init__(self, args, socket: str, directory: Path, log_path: Path):
         self.socket, self.dir, self.log_path = socket, directory, log_path
         chunk_bytes = kv_bytes_per_token(args.model, args.dtype) * args.chunk_tokens
-        self.cmd = [args.kvtier, "serve", "--socket", socket, "--http-port", "-1",
+        self.chunk_bytes = chunk_bytes
+        with socket_module.socket() as probe:  # a free port for /stats (wait_on_disk)
+            probe.bind(("127.0.0.1", 0))
+            self.http_port = probe.getsockname()[1]
+        self.cmd = [args.kvtier, "serve", "--socket", socket,
+                    "--http-port", str(self.http_port),
                     "--chunk-size", str(args.chunk_tokens), "--chunk-bytes", str(chunk_bytes),
                     "--l1-size-gb", str(args.cpu_gb),
                     "--write-policy", "write_through",
@@ -286,12 +292,46 @@ class Serve:
                                    f"{self.log_path.read_text()[-2000:]}")
             time.sleep(0.05)
 
+    def stats(self) -> dict:
+        return http(self.http_port, "/stats", timeout=10)
+
+    def wait_on_disk(self, timeout: float = 60) -> bool:
+        """Waits until what was stored is on the file tier: no store for half a second (the
+        connector's saves have landed), no dirty chunk in L1 and no write queued. (A fixed
+        pause was too short on a run where a long prefix's saves were still under way.)"""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            st = self.stats()
+            now = (st["engine"]["stores"], st["pool"]["dirty"],
+                   st["tiers"]["file"]["detail"]["queued_writes"])
+            if now == last and now[1:] == (0, 0):
+                return True
+            last = now
+            time.sleep(0.5)
+        log(f"kvtier serve's stores did not all reach the file tier in {timeout:.0f} s")
+        return False
+
+    def wait_reconnected(self, vllms: list, prompt, timeout: float = 60) -> bool:
+        """Until every vLLM's connector (its scheduler and its worker) is connected to this
+        server again: a connector learns of a new server at its next use and reconnects in the
+        background, so each is sent short requests meanwhile. Otherwise the hit after a restart
+        would measure the reconnect (lookups miss until it is done)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.stats().get("clients", [])) >= 2 * len(vllms):
+                return True
+            for v in vllms:
+                v.complete(prompt(), 1)
+            time.sleep(0.5)
+        log(f"the connectors did not all reconnect to the restarted kvtier serve in {timeout:.0f} s")
+        return False
+
     def restart_empty(self) -> None:
         """A stop that drains (write_through: everything is on disk already), a start with an
-        empty L1; then the connector's reconnect (it retries every 2 s)."""
+        empty L1 (the connectors' reconnect: wait_reconnected)."""
         self.stop()
         self.start()
-        time.sleep(4.5)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -518,6 +558,8 @@ def main(argv=None) -> int:
                         vllm = servers["server" if arm == "file" else arm]
                         vllm.complete(prefix, 1)
                         time.sleep(args.settle)
+                        if arm in ("file", "costfile"):
+                            serve.wait_on_disk()
                         if arm == "tiering":  # out of its CPU tier, onto its fs tier only
                             for _ in range(-(-tiering_fill // 8192)):
                                 vllm.ttft(fresh(8192))
@@ -527,9 +569,14 @@ def main(argv=None) -> int:
                             vllm.reset_gpu_cache()
                         if arm in ("file", "costfile"):
                             serve.restart_empty()
+                            serve.wait_reconnected([servers[a] for a in ("server", "costfile")
+                                                    if a in servers], lambda: fresh(2 * ct))
                             drop_page_cache()
                         ttft = vllm.ttft(prefix + suffix)
                         samples[arm]["hit"].append(ttft)
+                        if arm in ("file", "costfile"):  # what the hit read (a new server)
+                            samples[arm].setdefault("disk_chunks", []).append(
+                                serve.stats()["tiers"]["file"]["detail"]["hits"])
                         # The answer after the hit, with the prefix still cached as it is now.
                         tokens = vllm.complete(prefix + suffix, args.check_tokens)[1]
                         if arm == "gpu":
@@ -549,7 +596,8 @@ def main(argv=None) -> int:
                     if samples[arm]["hit"]))
             samples = {arm: v for arm, v in samples.items() if arm in arms and v["hit"]}
             floor = prefix_len * bpt / bw if bw else None
-            row = {"prefix_tokens": prefix_len, "suffix_tokens": args.suffix,
+            row = {"prefix_tokens": prefix_len, "prefix_chunks": prefix_len // ct,
+                   "suffix_tokens": args.suffix,
                    "prefix_kv_bytes": prefix_len * bpt, "copy_floor_s": floor,
                    "samples": samples, "mismatches": mismatches, "checks": checks,
                    "median": {arm: {k: statistics.median(v) for k, v in s.items()}
@@ -692,6 +740,10 @@ def print_table(results: dict, arms: list[str]) -> None:
         for a, engine in (("file", "server"), ("costfile", "costfile")):
             if a in med:  # against recomputing the same length on the same engine
                 ratios.append(f"{a} hit/recompute {med[a]['hit'] / med[engine]['cold']:.2f}")
+                read = row["samples"][a].get("disk_chunks")
+                if read is not None:  # a file hit that read nothing from disk measured a miss
+                    ratios.append(f"{a} hits read {'/'.join(map(str, read))} of "
+                                  f"{row['prefix_chunks']} chunks from disk")
         print(f"{context:>8}: " + "; ".join(ratios))
     for arm, counters in results.get("connector_counters", {}).items():
         shown = {k: counters[k] for k in ("tokens_loaded", "tokens_declined", "layerwise_loads",

@@ -75,6 +75,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KvtierConnectorMetadata):
         self._worker.handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_bound(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 

@@ -138,6 +138,7 @@ class SchedulerSide:
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
         self._lookups_down_until = 0.0
+        self._lookups_down_on: list[float] = []  # the servers (start stamps) a lookup failed on
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[ChunkJob] = []
         self._roots: dict[str, bytes] = {}
@@ -178,7 +179,10 @@ class SchedulerSide:
         """Runs on the lookup thread. A miss when the store is unreachable. The cost model may
         shorten the hit (cost.py). With layer-wise loads on, a hit whose every chunk is in L1
         has chunks [first, hits) pinned."""
-        if not keys or time.monotonic() < self._lookups_down_until:
+        # The backoff after a failed lookup holds for the servers it failed on: once the
+        # connections are to a restarted server, lookups go to it at once.
+        if not keys or (time.monotonic() < self._lookups_down_until and
+                        self._lookups_down_on == [s.started for s in self._servers]):
             return _Answer()
         hits = in_memory = len(keys)
         clients = []
@@ -192,6 +196,7 @@ class SchedulerSide:
                 logger.warning("kvtier: a lookup failed (%s); every lookup is a miss for %.0f s",
                                e, LOOKUP_BACKOFF_S)
                 self._lookups_down_until = time.monotonic() + LOOKUP_BACKOFF_S
+                self._lookups_down_on = [s.started for s in self._servers]
                 return _Answer()
             hits, in_memory = min(hits, total), min(in_memory, memory)
             clients.append((client, server.started))

@@ -55,9 +55,10 @@ LAYERS_AHEAD = 3
 
 
 class _StepTimer:
-    """Times the steps the scheduler marked (prefill_predicted_s): from the step's start to the
-    end of its forward pass, on the GPU's clock (CUDA events, read once they have completed,
-    never waited for) or, on a host KV cache, the wall clock. Only the worker's step thread
+    """Times the steps the scheduler marked (prefill_predicted_s): from the step's metadata
+    (bound before the forward pass) to wait_for_save (after it), on the GPU's clock (CUDA
+    events, read once they have completed, never waited for) or, on a host KV cache, the wall
+    clock. Only the worker's step thread
     starts and stops; collect() runs on the same thread (vLLM asks for stats after a step)."""
 
     def __init__(self):
@@ -277,9 +278,13 @@ class WorkerSide:
 
     # --- per step ----------------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+    def step_bound(self, meta: KvtierConnectorMetadata) -> None:
+        """The step's metadata arrived, before its forward pass (start_load_kv may come after
+        it: vLLM 0.32+ starts asynchronous loads once the forward pass is launched)."""
         self._step_timer.start(meta.prefill_predicted_s,
                                self._device is not None and self._device.type == "cuda")
+
+    def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._layer_events = None
         layerwise = [job for job in meta.loads if job.layerwise]
         later = [job for job in meta.loads if not job.layerwise]

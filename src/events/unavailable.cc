@@ -1,0 +1,32 @@
+// The events publisher of a kvtier built without libzmq and msgpack-cxx: it cannot be started
+// (Start says what to install), so no other method is ever reached. It keeps one interface for
+// the server either way, with no #ifdef at its call sites.
+#include "events/publisher.h"
+
+namespace kvtier::events {
+
+class Publisher::Impl {};
+
+Status ValidatePublisherOptions(const PublisherOptions&) { return Status::Ok(); }
+
+Result<std::shared_ptr<Publisher>> Publisher::Start(const PublisherOptions&) {
+  return Status::Unimplemented(
+      "KV-cache events need a kvtier built with libzmq and msgpack-cxx "
+      "(scripts/install-deps.sh installs them)");
+}
+
+Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Publisher::~Publisher() = default;
+void Publisher::Stop() {}
+std::string Publisher::endpoint() const { return {}; }
+std::string Publisher::replay_endpoint() const { return {}; }
+void Publisher::RegisterGroup(uint64_t, const GroupInfo&) {}
+void Publisher::Bind(uint64_t, const ChunkKey&, uint32_t, const ChunkKey&) {}
+Status Publisher::Describe(uint64_t, const ChunkKey&, std::span<const uint8_t>) {
+  return Status::Ok();
+}
+void Publisher::OnTierChange(TierId, const ChunkKey&, bool) noexcept {}
+PublisherStats Publisher::Stats() const { return {}; }
+bool Publisher::Flush(std::chrono::milliseconds) { return true; }
+
+}  // namespace kvtier::events
