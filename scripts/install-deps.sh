@@ -11,6 +11,7 @@ packages=(
   liburing-dev                      # io_uring I/O engine
   libnfs-dev libnfs-utils           # the NFS client of nfs:// directories (and nfs-cp)
   nfs-ganesha nfs-ganesha-vfs rpcbind  # a real NFS server on loopback for the tests
+  iproute2                          # network namespaces standing in for hosts (two-host test)
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcurl4-openssl-dev prometheus-cpp-dev

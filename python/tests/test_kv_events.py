@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 
 import kvtier
+
+from cli import kvtier_binary
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (it comes with vLLM)")
 msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (it comes with vLLM)")
@@ -26,14 +27,6 @@ CHUNK = 4 << 20  # 4 MiB chunks: an 8-slot L1 of 32 MiB
 TOKENS = 32      # per chunk: two 16-token vLLM blocks
 N = 12           # chunks stored: 4 more than L1 holds
 END_SEQ = b"\xff" * 8
-
-
-def kvtier_binary():
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier", path=path)
-    if binary is None:
-        pytest.fail("the kvtier CLI is not installed next to this interpreter nor on PATH")
-    return binary
 
 
 def block_hash(i, j):

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,15 +17,9 @@ import pytest
 
 import kvtier
 
+from cli import kvtier_binary
+
 CHUNK = 64 * 1024
-
-
-def kvtier_binary():
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier", path=path)
-    if binary is None:
-        pytest.fail("the kvtier CLI is not installed next to this interpreter nor on PATH")
-    return binary
 
 
 class Serve:

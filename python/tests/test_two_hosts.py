@@ -27,7 +27,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +36,8 @@ import numpy as np
 import pytest
 
 import kvtier
+
+from cli import kvtier_binary
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -48,14 +49,6 @@ HOST_ADDRS = {"a": "10.213.0.2", "b": "10.213.0.3"}
 
 def run(*args, check=True, **kw):
     return subprocess.run(args, check=check, capture_output=True, text=True, timeout=120, **kw)
-
-
-def kvtier_binary():
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier", path=path)
-    if binary is None:
-        pytest.fail("the kvtier CLI is not installed next to this interpreter nor on PATH")
-    return binary
 
 
 class Network:

@@ -417,7 +417,8 @@ class SchedulerSide:
                 st.load = None
                 self._drop_lookup(st)
                 st.load_issued = st.saves_scheduled = False
-        meta.prefill_predicted_s = self._step_prediction(scheduler_output)
+        # A step that also loads is not timed: its time holds the load's copies.
+        meta.prefill_predicted_s = 0.0 if meta.loads else self._step_prediction(scheduler_output)
         ct = self.cfg.chunk_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
