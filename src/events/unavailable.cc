@@ -1,18 +1,21 @@
-// The events publisher of a kvtier built without libzmq and msgpack-cxx: it cannot be started
-// (Start says what to install), so no other method is ever reached. It keeps one interface for
-// the server either way, with no #ifdef at its call sites.
+// The events publisher of a kvtier built without libzmq and msgpack-cxx: no options are valid
+// and it cannot be started (both say what to install), so no other method is ever reached. It keeps
+// one interface for the server either way, with no #ifdef at its call sites.
 #include "events/publisher.h"
 
 namespace kvtier::events {
 
 class Publisher::Impl {};
 
-Status ValidatePublisherOptions(const PublisherOptions&) { return Status::Ok(); }
-
-Result<std::shared_ptr<Publisher>> Publisher::Start(const PublisherOptions&) {
+// No options are valid here: the configuration is refused with what to install.
+Status ValidatePublisherOptions(const PublisherOptions&) {
   return Status::Unimplemented(
-      "KV-cache events need a kvtier built with libzmq and msgpack-cxx "
-      "(scripts/install-deps.sh installs them)");
+      "--kv-events needs a kvtier built with libzmq and msgpack-cxx (scripts/install-deps.sh "
+      "installs them)");
+}
+
+Result<std::shared_ptr<Publisher>> Publisher::Start(const PublisherOptions& options) {
+  return ValidatePublisherOptions(options);
 }
 
 Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
