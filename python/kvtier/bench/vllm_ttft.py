@@ -264,7 +264,6 @@ class Serve:
     def __init__(self, args, socket: str, directory: Path, log_path: Path):
         self.socket, self.dir, self.log_path = socket, directory, log_path
         chunk_bytes = kv_bytes_per_token(args.model, args.dtype) * args.chunk_tokens
-        self.chunk_bytes = chunk_bytes
         with socket_module.socket() as probe:  # a free port for /stats (wait_on_disk)
             probe.bind(("127.0.0.1", 0))
             self.http_port = probe.getsockname()[1]
@@ -324,7 +323,8 @@ class Serve:
             for v in vllms:
                 v.complete(prompt(), 1)
             time.sleep(0.5)
-        log(f"the connectors did not all reconnect to the restarted kvtier serve in {timeout:.0f} s")
+        log(f"the connectors did not all reconnect to the restarted kvtier serve in "
+            f"{timeout:.0f} s")
         return False
 
     def restart_empty(self) -> None:

@@ -53,13 +53,12 @@ logger = init_logger("vllm.kvtier")
 LAYERS_AHEAD = 3
 
 
-
 class _StepTimer:
     """Times the steps the scheduler marked (prefill_predicted_s): from the step's metadata
     (bound before the forward pass) to wait_for_save (after it), on the GPU's clock (CUDA
     events, read once they have completed, never waited for) or, on a host KV cache, the wall
-    clock. Only the worker's step thread
-    starts and stops; collect() runs on the same thread (vLLM asks for stats after a step)."""
+    clock. Only the worker's step thread starts and stops; collect() runs on the same thread
+    (vLLM asks for stats after a step)."""
 
     def __init__(self):
         self._open = None  # (start, predicted seconds, on the GPU)
@@ -98,6 +97,7 @@ class _StepTimer:
             self._done.append((start.elapsed_time(end) / 1e3, predicted_s))
         done, self._done = self._done, []
         return done
+
 
 class _JobThread:
     """One background thread running jobs in order; join() waits for the queue to empty."""
