@@ -196,7 +196,7 @@ class Vllm:
 
     def __init__(self, args, arm: str, port: int, transfer: dict | None, workdir: Path):
         self.arm, self.port = arm, port
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+        self.cmd = cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(args.model), "--served-model-name", "bench", "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--port", str(port),
                "--host", "127.0.0.1", "--enforce-eager", "--disable-log-stats",
@@ -246,6 +246,31 @@ class Vllm:
     def ttft(self, prompt: list[int]) -> float:
         return self.complete(prompt, 1)[0]
 
+    def phase_sums(self) -> dict[str, float] | None:
+        """vLLM's own account of its requests so far (seconds summed over them: waiting in
+        the queue, prefill), on the arms that keep statistics (costfile); else None."""
+        if "--disable-log-stats" in self.cmd:
+            return None
+        sums = {}
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read()
+        for line in text.decode().splitlines():
+            for phase in ("queue", "prefill"):
+                if line.startswith(f"vllm:request_{phase}_time_seconds_sum"):
+                    sums[phase] = sums.get(phase, 0.0) + float(line.rsplit(" ", 1)[1])
+        return sums
+
+    def timed_ttft(self, prompt: list[int], into: dict, kind: str) -> float:
+        """ttft(), with the request's queue and prefill time from vLLM's metrics (where kept)
+        appended to into[kind + "_queue"] / into[kind + "_prefill"]: where a TTFT goes."""
+        before = self.phase_sums()
+        elapsed = self.ttft(prompt)
+        after = self.phase_sums()
+        if before is not None and after is not None:
+            for phase in ("queue", "prefill"):
+                into.setdefault(f"{kind}_{phase}", []).append(
+                    after.get(phase, 0.0) - before.get(phase, 0.0))
+        return elapsed
+
     def reset_gpu_cache(self) -> None:
         http(self.port, "/reset_prefix_cache", {})
 
@@ -282,6 +307,8 @@ class Serve:
         self.start()
 
     def start(self) -> None:
+        if os.path.exists(self.socket):  # a killed server's: the wait below must see the new one
+            os.unlink(self.socket)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "a"),
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -312,16 +339,24 @@ class Serve:
         return False
 
     def wait_reconnected(self, vllms: list, prompt, timeout: float = 60) -> bool:
-        """Until every vLLM's connector (its scheduler and its worker) is connected to this
-        server again: a connector learns of a new server at its next use and reconnects in the
-        background, so each is sent short requests meanwhile. Otherwise the hit after a restart
-        would measure the reconnect (lookups miss until it is done)."""
+        """Until every vLLM's connector is connected to this server again and its worker can
+        use it: a connector learns of a new server at its next use and reconnects in the
+        background (on a GPU its worker then registers the new pool for DMA, a second or more
+        for gigabytes), so each is sent short requests meanwhile, until a round of them has
+        all its chunks saved. Otherwise the hit after a restart would measure the reconnect
+        (lookups miss until it is done) or share the GPU with the registration."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if len(self.stats().get("clients", [])) >= 2 * len(vllms):
-                return True
+            connected = len(self.stats().get("clients", [])) >= 2 * len(vllms)
+            before = self.stats()["engine"]["stores"]
             for v in vllms:
-                v.complete(prompt(), 1)
+                v.complete(prompt(), 1)  # its chunks are one store operation
+            # A worker not ready yet skips its saves: those never land, and a round is sent again.
+            landed = time.monotonic() + 5
+            while connected and time.monotonic() < min(landed, deadline):
+                if self.stats()["engine"]["stores"] - before >= len(vllms):
+                    return True
+                time.sleep(0.1)
             time.sleep(0.5)
         log(f"the connectors did not all reconnect to the restarted kvtier serve in "
             f"{timeout:.0f} s")
@@ -547,7 +582,8 @@ def main(argv=None) -> int:
                 for arm in list(arms):
                     with arm_guard(arm, arms, servers, results, context):
                         vllm = servers["server" if arm == "file" else arm]
-                        samples[arm]["cold"].append(vllm.ttft(fresh(prefix_len + args.suffix)))
+                        samples[arm]["cold"].append(vllm.timed_ttft(
+                            fresh(prefix_len + args.suffix), samples[arm], "cold"))
                         # The arm's saves land before another arm's request: an engine with
                         # transfers pending polls its workers, which would bill the next arm.
                         time.sleep(args.gap)
@@ -574,8 +610,8 @@ def main(argv=None) -> int:
                             drop_page_cache()
                             serve.wait_reconnected([servers[a] for a in ("server", "costfile")
                                                     if a in servers], lambda: fresh(2 * ct))
-                        ttft = vllm.ttft(prefix + suffix)
-                        samples[arm]["hit"].append(ttft)
+                        samples[arm]["hit"].append(
+                            vllm.timed_ttft(prefix + suffix, samples[arm], "hit"))
                         if arm in ("file", "costfile"):  # what the hit read (a new server)
                             samples[arm].setdefault("disk_chunks", []).append(
                                 serve.stats()["tiers"]["file"]["detail"]["hits"])
@@ -746,6 +782,12 @@ def print_table(results: dict, arms: list[str]) -> None:
                 if read is not None:  # a file hit that read nothing from disk measured a miss
                     ratios.append(f"{a} hits read {'/'.join(map(str, read))} of "
                                   f"{row['prefix_chunks']} chunks from disk")
+        for a in arms:  # where vLLM says the time went, on the arms that keep statistics
+            if "hit_queue" in med.get(a, {}):
+                ratios.append(f"{a} queue+prefill (ms) cold " + "+".join(
+                    f"{med[a]['cold_' + p] * 1e3:.0f}" for p in ("queue", "prefill")) +
+                    ", hit " + "+".join(f"{med[a]['hit_' + p] * 1e3:.0f}"
+                                         for p in ("queue", "prefill")))
         print(f"{context:>8}: " + "; ".join(ratios))
     for arm, counters in results.get("connector_counters", {}).items():
         shown = {k: counters[k] for k in ("tokens_loaded", "tokens_declined", "layerwise_loads",

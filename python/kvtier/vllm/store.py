@@ -128,16 +128,20 @@ class ServerConnection:
     even after the server died (nothing else writes a pinned slot), so a load whose chunks were
     pinned just before (the step after the lookup, milliseconds) can still complete. Not longer:
     the mapping holds the lost pool's memory. on_close(client) runs before a client is closed
-    (to unregister its pool from the GPU, say)."""
+    (to unregister its pool from the GPU, say); on_connect(client) runs on the connecting
+    thread before a new client is handed out (to register its pool with the GPU: a restarted
+    server's pool is registered in the background, not in the time of the request that finds
+    it), and a client it raises KvtierError for is dropped and retried later."""
 
     def __init__(self, cfg: ConnectorConfig, socket_path: str, ns: kvtier.KeyNamespace,
                  chunk_bytes: int, client_name: str, rpc_timeout_ms: int,
-                 keep_mappings: bool = False, on_close=None):
+                 keep_mappings: bool = False, on_close=None, on_connect=None):
         self._cfg, self._socket, self._ns = cfg, socket_path, ns
         self._chunk_bytes, self._name = chunk_bytes, client_name
         self._rpc_timeout_ms = rpc_timeout_ms
         self._keep = keep_mappings
         self._on_close = on_close
+        self._on_connect = on_connect
         self._lock = threading.Lock()
         self._client: kvtier.ServerClient | None = None
         self.started = 0.0  # the current client's server_started(), 0 if unknown
@@ -175,8 +179,9 @@ class ServerConnection:
             if start:
                 self._connecting = True
             current = self._client
-        for c in to_close:
-            self._close_client(c)
+        if to_close:  # unregistering a pool can take a while: not on the caller's time
+            threading.Thread(target=lambda: [self._close_client(c) for c in to_close],
+                             name="kvtier-close", daemon=True).start()
         if start:
             threading.Thread(target=self._connect_quietly, name="kvtier-connect",
                              daemon=True).start()
@@ -226,6 +231,13 @@ class ServerConnection:
                 client_name=self._name, connect_timeout_ms=min(2000, self._rpc_timeout_ms),
                 rpc_timeout_ms=self._rpc_timeout_ms)
             started = server_started(client)
+            if self._on_connect is not None:
+                try:
+                    self._on_connect(client)
+                except kvtier.KvtierError:
+                    self._close_client(client)
+                    client = None
+                    raise
         except kvtier.InvalidArgumentError as e:
             # A configuration mismatch does not heal by retrying: say what to change.
             raise ConfigError(

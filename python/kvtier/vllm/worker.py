@@ -204,10 +204,10 @@ class WorkerSide:
                                                             self._socket)
         self._server = ServerConnection(self.cfg, self._socket, self.ns, self.chunk_bytes,
                                         f"vllm-worker-{self.rank}", self.cfg.rpc_timeout_ms,
-                                        keep_mappings=True, on_close=self._unregister_pool)
+                                        keep_mappings=True, on_close=self._unregister_pool,
+                                        on_connect=self._register_pool)
         self._server.connect_now()  # if the server is up; a configuration it refuses raises
         self._setup_layerwise(kv_caches, num_blocks, device)
-        self._get_store()  # registers the pool for DMA now, not in the first request's time
         logger.info("kvtier: %s mode, %d-byte chunks of %d tokens, rank %d of %d",
                     "server" if self.cfg.server_mode else "in-process", self.chunk_bytes,
                     self.cfg.chunk_tokens, self.rank, self.world_size)
@@ -241,24 +241,31 @@ class WorkerSide:
 
     def _get_store(self) -> kvtier.ChunkStore | None:
         store = self._server.get()
-        if store is not None and self._device is not None and self._device.type == "cuda":
-            self._pin_pool(store)
+        if store is not None:
+            self._register_pool(store)  # done at connect; a no-op unless that failed
         return store
 
-    def _pin_pool(self, store: kvtier.ChunkStore) -> None:
-        # The copier's DMA needs the pool page-locked and mapped for the device. One thread
-        # registers it; the others wait (a copy from a half-registered pool fails).
+    def _register_pool(self, store: kvtier.ChunkStore) -> None:
+        """The copier's DMA needs the pool page-locked and mapped for the device. Runs when a
+        server is connected (ServerConnection's on_connect, on its connecting thread: pinning
+        gigabytes takes a second or more, which no request should wait for). One thread
+        registers a pool; the others wait (a copy from a half-registered pool fails)."""
+        if self._device is None or self._device.type != "cuda":
+            return
         base = store.pool_base
         if base in self._registered_pools:
             return
         with self._pool_lock:
             if base in self._registered_pools:
                 return
+            start = time.monotonic()
             torch.cuda.set_device(self._device)
             err = torch.cuda.cudart().cudaHostRegister(base, store.pool_bytes, 0x2 | 0x1)
             if int(err) != 0:
                 raise kvtier.KvtierError(f"cudaHostRegister of kvtier's pool failed ({err})")
             self._registered_pools.add(base)
+        logger.info("kvtier: the server's pool (%.1f GiB) registered for the GPU's DMA in %.0f ms",
+                    store.pool_bytes / 2**30, (time.monotonic() - start) * 1e3)
 
     def _unregister_pool(self, store: kvtier.ChunkStore) -> None:
         # Before its mapping goes: a later mapping at the same address is another pool.
@@ -322,8 +329,7 @@ class WorkerSide:
                                "recomputes its %d chunks", job.req_id, len(job.keys))
                 failed |= {b for chunk in job.block_ids for b in chunk[0] if b != SKIP_BLOCK}
                 continue
-            if self._device.type == "cuda":
-                self._pin_pool(store)
+            self._register_pool(store)  # done at connect; a no-op unless that failed
             for i, slot in enumerate(slots):
                 ids.append(self._kernel_ids(job.block_ids[i][0], 0))
                 addrs.append(store.slot_address(slot))

@@ -152,9 +152,12 @@ class KvtierServer:
             args += ["--l2", json.dumps({"type": "fs", "path": str(l2_dir), "max_size_gb": 1,
                                          **(l2_extra or {})})]
         self._log = open(self.log_path, "a")
+        log_start = self._log.tell()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        # Started once it logs "listening on" (after its socket and HTTP port are set up): a
+        # killed server's socket file is still there, so the file says nothing.
         deadline = time.monotonic() + 30
-        while not os.path.exists(self.socket):
+        while "listening on " not in self.log_path.read_text(errors="replace")[log_start:]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("kvtier serve did not start:\n" + self.log_path.read_text())
             time.sleep(0.05)

@@ -532,8 +532,45 @@ def test_a_lost_servers_pool_stays_mapped_a_while(workdir: Path, monkeypatch):
         assert conn.client_of_server(stamp) is client and not client.closed
         assert bytes(client.slot_view(0)[:1]) is not None  # still mapped
         time.sleep(0.6)
-        conn.get()
-        assert closed == [client] and conn.client_of_server(stamp) is None
+        conn.get()  # closes it on a thread of its own (unregistering a pool takes a while)
+        assert conn.client_of_server(stamp) is None
+        deadline = time.monotonic() + 10
+        while closed != [client]:
+            assert time.monotonic() < deadline, closed
+            time.sleep(0.05)
+    finally:
+        conn.close()
+        server.stop()
+
+
+def test_a_new_servers_pool_is_prepared_before_the_client_is_handed_out(workdir: Path):
+    """on_connect (the worker registers the pool for the GPU's DMA there) runs on the connecting
+    thread before get() hands the client out; a client it refuses is dropped, closed and tried
+    again later, and get() meanwhile answers None (recompute), never a client half set up."""
+    import kvtier
+    from kvtier.vllm import store
+    from kvtier.vllm.config import ConnectorConfig
+
+    server = KvtierServer(workdir, None)
+    seen, closed, refuse = [], [], [True]
+
+    def on_connect(client):
+        seen.append(client)
+        if refuse[0]:
+            raise kvtier.KvtierError("not this one")
+
+    conn = store.ServerConnection(ConnectorConfig(socket=server.socket), server.socket,
+                                  kvtier.KeyNamespace("prepared"), 0, "prepared-test", 1000,
+                                  on_close=closed.append, on_connect=on_connect)
+    try:
+        conn.connect_now()
+        assert conn.get() is None and len(seen) == 1 and closed == seen
+        refuse[0] = False
+        deadline = time.monotonic() + 10
+        while (client := conn.get()) is None:  # retried in the background
+            assert time.monotonic() < deadline, "never connected again"
+            time.sleep(0.05)
+        assert client is seen[-1] and len(seen) >= 2 and client not in closed
     finally:
         conn.close()
         server.stop()
