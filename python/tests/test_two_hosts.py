@@ -20,7 +20,8 @@ KV-cache events, on NFS: both hosts publish on their own address (docs/kv-events
 ZMQ SUB socket connected to both, in the file server's namespace, decodes every batch with
 vLLM's published schema (written out below, and vLLM's own decoder where vLLM is installed):
 each host's seq runs from 0 with no gap, and each host's events are what it stored (BlockStored
-CPU and STORAGE, BlockRemoved CPU for what its L1 evicted), never the other host's.
+CPU and STORAGE, BlockRemoved CPU for what its L1 evicted); and B, having looked up A's
+prefix, announces A's chunks in STORAGE with A's hashes, from the chunk files' headers.
 
 Needs root (namespaces, ganesha's VFS FSAL). Skipped, with the reason, where namespaces cannot
 be made; the servers failing to start is a failure when KVTIER_REQUIRE_NFS / KVTIER_REQUIRE_S3
@@ -716,7 +717,8 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
     connected to both gets each host's batches with that host's seq strictly increasing from 0
     and no gaps, and each host's events are what that host stored: BlockStored CPU and STORAGE
     for every chunk (write-through), BlockRemoved CPU for those its 8-slot L1 evicted, in an
-    order that replays to the host's state."""
+    order that replays to the host's state. B, having looked A's prefix up, also announces A's
+    chunks in STORAGE with A's hashes, read from the chunk files' headers."""
     KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_schema()
     import msgspec
     try:
@@ -736,12 +738,12 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
     sub = Subscriber(net.server, [f"tcp://{HOST_ADDRS[h]}:{EVENTS_PORT}" for h in hs])
     ns = key_ns(case)
     counts = {"a": 12, "b": 4}  # A's 12 chunks overflow its 8 slots; B's 4 do not
-    in_l1 = {}
+    in_l1, keys_of = {}, {}
     try:
         for name, n in counts.items():
             rng = np.random.default_rng(ord(name))
             tokens = rng.integers(0, 50000, size=16 * n, dtype=np.uint32)
-            keys = kvtier.chunk_keys(ns, tokens)
+            keys = keys_of[name] = kvtier.chunk_keys(ns, tokens)
             with hs[name].connect(ns) as c:
                 c.describe(keys, [event_descriptor(name, i, tokens[16 * i:16 * (i + 1)])
                                   for i in range(n)])
@@ -754,6 +756,17 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
                            and time.monotonic() - t0 < 30):
                         time.sleep(0.01)
                 in_l1[name] = [c.lookup([k])[1] == 1 for k in keys]
+        # B looks A's prefix up: its probe finds A's files, and B, told nothing of them, reads
+        # their descriptors from the headers (docs/file-format.md) and announces them in
+        # STORAGE under A's hashes.
+        with hs["b"].connect(ns) as cb:
+            assert wait_visible(cb, keys_of["a"], timeout=30) is not None, hs["b"].log_text()
+            t0 = time.monotonic()
+            while (cb.stats()["kv_events"]["file_descriptors"]["read"] < counts["a"]
+                   and time.monotonic() - t0 < 30):
+                time.sleep(0.01)
+            assert cb.stats()["kv_events"]["file_descriptors"] == {
+                "written": counts["b"], "too_large": 0, "read": counts["a"], "errors": 0}
         # Every batch each host published has arrived (they are sent 10 ms after their first
         # event).
         t0 = time.monotonic()
@@ -763,7 +776,7 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
                 with h.connect(ns) as c:
                     published[f"kv@host-{name}@{ns.model_id}"] = c.stats()["kv_events"]["batches"]
             got = {t: sum(1 for f in sub.frames if f[0].decode() == t) for t in published}
-            if got == published:
+            if all(got[t] >= published[t] for t in published):
                 break
             time.sleep(0.05)
     finally:
@@ -780,13 +793,20 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
                     for e, m in zip(theirs.decode(payload).events, mine)] == mine
         streams.setdefault(topic.decode(), []).append((int.from_bytes(seq, "big"), batch))
     assert set(streams) == set(published), (set(streams), published)
+    order = {name: [event_hash(name, i, j) for i in range(n) for j in (0, 1)]
+             for name, n in counts.items()}
+    parent_of = {h: p for o in order.values() for h, p in zip(o, [None, *o[:-1]])}
     for name, n in counts.items():
         stream = streams[f"kv@host-{name}@{ns.model_id}"]
-        # In order per host: seq 0, 1, 2, ... with no gap, as many batches as the host sent.
-        assert [s for s, _ in stream] == list(range(published[f"kv@host-{name}@{ns.model_id}"]))
-        order = [event_hash(name, i, j) for i in range(n) for j in (0, 1)]
-        mine = set(order)
-        parent_of = dict(zip(order, [None, *order[:-1]]))
+        # In order per host: seq 0, 1, 2, ... with no gap, at least as many batches as the host
+        # had sent when its counter was read (a rescan may have announced more since).
+        assert [s for s, _ in stream] == list(range(len(stream)))
+        assert len(stream) >= published[f"kv@host-{name}@{ns.model_id}"]
+        mine = set(order[name])
+        # B also announces A's chunks, from their headers, in STORAGE only (not in its L1); A
+        # may announce B's too, if its rescan (every 5 s) found them before the end.
+        others = set(order["b" if name == "a" else "a"])
+        required = others if name == "b" else set()
         state = {"CPU": set(), "STORAGE": set()}
         stored = {"CPU": set(), "STORAGE": set()}
         for _, batch in stream:
@@ -794,7 +814,8 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
             for e in batch.events:
                 assert not isinstance(e, AllBlocksCleared)
                 if isinstance(e, BlockStored):
-                    assert set(e.block_hashes) <= mine, f"host {name} announced another's"
+                    assert set(e.block_hashes) <= mine | (
+                        others if e.medium == "STORAGE" else set()), (name, e)
                     # A run of blocks chained to the one before it, as vLLM's own are.
                     assert [e.parent_block_hash, *e.block_hashes[:-1]] == \
                         [parent_of[h] for h in e.block_hashes]
@@ -806,11 +827,13 @@ def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
                     assert isinstance(e, BlockRemoved)
                     assert set(e.block_hashes) <= state[e.medium], "removed before stored"
                     state[e.medium] -= set(e.block_hashes)
-        assert stored["CPU"] == stored["STORAGE"] == mine
-        assert state["STORAGE"] == mine
+        assert stored["CPU"] == mine
+        assert stored["STORAGE"] == state["STORAGE"]
+        assert mine | required <= state["STORAGE"] <= mine | others
         assert state["CPU"] == {event_hash(name, i, j)
                                 for i in range(n) if in_l1[name][i] for j in (0, 1)}
         print(f"\nhost {name}: {len(stream)} batches, seq 0..{len(stream) - 1}, "
-              f"{n} chunks stored in CPU and STORAGE, {n - sum(in_l1[name])} removed from CPU")
+              f"{n} chunks stored in CPU and STORAGE, {n - sum(in_l1[name])} removed from CPU, "
+              f"{len(state['STORAGE'] - mine) // 2} of the other host's announced in STORAGE")
     assert sum(in_l1["a"]) <= slots < counts["a"]
     print(f"events test: {time.monotonic() - started:.1f} s")
