@@ -5,8 +5,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <cstring>
+#include <map>
 #include <msgpack.hpp>
 #include <optional>
 #include <string>

@@ -233,7 +233,8 @@ class Publisher::Impl {
   void BindForHeaders(uint64_t group, const ChunkKey& client, uint32_t rank,
                       const ChunkKey& stored) {
     std::lock_guard lock(header_mu_);
-    auto [it, fresh] = header_bindings_.insert_or_assign(stored, HeaderBinding{{group, client}, rank});
+    const bool fresh =
+        header_bindings_.insert_or_assign(stored, HeaderBinding{{group, client}, rank}).second;
     if (!fresh) return;
     header_binding_order_.push_back(stored);
     if (header_binding_order_.size() > o_.max_queue_size) {
@@ -475,7 +476,8 @@ class Publisher::Impl {
     Clock::time_point next = Clock::now();
     std::unique_lock lock(describe_mu_);
     for (;;) {
-      describe_cv_.wait(lock, [&] { return stop_.load() || (reader_ && !describe_queue_.empty()); });
+      describe_cv_.wait(lock,
+                        [&] { return stop_.load() || (reader_ && !describe_queue_.empty()); });
       if (stop_.load()) return;
       if (describe_cv_.wait_until(lock, next, [&] { return stop_.load(); })) return;
       const ChunkKey stored = describe_queue_.front();
@@ -500,8 +502,8 @@ class Publisher::Impl {
       return;
     }
     if (bytes->empty()) return;  // written without one: undescribed
-    auto f = ParseFileDescriptor(std::span(reinterpret_cast<const uint8_t*>(bytes->data()),
-                                           bytes->size()));
+    auto f = ParseFileDescriptor(
+        std::span(reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size()));
     if (!f.ok()) {
       Count([](PublisherStats& s) { ++s.file_descriptor_errors; });
       return;
@@ -510,7 +512,7 @@ class Publisher::Impl {
     const ChunkKey client(f->client_key);
     // Either order works; the descriptor first, so the binding's record finds it at once.
     (void)Accept(ChunkId{f->group, client},
-               std::make_shared<const Descriptor>(std::move(f->descriptor)));
+                 std::make_shared<const Descriptor>(std::move(f->descriptor)));
     PushBind(f->group, client, f->rank, stored);
     Count([](PublisherStats& s) { ++s.file_descriptors_read; });
   }

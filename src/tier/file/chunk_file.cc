@@ -126,8 +126,8 @@ DecodedHeader DecodeHeader(std::span<const uint8_t, kHeaderBytes> in) {
     const uint32_t len = Get<uint32_t>(p + kDescriptorOffset);
     const uint32_t format = Get<uint32_t>(p + kDescriptorOffset + 4);
     if (format != kDescriptorFormat) {
-      d.descriptor_problem = fmt::format("descriptor format {} (this build reads {})", format,
-                                         kDescriptorFormat);
+      d.descriptor_problem =
+          fmt::format("descriptor format {} (this build reads {})", format, kDescriptorFormat);
     } else if (len == 0 || len > kMaxDescriptorBytes) {
       d.descriptor_problem =
           fmt::format("descriptor length {} is not 1 to {}", len, kMaxDescriptorBytes);

@@ -104,8 +104,7 @@ TEST(ChunkFileTest, ADescriptorThisBuildCannotTakeLeavesTheChunk) {
   struct Case {
     uint32_t length, format;
   };
-  for (Case c : {Case{0, 1}, Case{kMaxDescriptorBytes + 1, 1}, Case{0xffffffffu, 1},
-                 Case{10, 2}}) {
+  for (Case c : {Case{0, 1}, Case{kMaxDescriptorBytes + 1, 1}, Case{0xffffffffu, 1}, Case{10, 2}}) {
     EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
     std::memcpy(buf.data() + kDescriptorOffset, &c.length, 4);
     std::memcpy(buf.data() + kDescriptorOffset + 4, &c.format, 4);
@@ -130,9 +129,9 @@ TEST(ChunkFileTest, AFlipInTheDescriptorIsCaughtByTheHeaderChecksum) {
   for (size_t byte = kDescriptorOffset; byte < kHeaderBytes - 8; byte += 13) {
     std::memcpy(bad.data(), good.data(), kHeaderBytes);
     bad.data()[byte] ^= 0x04;
-    EXPECT_EQ(DecodeHeader(std::span<const uint8_t, kHeaderBytes>(bad.data(), kHeaderBytes))
-                  .verdict,
-              HeaderVerdict::kCorrupt)
+    EXPECT_EQ(
+        DecodeHeader(std::span<const uint8_t, kHeaderBytes>(bad.data(), kHeaderBytes)).verdict,
+        HeaderVerdict::kCorrupt)
         << byte;
   }
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -14,8 +15,6 @@
 #include <mutex>
 #include <random>
 #include <thread>
-
-#include <xxhash.h>
 
 #include "common/task_pool.h"
 #include "io/env_wrapper.h"
