@@ -197,6 +197,9 @@ class Engine {
   EngineStats Stats() const;
   const EngineOptions& options() const;
   bool has_file_tier() const;
+  // FileTier::ReadDescriptor of the file tier (NotFound without one): the descriptor in the
+  // header of `key`'s chunk file. Blocks for one 4 KiB read; thread-safe.
+  Result<std::string> ReadChunkDescriptor(const ChunkKey& key);
 
   // --- The L1 arena, for a server that shares it with its clients' processes. ---
   struct Pool {

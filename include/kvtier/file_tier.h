@@ -228,6 +228,12 @@ class FileTier {
   // else past chunk_bytes is touched. Synchronous, on the calling thread. Returns OK; NotFound for
   // a miss (absent, vanished, corrupt or foreign: never wrong data); or an I/O error.
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
+  // The descriptor in the header of the chunk file of `key` (docs/file-format.md, "The
+  // descriptor"; written from FileTierOptions::listener): empty if the file has none. One
+  // 4 KiB read on the calling thread; the payload is not read, and the index is not changed.
+  // NotFound if there is no file; kCorruption for a header that fails its checks, names another
+  // namespace or key, or holds a descriptor this build cannot take; an I/O error otherwise.
+  Result<std::string> ReadDescriptor(const ChunkKey& key);
   // Stores the chunk (REQUIRES: src.size() == chunk_bytes). Idempotent: OK at once if the key is
   // already indexed; waits for a write of the same key already in flight in this process.
   // Returns kNoSpace when the capacity cannot be met (everything else is being written) or the

@@ -14,8 +14,14 @@ with the exact bytes (and how long it took to become visible is printed); host A
 the middle of a burst of writes leaves B nothing wrong (temporaries and torn files are misses,
 every hit is verified); two hosts evicting against one capacity settle at or under it, going
 over it meanwhile by up to a whole capacity without shared_capacity and by at most one chunk per
-host with it (the peaks are printed). docs/multi-node.md describes what this shows. The KV
-events of both hosts reaching one subscriber in order are not tested yet (docs/kv-events.md).
+host with it (the peaks are printed). docs/multi-node.md describes what this shows.
+
+KV-cache events, on NFS: both hosts publish on their own address (docs/kv-events.md), and one
+ZMQ SUB socket connected to both, in the file server's namespace, decodes every batch with
+vLLM's published schema (written out below, and vLLM's own decoder where vLLM is installed):
+each host's seq runs from 0 with no gap, and each host's events are what it stored (BlockStored
+CPU and STORAGE, BlockRemoved CPU for what its L1 evicted); and B, having looked up A's
+prefix, announces A's chunks in STORAGE with A's hashes, from the chunk files' headers.
 
 Needs root (namespaces, ganesha's VFS FSAL). Skipped, with the reason, where namespaces cannot
 be made; the servers failing to start is a failure when KVTIER_REQUIRE_NFS / KVTIER_REQUIRE_S3
@@ -185,22 +191,27 @@ def s3(net):
 class Host:
     """`kvtier serve` in a host's namespace: its own L1 pool, its own Unix socket."""
 
-    def __init__(self, net, name, l2, env=None, write_policy="write_through"):
+    def __init__(self, net, name, l2, env=None, write_policy="write_through", l1_gb=0.0625,
+                 args=()):
         self.name = name
         self.dir = tempfile.mkdtemp(prefix=f"kvt-{name}-")
         self.socket = os.path.join(self.dir, "s.sock")
         self.log = open(os.path.join(self.dir, "serve.log"), "w")
         # `ip netns exec` execs the command: the Popen is kvtier itself (SIGKILL reaches it).
         args = [*net.exec_args(net.hosts[name]), kvtier_binary(), "serve", "--socket",
-                self.socket, "--http-port", "-1", "--l1-size-gb", "0.0625", "--chunk-bytes",
+                self.socket, "--http-port", "-1", "--l1-size-gb", str(l1_gb), "--chunk-bytes",
                 str(CHUNK), "--log-level", "warn", "--write-policy", write_policy, "--l2",
-                json.dumps(l2)]
+                json.dumps(l2), *args]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = self.log_text()
                 self.stop()
-                raise RuntimeError(f"kvtier serve ({name}) did not start: {self.log_text()}")
+                if "built with libzmq and msgpack-cxx" in text:
+                    pytest.skip("this kvtier was built without KV-cache events (libzmq, "
+                                "msgpack-cxx)")
+                raise RuntimeError(f"kvtier serve ({name}) did not start: {text}")
             time.sleep(0.02)
 
     def connect(self, ns):
@@ -550,3 +561,279 @@ def test_two_hosts_evicting_against_one_capacity(net, shared, hosts, shared_capa
 def file_stats(client):
     """The host's file tier counters (FileTierStats, docs/file-format.md)."""
     return client.stats()["tiers"]["file"]["detail"]
+
+
+# --- KV-cache events from both hosts (docs/kv-events.md) ---------------------------------------
+#
+# The subscriber's schema is vLLM's published one (vllm/distributed/kv_events.py, 0.24 to 0.34),
+# written out here rather than taken from kvtier, so that what is checked is what a subscriber
+# written for vLLM decodes: the batch an array-like struct, the events tagged structs (maps whose
+# "type" names the class), hashes uint64 or bytes. Fields that kvtier never sends are declared
+# with their defaults, as vLLM declares them.
+
+EVENTS_PORT = 5560
+CLONE_NEWNET = 0x40000000
+
+
+def vllm_schema():
+    """(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared) as vLLM 0.32 declares them."""
+    msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (it comes with vLLM)")
+    from typing import Any, Union
+
+    Hash = Union[bytes, int]  # vLLM's ExternalBlockHash
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: Union[int, None] = None
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[Hash]
+        parent_block_hash: Union[Hash, None]
+        token_ids: list[int]
+        block_size: int
+        lora_id: Union[int, None]
+        medium: Union[str, None]
+        lora_name: Union[str, None]
+        extra_keys: Union[list[Union[tuple[Any, ...], None]], None] = None
+        group_idx: Union[int, None] = None
+        kv_cache_spec_kind: Union[str, None] = None
+        kv_cache_spec_sliding_window: Union[int, None] = None
+        locality: Union[str, None] = None
+        ownership: Union[str, None] = None
+        session_id: Union[str, None] = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[Hash]
+        medium: Union[str, None]
+        group_idx: Union[int, None] = None
+        locality: Union[str, None] = None
+        ownership: Union[str, None] = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+    return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+
+
+def enter_netns(name):
+    """Moves the calling thread, and only it, into the network namespace `name` (setns(2) on a
+    network namespace is per thread); threads it starts afterwards are born there."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Subscriber:
+    """One ZMQ SUB socket connected to every host's publisher, as a router's would be. The hosts'
+    addresses are reachable from the file server's namespace (the bridge), not from this one: the
+    socket lives in a thread that entered that namespace before it made its ZMQ context, whose
+    I/O thread (which makes the TCP connections) is then born there too. The thread only
+    receives and keeps the raw frames; decoding is the test's. `ready` is set once the ZMTP
+    handshake with every publisher is done (the subscription is then on its way, ahead of any
+    event a host publishes after)."""
+
+    def __init__(self, netns, endpoints):
+        self.zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (it comes with vLLM)")
+        self.netns, self.endpoints = netns, endpoints
+        self.frames = []  # [topic, seq, payload] as received
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        if not self.ready.wait(timeout=20) or self.error:
+            self.close()
+            raise RuntimeError(f"the subscriber did not connect: {self.error}")
+
+    def _run(self):
+        zmq = self.zmq
+        try:
+            enter_netns(self.netns)
+            from zmq.utils.monitor import recv_monitor_message
+            ctx = zmq.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            for ep in self.endpoints:
+                sub.connect(ep)
+            shaken = 0
+            deadline = time.monotonic() + 15
+            while shaken < len(self.endpoints) and time.monotonic() < deadline:
+                if mon.poll(100):
+                    recv_monitor_message(mon)
+                    shaken += 1
+            if shaken < len(self.endpoints):
+                raise RuntimeError(f"{shaken} of {len(self.endpoints)} handshakes")
+            self.ready.set()
+            while not self.stop.is_set():
+                if sub.poll(50):
+                    self.frames.append(sub.recv_multipart())
+            sub.disable_monitor()
+            mon.close()
+            sub.close()
+            ctx.term()
+        except Exception as e:  # reported by the constructor or close()
+            self.error = repr(e)
+            self.ready.set()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def event_hash(host, i, j):
+    """A made-up vLLM block hash per host, chunk and block (uint64, most above 2^63: msgpack's
+    widest form)."""
+    return (((ord(host) << 16) + i * 2 + j + 1) * 0x9E3779B97F4A7C15) & (2**64 - 1)
+
+
+def event_descriptor(host, i, tokens):
+    """A chunk's descriptor (docs/kv-events.md): two 8-token vLLM blocks per 16-token chunk."""
+    import msgspec
+    return msgspec.msgpack.encode({
+        "index": i, "block_size": 8, "group_idx": 0,
+        "block_hashes": [event_hash(host, i, 0), event_hash(host, i, 1)],
+        "parent_block_hash": None if i == 0 else event_hash(host, i - 1, 1),
+        "token_ids": np.asarray(tokens, dtype="<u4").tobytes(),
+        "lora_id": None, "lora_name": None,
+    })
+
+
+def test_events_of_both_hosts_reach_one_subscriber_in_order(net, nfs, hosts):
+    """Both hosts publish on their own address (tcp, --kv-events-bind-host); one SUB socket
+    connected to both gets each host's batches with that host's seq strictly increasing from 0
+    and no gaps, and each host's events are what that host stored: BlockStored CPU and STORAGE
+    for every chunk (write-through), BlockRemoved CPU for those its 8-slot L1 evicted, in an
+    order that replays to the host's state. B, having looked A's prefix up, also announces A's
+    chunks in STORAGE with A's hashes, read from the chunk files' headers."""
+    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_schema()
+    import msgspec
+    try:
+        from vllm.distributed import kv_events as vllm_events
+    except ImportError:
+        vllm_events = None
+    case = "events"
+    spec = l2_spec("nfs", nfs.url, case)
+    slots = 8
+    started = time.monotonic()
+    hs = {}
+    for name in ("a", "b"):
+        hs[name] = hosts(net, name, spec, l1_gb=slots * CHUNK / 2**30, args=[
+            "--kv-events",
+            "--kv-events-endpoint", f"tcp://*:{EVENTS_PORT}",
+            "--kv-events-bind-host", HOST_ADDRS[name], "--kv-events-pod", f"host-{name}"])
+    sub = Subscriber(net.server, [f"tcp://{HOST_ADDRS[h]}:{EVENTS_PORT}" for h in hs])
+    ns = key_ns(case)
+    counts = {"a": 12, "b": 4}  # A's 12 chunks overflow its 8 slots; B's 4 do not
+    in_l1, keys_of = {}, {}
+    try:
+        for name, n in counts.items():
+            rng = np.random.default_rng(ord(name))
+            tokens = rng.integers(0, 50000, size=16 * n, dtype=np.uint32)
+            keys = keys_of[name] = kvtier.chunk_keys(ns, tokens)
+            with hs[name].connect(ns) as c:
+                c.describe(keys, [event_descriptor(name, i, tokens[16 * i:16 * (i + 1)])
+                                  for i in range(n)])
+                # Four at a time, each batch written (write-through) before the next: L1 never
+                # refuses a store, and evicts its oldest clean chunks once full.
+                for at in range(0, n, 4):
+                    assert c.store(keys[at:at + 4], make_chunks(4, at)).wait(timeout=30).ok
+                    t0 = time.monotonic()
+                    while (c.stats()["kv_events"]["stored"]["storage"] < at + 4
+                           and time.monotonic() - t0 < 30):
+                        time.sleep(0.01)
+                in_l1[name] = [c.lookup([k])[1] == 1 for k in keys]
+        # B looks A's prefix up: its probe finds A's files, and B, told nothing of them, reads
+        # their descriptors from the headers (docs/file-format.md) and announces them in
+        # STORAGE under A's hashes.
+        with hs["b"].connect(ns) as cb:
+            assert wait_visible(cb, keys_of["a"], timeout=30) is not None, hs["b"].log_text()
+            t0 = time.monotonic()
+            while (cb.stats()["kv_events"]["file_descriptors"]["read"] < counts["a"]
+                   and time.monotonic() - t0 < 30):
+                time.sleep(0.01)
+            assert cb.stats()["kv_events"]["file_descriptors"] == {
+                "written": counts["b"], "too_large": 0, "read": counts["a"], "errors": 0}
+        # Every batch each host published has arrived (they are sent 10 ms after their first
+        # event).
+        t0 = time.monotonic()
+        published = {}
+        while time.monotonic() - t0 < 10:
+            for name, h in hs.items():
+                with h.connect(ns) as c:
+                    published[f"kv@host-{name}@{ns.model_id}"] = c.stats()["kv_events"]["batches"]
+            got = {t: sum(1 for f in sub.frames if f[0].decode() == t) for t in published}
+            if all(got[t] >= published[t] for t in published):
+                break
+            time.sleep(0.05)
+    finally:
+        sub.close()
+    assert sub.error is None, sub.error
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    theirs = msgspec.msgpack.Decoder(vllm_events.KVEventBatch) if vllm_events else None
+    streams = {}
+    for topic, seq, payload in sub.frames:
+        batch = decoder.decode(payload)
+        if theirs:  # vLLM's own decoder reads the same events
+            mine = [msgspec.structs.asdict(e) for e in batch.events]
+            assert [{k: v for k, v in msgspec.structs.asdict(e).items() if k in m}
+                    for e, m in zip(theirs.decode(payload).events, mine)] == mine
+        streams.setdefault(topic.decode(), []).append((int.from_bytes(seq, "big"), batch))
+    assert set(streams) == set(published), (set(streams), published)
+    order = {name: [event_hash(name, i, j) for i in range(n) for j in (0, 1)]
+             for name, n in counts.items()}
+    parent_of = {h: p for o in order.values() for h, p in zip(o, [None, *o[:-1]])}
+    for name, n in counts.items():
+        stream = streams[f"kv@host-{name}@{ns.model_id}"]
+        # In order per host: seq 0, 1, 2, ... with no gap, at least as many batches as the host
+        # had sent when its counter was read (a rescan may have announced more since).
+        assert [s for s, _ in stream] == list(range(len(stream)))
+        assert len(stream) >= published[f"kv@host-{name}@{ns.model_id}"]
+        mine = set(order[name])
+        # B also announces A's chunks, from their headers, in STORAGE only (not in its L1); A
+        # may announce B's too, if its rescan (every 5 s) found them before the end.
+        others = set(order["b" if name == "a" else "a"])
+        required = others if name == "b" else set()
+        state = {"CPU": set(), "STORAGE": set()}
+        stored = {"CPU": set(), "STORAGE": set()}
+        for _, batch in stream:
+            assert batch.data_parallel_rank == 0
+            for e in batch.events:
+                assert not isinstance(e, AllBlocksCleared)
+                if isinstance(e, BlockStored):
+                    assert set(e.block_hashes) <= mine | (
+                        others if e.medium == "STORAGE" else set()), (name, e)
+                    # A run of blocks chained to the one before it, as vLLM's own are.
+                    assert [e.parent_block_hash, *e.block_hashes[:-1]] == \
+                        [parent_of[h] for h in e.block_hashes]
+                    assert e.block_size == 8 and len(e.token_ids) == 8 * len(e.block_hashes)
+                    assert not state[e.medium] & set(e.block_hashes), "stored twice"
+                    state[e.medium] |= set(e.block_hashes)
+                    stored[e.medium] |= set(e.block_hashes)
+                else:
+                    assert isinstance(e, BlockRemoved)
+                    assert set(e.block_hashes) <= state[e.medium], "removed before stored"
+                    state[e.medium] -= set(e.block_hashes)
+        assert stored["CPU"] == mine
+        assert stored["STORAGE"] == state["STORAGE"]
+        assert mine | required <= state["STORAGE"] <= mine | others
+        assert state["CPU"] == {event_hash(name, i, j)
+                                for i in range(n) if in_l1[name][i] for j in (0, 1)}
+        print(f"\nhost {name}: {len(stream)} batches, seq 0..{len(stream) - 1}, "
+              f"{n} chunks stored in CPU and STORAGE, {n - sum(in_l1[name])} removed from CPU, "
+              f"{len(state['STORAGE'] - mine) // 2} of the other host's announced in STORAGE")
+    assert sum(in_l1["a"]) <= slots < counts["a"]
+    print(f"events test: {time.monotonic() - started:.1f} s")

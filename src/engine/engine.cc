@@ -1117,6 +1117,11 @@ Engine::Pool Engine::pool() const {
 
 bool Engine::has_file_tier() const { return impl_->l2 != nullptr; }
 
+Result<std::string> Engine::ReadChunkDescriptor(const ChunkKey& key) {
+  if (!impl_->l2) return Status::NotFound("no file tier");
+  return impl_->l2->ReadDescriptor(key);
+}
+
 const EngineOptions& Engine::options() const { return impl_->options; }
 
 MemoryTier& EngineInternals::memory(Engine& e) { return *e.impl_->l1; }

@@ -304,4 +304,99 @@ Result<Descriptor> ParseDescriptor(std::span<const uint8_t> bytes, uint32_t chun
   return d;
 }
 
+std::string EncodeFileDescriptor(const FileDescriptor& f, size_t max_bytes) {
+  if (f.model_id.size() > 1024) return {};
+  Descriptor d = f.descriptor;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt == 1) d.extra_keys.reset();
+    if (attempt == 2) d.token_ids.clear();
+    const std::string map = EncodeDescriptor(d);
+    msgpack::sbuffer buf;
+    Packer pk(buf);
+    pk.pack_map(7);
+    Str(pk, "group");
+    pk.pack_uint64(f.group);
+    Str(pk, "model_id");
+    Str(pk, f.model_id);
+    Str(pk, "chunk_tokens");
+    pk.pack_uint32(f.chunk_tokens);
+    Str(pk, "world_size");
+    pk.pack_uint32(f.world_size);
+    Str(pk, "rank");
+    pk.pack_uint32(f.rank);
+    Str(pk, "key");
+    pk.pack_bin(32);
+    pk.pack_bin_body(reinterpret_cast<const char*>(f.client_key.data()), 32);
+    Str(pk, "descriptor");
+    pk.pack_bin(static_cast<uint32_t>(map.size()));
+    pk.pack_bin_body(map.data(), static_cast<uint32_t>(map.size()));
+    if (buf.size() <= max_bytes) return Take(buf);
+  }
+  return {};
+}
+
+Result<FileDescriptor> ParseFileDescriptor(std::span<const uint8_t> bytes) {
+  msgpack::object_handle oh;
+  try {
+    size_t off = 0;
+    oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(), off, nullptr,
+                         nullptr, Limits());
+    if (off != bytes.size()) return Bad("trailing bytes after the file's map");
+  } catch (const std::exception& e) {
+    return Bad(fmt::format("the file's map is not msgpack within bounds ({})", e.what()));
+  }
+  const msgpack::object& root = oh.get();
+  if (root.type != msgpack::type::MAP) return Bad("the file's descriptor is not a map");
+  FileDescriptor f;
+  std::span<const uint8_t> map;
+  unsigned seen = 0;  // a bit per required key
+  for (uint32_t i = 0; i < root.via.map.size; ++i) {
+    const msgpack::object& k = root.via.map.ptr[i].key;
+    const msgpack::object& v = root.via.map.ptr[i].val;
+    if (k.type != msgpack::type::STR) return Bad("a key is not a string");
+    const std::string_view key(k.via.str.ptr, k.via.str.size);
+    if (key == "group") {
+      if (v.type != msgpack::type::POSITIVE_INTEGER) return Bad("group must be a uint64");
+      f.group = v.via.u64;
+      seen |= 1;
+    } else if (key == "model_id") {
+      if (v.type != msgpack::type::STR || v.via.str.size > 1024) {
+        return Bad("model_id must be a string of at most 1,024 bytes");
+      }
+      f.model_id.assign(v.via.str.ptr, v.via.str.size);
+      seen |= 2;
+    } else if (key == "chunk_tokens" || key == "world_size" || key == "rank") {
+      auto n = AsInt(v);
+      if (!n || *n < 0 || *n > INT32_MAX) return Bad(fmt::format("{} must be a uint32", key));
+      const uint32_t u = static_cast<uint32_t>(*n);
+      if (key == "chunk_tokens") {
+        f.chunk_tokens = u;
+        seen |= 4;
+      } else if (key == "world_size") {
+        f.world_size = u;
+        seen |= 8;
+      } else {
+        f.rank = u;
+        seen |= 16;
+      }
+    } else if (key == "key") {
+      if (v.type != msgpack::type::BIN || v.via.bin.size != 32) return Bad("key must be bin 32");
+      std::memcpy(f.client_key.data(), v.via.bin.ptr, 32);
+      seen |= 32;
+    } else if (key == "descriptor") {
+      if (v.type != msgpack::type::BIN) return Bad("descriptor must be bin (a msgpack map)");
+      map = std::span(reinterpret_cast<const uint8_t*>(v.via.bin.ptr), v.via.bin.size);
+      seen |= 64;
+    }
+  }
+  if (seen != 127) {
+    return Bad("group, model_id, chunk_tokens, world_size, rank, key and descriptor are required");
+  }
+  if (f.chunk_tokens == 0 || f.world_size == 0 || f.rank >= f.world_size) {
+    return Bad("chunk_tokens and world_size must be positive, rank below world_size");
+  }
+  KVTIER_ASSIGN_OR_RETURN(f.descriptor, ParseDescriptor(map, f.chunk_tokens));
+  return f;
+}
+
 }  // namespace kvtier::events

@@ -10,6 +10,7 @@
 // Thread-safety: pure functions over values.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -52,6 +53,29 @@ struct Descriptor {
 Result<Descriptor> ParseDescriptor(std::span<const uint8_t> bytes, uint32_t chunk_tokens);
 // The msgpack map ParseDescriptor reads (for clients and tests).
 std::string EncodeDescriptor(const Descriptor& d);
+
+// What a chunk file's header carries for the events (docs/file-format.md, "The descriptor";
+// descriptor format 1), so that a host that finds the file (another host, or a restart) can
+// announce it: the group the chunk belongs to (the client's namespace without its rank), what
+// the group is, the shard's rank, the client's key of the chunk and its `describe` map.
+struct FileDescriptor {
+  uint64_t group = 0;
+  std::string model_id;
+  uint32_t chunk_tokens = 0;
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  std::array<uint8_t, 32> client_key{};
+  Descriptor descriptor;
+
+  bool operator==(const FileDescriptor&) const = default;
+};
+// The msgpack map of a FileDescriptor, as small as fits in `max_bytes`: whole, else without
+// extra_keys, else without token ids too (location-only events); empty when even that does not
+// fit (or the model id is over 1,024 bytes).
+std::string EncodeFileDescriptor(const FileDescriptor& f, size_t max_bytes);
+// Parses and checks one (the descriptor as ParseDescriptor does, with the file's chunk_tokens).
+// kInvalidArgument naming the problem.
+Result<FileDescriptor> ParseFileDescriptor(std::span<const uint8_t> bytes);
 
 // One BlockStored event.
 struct StoredEvent {

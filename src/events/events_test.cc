@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 #include <zmq.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <msgpack.hpp>
 #include <optional>
 #include <string>
@@ -160,6 +162,51 @@ TEST(EventsDescriptorTest, RoundTripAndChecks) {
   const std::string junk = "\x81\xa5index";
   EXPECT_FALSE(ParseDescriptor(span(junk), 32).ok());
   EXPECT_FALSE(ParseDescriptor(span(std::string("\x80", 1)), 32).ok());  // no keys
+}
+
+// The descriptor a chunk file's header carries (docs/file-format.md, "The descriptor"): what a
+// host that finds the file needs to announce it, fitted to the area by dropping extra_keys, then
+// the token ids, then everything.
+TEST(EventsDescriptorTest, FileDescriptorRoundTripsAndFits) {
+  auto span = [](const std::string& s) {
+    return std::span(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+  };
+  FileDescriptor f;
+  f.group = 0xfedcba9876543210ull;
+  f.model_id = "Qwen/Qwen3-8B";
+  f.chunk_tokens = 32;
+  f.world_size = 2;
+  f.rank = 1;
+  f.client_key.fill(0x5a);
+  f.descriptor = ChunkDescriptor(1);
+  f.descriptor.extra_keys = std::string("\x91\xa4salt", 6);
+  const std::string whole = EncodeFileDescriptor(f, 1 << 20);
+  auto back = ParseFileDescriptor(span(whole));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, f);
+
+  const std::string fitted = EncodeFileDescriptor(f, whole.size() - 1);
+  back = ParseFileDescriptor(span(fitted));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_FALSE(back->descriptor.extra_keys.has_value());
+  EXPECT_EQ(back->descriptor.token_ids, f.descriptor.token_ids);
+  const std::string located = EncodeFileDescriptor(f, fitted.size() - 1);
+  back = ParseFileDescriptor(span(located));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(back->descriptor.token_ids.empty());  // location-only
+  EXPECT_EQ(back->descriptor.block_hashes, f.descriptor.block_hashes);
+  EXPECT_EQ(EncodeFileDescriptor(f, located.size() - 1), "");
+
+  FileDescriptor bad = f;
+  bad.rank = 2;  // not below world_size
+  EXPECT_FALSE(ParseFileDescriptor(span(EncodeFileDescriptor(bad, 4096))).ok());
+  bad = f;
+  bad.chunk_tokens = 64;  // the descriptor's 32 tokens do not make the chunk
+  EXPECT_FALSE(ParseFileDescriptor(span(EncodeFileDescriptor(bad, 4096))).ok());
+  for (size_t cut : {size_t{0}, size_t{1}, whole.size() / 2, whole.size() - 1}) {
+    EXPECT_FALSE(ParseFileDescriptor(span(whole.substr(0, cut))).ok()) << cut;
+  }
+  EXPECT_FALSE(ParseFileDescriptor(span(EncodeDescriptor(f.descriptor))).ok());  // not the file's
 }
 
 TEST(EventsQueueTest, AFullQueueRefusesInsteadOfBlocking) {
@@ -453,6 +500,65 @@ TEST_F(PublisherTest, ReplaysTheRingOrASnapshot) {
   const PublisherStats st = pub_->Stats();
   EXPECT_EQ(st.replays_ring, 3u);
   EXPECT_EQ(st.replays_snapshot, 1u);
+}
+
+// A chunk's descriptor goes into its file's header (ChunkDescriptor: the binding and the
+// descriptor this publisher was given), and another publisher (another host, or this one
+// restarted) that finds the files announces them from their headers, parents first whatever
+// order it found them in; a file without a descriptor or with a bad header stays unannounced.
+TEST_F(PublisherTest, FilesFoundAreAnnouncedFromTheirHeaders) {
+  constexpr uint64_t kFound = 7;  // a group the second publisher learns from the files
+  ASSERT_NO_FATAL_FAILURE(Start());
+  pub_->RegisterGroup(kFound, {"Qwen/Qwen3-8B", "", 32, 1});
+  DescribeChunks(kFound);
+  pub_->Bind(kFound, Key(10), 0, Key(20));
+  pub_->Bind(kFound, Key(11), 0, Key(21));
+  pub_->Bind(kFound, Key(12), 0, Key(22));  // never described
+  std::map<ChunkKey, std::string> headers;
+  for (uint8_t k : {20, 21, 22}) headers[Key(k)] = pub_->ChunkDescriptor(Key(k));
+  EXPECT_NE(headers[Key(20)], "");
+  EXPECT_NE(headers[Key(21)], "");
+  EXPECT_EQ(headers[Key(22)], "");
+  EXPECT_EQ(pub_->ChunkDescriptor(Key(99)), "");  // never bound
+  EXPECT_EQ(pub_->Stats().file_descriptors_written, 2u);
+  pub_->Stop();
+
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::atomic<int> reads{0};
+  pub_->SetDescriptorReader([&](const ChunkKey& k) -> Result<std::string> {
+    ++reads;
+    if (k == Key(23)) return Status::Corruption("header checksum mismatch");
+    return headers.at(k);
+  });
+  for (uint8_t k : {21, 23, 22, 20}) pub_->OnTierChange(TierId::kFile, Key(k), true);
+  // Read (paced, on the describer thread) and filed: what they found is queued by then.
+  auto done = [&] {
+    const PublisherStats st = pub_->Stats();
+    return reads == 4 && st.file_descriptors_read == 2 && st.file_descriptor_errors == 1;
+  };
+  for (int i = 0; i < 4000 && !done(); ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(done());
+  ASSERT_TRUE(pub_->Flush(20s));
+  const PublisherStats st = pub_->Stats();
+  EXPECT_EQ(st.file_descriptors_read, 2u);
+  EXPECT_EQ(st.file_descriptor_errors, 1u);
+  EXPECT_EQ(st.announced_chunks, 2u);
+  std::vector<Batch> snap = Replay(0);
+  std::vector<Event> stored;
+  for (const Batch& b : snap) {
+    for (const Event& e : b.events) {
+      if (e.type == "BlockStored" && b.topic == "kv@pod@Qwen/Qwen3-8B") stored.push_back(e);
+    }
+  }
+  ASSERT_EQ(stored.size(), 2u);
+  EXPECT_EQ(stored[0].hashes, std::vector<uint64_t>(std::begin(kChunk0), std::end(kChunk0)));
+  EXPECT_FALSE(stored[0].parent.has_value());
+  EXPECT_EQ(stored[1].hashes, std::vector<uint64_t>(std::begin(kChunk1), std::end(kChunk1)));
+  EXPECT_EQ(stored[1].parent, kChunk0[1]);
+  for (const Event& e : stored) {
+    EXPECT_EQ(e.medium, "STORAGE");
+    EXPECT_EQ(e.tokens, 32u);
+  }
 }
 
 // A tier hook never waits: with a tiny queue, a flood of records is dropped and counted while

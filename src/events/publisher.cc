@@ -134,6 +134,8 @@ Status ValidatePublisherOptions(const PublisherOptions& o) {
 }
 
 class Publisher::Impl {
+  friend class Publisher;
+
  public:
   explicit Impl(const PublisherOptions& o) : o_(o), queue_(o.max_queue_size) {
     host_ = o.pod.empty() ? HostName() : o.pod;
@@ -165,11 +167,17 @@ class Publisher::Impl {
                                                        "--kv-events-replay-endpoint"));
     }
     thread_ = std::thread([this] { Run(); });
+    describer_ = std::thread([this] { DescribeFromFiles(); });
     return Status::Ok();
   }
 
   void Stop() {
     if (stop_.exchange(true)) return;
+    {
+      std::lock_guard lock(describe_mu_);
+      describe_cv_.notify_all();
+    }
+    if (describer_.joinable()) describer_.join();
     if (thread_.joinable()) thread_.join();
     if (pub_) zmq_close(pub_);
     if (router_) zmq_close(router_);
@@ -197,6 +205,21 @@ class Publisher::Impl {
       dropped_descriptors_.fetch_add(1, std::memory_order_relaxed);
       return d.status();
     }
+    return Accept(ChunkId{group, client}, std::make_shared<const Descriptor>(std::move(d).value()));
+  }
+  // Files a checked descriptor for the publisher thread, and for the chunk's file headers.
+  Status Accept(const ChunkId& id, std::shared_ptr<const Descriptor> d) {
+    {
+      std::lock_guard lock(header_mu_);
+      // The first descriptor stays, as in the publisher's state.
+      if (header_descs_.try_emplace(id, d).second) {
+        header_desc_order_.push_back(id);
+        if (header_desc_order_.size() > o_.max_pending_descriptors) {
+          header_descs_.erase(header_desc_order_.front());
+          header_desc_order_.pop_front();
+        }
+      }
+    }
     std::lock_guard lock(inbox_mu_);
     // The inbox is bounded like the pending descriptors: a client describing faster than the
     // publisher files costs it descriptors, never memory.
@@ -204,9 +227,58 @@ class Publisher::Impl {
       dropped_descriptors_.fetch_add(1, std::memory_order_relaxed);
       return Status::Rejected("too many descriptors waiting");
     }
-    inbox_.push_back(
-        {ChunkId{group, client}, std::make_shared<const Descriptor>(std::move(d).value())});
+    inbox_.push_back({id, std::move(d)});
     return Status::Ok();
+  }
+  void BindForHeaders(uint64_t group, const ChunkKey& client, uint32_t rank,
+                      const ChunkKey& stored) {
+    std::lock_guard lock(header_mu_);
+    const bool fresh =
+        header_bindings_.insert_or_assign(stored, HeaderBinding{{group, client}, rank}).second;
+    if (!fresh) return;
+    header_binding_order_.push_back(stored);
+    if (header_binding_order_.size() > o_.max_queue_size) {
+      header_bindings_.erase(header_binding_order_.front());
+      header_binding_order_.pop_front();
+    }
+  }
+  std::string ChunkDescriptor(const ChunkKey& stored) noexcept {
+    try {
+      FileDescriptor f;
+      {
+        std::lock_guard lock(header_mu_);
+        auto b = header_bindings_.find(stored);
+        if (b == header_bindings_.end()) return {};
+        auto d = header_descs_.find(b->second.id);
+        if (d == header_descs_.end()) return {};
+        f.group = b->second.id.group;
+        f.rank = b->second.rank;
+        f.client_key = b->second.id.client.bytes();
+        f.descriptor = *d->second;
+      }
+      {
+        std::lock_guard lock(groups_mu_);
+        auto g = groups_.find(f.group);
+        if (g == groups_.end()) return {};
+        f.model_id = g->second.model_id;
+        f.chunk_tokens = g->second.chunk_tokens;
+        f.world_size = g->second.world_size;
+      }
+      // --kv-events-token-ids off keeps the prompts out of the files too (Security).
+      if (!o_.token_ids) f.descriptor.token_ids.clear();
+      std::string out = EncodeFileDescriptor(f, kMaxChunkDescriptorBytes);
+      Count([&](PublisherStats& s) {
+        ++(out.empty() ? s.file_descriptors_too_large : s.file_descriptors_written);
+      });
+      return out;
+    } catch (...) {  // no memory: the file goes without
+      return {};
+    }
+  }
+  void SetDescriptorReader(DescriptorReader reader) {
+    std::lock_guard lock(describe_mu_);
+    reader_ = std::move(reader);
+    describe_cv_.notify_all();
   }
   bool Flush(std::chrono::milliseconds timeout) {
     std::unique_lock lock(flush_mu_);
@@ -379,8 +451,80 @@ class Publisher::Impl {
       it = bindings_.emplace(stored, Binding{}).first;
     }
     Binding& b = it->second;
+    // A file this process did not bind (another host's, or found at start): its header may
+    // say what it is.
+    if (!b.bound && r.kind == Record::kStored && r.medium == 1) QueueDescribe(stored);
     SetMedia(b, r.kind == Record::kStored ? (b.media | bit) : (b.media & ~bit));
     if (b.media == 0) bindings_.erase(it);
+  }
+
+  void QueueDescribe(const ChunkKey& stored) {
+    if (o_.describe_reads_per_s <= 0) return;
+    std::lock_guard lock(describe_mu_);
+    // Bounded like the records: past it a file stays undescribed (counted as such).
+    if (describe_queue_.size() >= o_.max_queue_size) return;
+    if (!describe_queued_.insert(stored).second) return;
+    describe_queue_.push_back(stored);
+    describe_cv_.notify_one();
+  }
+
+  // The describer thread: reads queued files' headers, paced, off the publisher thread (I/O) and
+  // off the tiers' threads; what it finds enters like a client's describe and bind.
+  void DescribeFromFiles() {
+    const auto gap = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(1.0 / std::max(o_.describe_reads_per_s, 1e-3)));
+    Clock::time_point next = Clock::now();
+    std::unique_lock lock(describe_mu_);
+    for (;;) {
+      describe_cv_.wait(lock,
+                        [&] { return stop_.load() || (reader_ && !describe_queue_.empty()); });
+      if (stop_.load()) return;
+      if (describe_cv_.wait_until(lock, next, [&] { return stop_.load(); })) return;
+      const ChunkKey stored = describe_queue_.front();
+      describe_queue_.pop_front();
+      describe_queued_.erase(stored);
+      DescriptorReader reader = reader_;
+      lock.unlock();
+      next = Clock::now() + gap;
+      DescribeFromFile(reader, stored);
+      lock.lock();
+    }
+  }
+
+  void DescribeFromFile(const DescriptorReader& reader, const ChunkKey& stored) {
+    auto bytes = reader(stored);
+    if (!bytes.ok()) {
+      // Gone since it was found: nothing to say. Anything else is counted; the chunk stays
+      // undescribed (and the read that loads it judges the file).
+      if (!bytes.status().IsNotFound()) {
+        Count([](PublisherStats& s) { ++s.file_descriptor_errors; });
+      }
+      return;
+    }
+    if (bytes->empty()) return;  // written without one: undescribed
+    auto f = ParseFileDescriptor(
+        std::span(reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size()));
+    if (!f.ok()) {
+      Count([](PublisherStats& s) { ++s.file_descriptor_errors; });
+      return;
+    }
+    RegisterGroup(f->group, {f->model_id, "", f->chunk_tokens, f->world_size});
+    const ChunkKey client(f->client_key);
+    // Either order works; the descriptor first, so the binding's record finds it at once.
+    (void)Accept(ChunkId{f->group, client},
+                 std::make_shared<const Descriptor>(std::move(f->descriptor)));
+    PushBind(f->group, client, f->rank, stored);
+    Count([](PublisherStats& s) { ++s.file_descriptors_read; });
+  }
+
+  void PushBind(uint64_t group, const ChunkKey& client, uint32_t rank, const ChunkKey& stored) {
+    Record r;
+    r.kind = Record::kBind;
+    r.rank = rank;
+    r.group = group;
+    r.stored = stored.bytes();
+    r.client = client.bytes();
+    Push(r);
   }
 
   // Moves a binding to `media`, updating its chunk's shard masks.
@@ -755,6 +899,25 @@ class Publisher::Impl {
   std::mutex inbox_mu_;
   std::vector<std::pair<ChunkId, std::shared_ptr<const Descriptor>>> inbox_;
 
+  // What chunk files' headers get (any thread).
+  struct HeaderBinding {
+    ChunkId id;
+    uint32_t rank = 0;
+  };
+  std::mutex header_mu_;
+  std::unordered_map<ChunkKey, HeaderBinding, ChunkKeyHash> header_bindings_;
+  std::deque<ChunkKey> header_binding_order_;  // oldest first, for the bound
+  std::unordered_map<ChunkId, std::shared_ptr<const Descriptor>, ChunkIdHash> header_descs_;
+  std::deque<ChunkId> header_desc_order_;
+
+  // Files to read descriptors from (the publisher thread queues, the describer reads).
+  std::mutex describe_mu_;
+  std::condition_variable describe_cv_;
+  DescriptorReader reader_;
+  std::deque<ChunkKey> describe_queue_;
+  std::unordered_set<ChunkKey, ChunkKeyHash> describe_queued_;
+  std::thread describer_;
+
   std::mutex flush_mu_;
   std::condition_variable flush_cv_;
   uint64_t flush_requested_ = 0, flushed_ = 0;
@@ -810,13 +973,16 @@ void Publisher::RegisterGroup(uint64_t group, const GroupInfo& info) {
 
 void Publisher::Bind(uint64_t group, const ChunkKey& client_key, uint32_t rank,
                      const ChunkKey& stored) {
-  Record r;
-  r.kind = Record::kBind;
-  r.rank = rank;
-  r.group = group;
-  r.stored = stored.bytes();
-  r.client = client_key.bytes();
-  impl_->Push(r);
+  impl_->BindForHeaders(group, client_key, rank, stored);
+  impl_->PushBind(group, client_key, rank, stored);
+}
+
+std::string Publisher::ChunkDescriptor(const ChunkKey& key) noexcept {
+  return impl_->ChunkDescriptor(key);
+}
+
+void Publisher::SetDescriptorReader(DescriptorReader reader) {
+  impl_->SetDescriptorReader(std::move(reader));
 }
 
 Status Publisher::Describe(uint64_t group, const ChunkKey& client_key,

@@ -8,13 +8,16 @@
 // parent chunk is announced somewhere, reference-counts hashes per topic and medium, batches the
 // events, publishes them on a ZMQ PUB socket as [topic, seq, KVEventBatch], keeps the last
 // batches in a ring and answers replay requests on a ROUTER socket (the ring, or a snapshot of
-// what is announced now when the ring no longer reaches back far enough).
+// what is announced now when the ring no longer reaches back far enough). It also gives the
+// file tier each chunk's descriptor for the file's header, and reads the headers of files it
+// finds but did not describe (another host's, or found at start) on a thread of its own.
 //
 // Thread-safety: every method is thread-safe.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -48,6 +51,9 @@ struct PublisherOptions {
   size_t replay_max_chunks = 65536;        // chunks per snapshot
   size_t max_pending_descriptors = 65536;  // descriptors of chunks in no tier
   std::chrono::seconds descriptor_ttl{600};
+  // Headers of chunk files this host did not describe (another host's, or found at start) read
+  // for their descriptors, at most this many a second; 0: none are read.
+  double describe_reads_per_s = 200;
 };
 
 // Checks endpoints and sizes without opening anything (for start-up errors).
@@ -64,6 +70,13 @@ struct PublisherStats {
   uint64_t replays_ring = 0, replays_snapshot = 0;
   uint64_t undescribed_chunks = 0;  // chunks in a tier with no descriptor (a gauge)
   uint64_t announced_chunks = 0;    // (chunk, medium) pairs announced now (a gauge)
+  // Descriptors in chunk files (docs/file-format.md): written into headers, left out of them
+  // (even location-only it would not fit), read from headers of files this host found,
+  // and headers whose descriptor could not be read or taken (I/O error, corrupt, invalid).
+  uint64_t file_descriptors_written = 0;
+  uint64_t file_descriptors_too_large = 0;
+  uint64_t file_descriptors_read = 0;
+  uint64_t file_descriptor_errors = 0;
 };
 
 // What the publisher knows of a group (a namespace without its rank: the ranks of one TP group
@@ -97,6 +110,19 @@ class Publisher final : public TierListener {
   Status Describe(uint64_t group, const ChunkKey& client_key, std::span<const uint8_t> descriptor);
 
   void OnTierChange(TierId tier, const ChunkKey& key, bool stored) noexcept override;
+  // The descriptor for the header of `key`'s chunk file (EncodeFileDescriptor): the group, rank
+  // and client key Bind gave, the descriptor Describe gave, both remembered for the most recent
+  // max_queue_size bindings and max_pending_descriptors descriptors. Empty if either is
+  // missing: a chunk described after its file was written has no descriptor in the file.
+  std::string ChunkDescriptor(const ChunkKey& key) noexcept override;
+
+  // How to read the descriptor in a chunk file's header (Engine::ReadChunkDescriptor). Files
+  // found in the file tier whose key this process never bound (another host's, or found at
+  // start) are queued until then, and read at most describe_reads_per_s a second on a thread
+  // of the publisher's; a descriptor found is bound and filed as if its client had described
+  // it. Set once, before or after Start's tiers open; the reader must stay valid until Stop.
+  using DescriptorReader = std::function<Result<std::string>(const ChunkKey& stored)>;
+  void SetDescriptorReader(DescriptorReader reader);
 
   PublisherStats Stats() const;
   // Waits until every record pushed so far has been applied and its batch published (tests).

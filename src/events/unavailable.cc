@@ -29,6 +29,8 @@ Status Publisher::Describe(uint64_t, const ChunkKey&, std::span<const uint8_t>) 
   return Status::Ok();
 }
 void Publisher::OnTierChange(TierId, const ChunkKey&, bool) noexcept {}
+std::string Publisher::ChunkDescriptor(const ChunkKey&) noexcept { return {}; }
+void Publisher::SetDescriptorReader(DescriptorReader) {}
 PublisherStats Publisher::Stats() const { return {}; }
 bool Publisher::Flush(std::chrono::milliseconds) { return true; }
 

@@ -241,11 +241,14 @@ Status KvEventsFromJson(const json& j, KvEventsConfig* c) {
       s = GetInt(v, key, &c->max_queue_size);
     } else if (key == "replay_max_chunks") {
       s = GetInt(v, key, &c->replay_max_chunks);
+    } else if (key == "describe_reads_per_s") {
+      s = GetNumber(v, key, &c->describe_reads_per_s);
     } else {
       s = Status::InvalidArgument(fmt::format(
           "unknown key \"{}\" (expected enabled, endpoint, replay_endpoint, bind_host, topic, "
           "pod, media, token_ids, clear_on_start, batch_ms, buffer_steps, buffer_mb, hwm, "
-          "max_queue_size, replay_max_chunks, enable_kv_cache_events, publisher)",
+          "max_queue_size, replay_max_chunks, describe_reads_per_s, enable_kv_cache_events, "
+          "publisher)",
           k));
     }
     if (!s.ok()) return s.WithContext("\"kv_events\"");
@@ -287,6 +290,10 @@ Result<events::PublisherOptions> BuildKvEvents(const KvEventsConfig& c, bool iso
   o.hwm = c.hwm;
   o.max_queue_size = c.max_queue_size;
   o.replay_max_chunks = c.replay_max_chunks;
+  if (!(c.describe_reads_per_s >= 0 && c.describe_reads_per_s <= 1e6)) {
+    return Status::InvalidArgument("--kv-events-describe-reads-per-s must be 0 to 1,000,000");
+  }
+  o.describe_reads_per_s = c.describe_reads_per_s;
   if (isolate_clients && !o.endpoint.empty()) {
     return Status::InvalidArgument(
         "--kv-events-endpoint is refused with --isolate-clients: one stream would carry every "

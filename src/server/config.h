@@ -62,6 +62,7 @@ struct KvEventsConfig {
   int hwm = 100000;
   uint32_t max_queue_size = 65536;
   uint32_t replay_max_chunks = 65536;
+  double describe_reads_per_s = 200;  // headers of files others wrote (or found at start); 0: none
 };
 // Applies a "kv_events" JSON value: an object of the keys above (giving one turns events on
 // unless it says "enabled": false), or true/false.

@@ -135,7 +135,12 @@ std::string Server::Impl::StatsJson(StatsView view, std::string_view tenant) con
         {"descriptor_conflicts", ev.descriptor_conflicts},
         {"undescribed_chunks", ev.undescribed_chunks},
         {"announced", ev.announced_chunks},
-        {"replays", {{"ring", ev.replays_ring}, {"snapshot", ev.replays_snapshot}}}};
+        {"replays", {{"ring", ev.replays_ring}, {"snapshot", ev.replays_snapshot}}},
+        {"file_descriptors",
+         {{"written", ev.file_descriptors_written},
+          {"too_large", ev.file_descriptors_too_large},
+          {"read", ev.file_descriptors_read},
+          {"errors", ev.file_descriptor_errors}}}};
   }
   j["pool"] = {{"capacity_bytes", m.capacity_bytes},
                {"slot_bytes", m.slot_bytes},

@@ -94,6 +94,12 @@ Status Server::Impl::Init() {
   auto engine = Engine::Open(eo);
   if (!engine.ok()) return engine.status();
   engine_ = std::move(engine).value();
+  if (events_ && engine_->has_file_tier()) {
+    // Files the tier found and this process did not store (another host's; all of them after a
+    // restart) are announced from their headers. The publisher stops before the engine goes.
+    events_->SetDescriptorReader(
+        [engine = engine_.get()](const ChunkKey& k) { return engine->ReadChunkDescriptor(k); });
+  }
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) return Status::FromErrno(errno, "eventfd");
   KVTIER_RETURN_IF_ERROR(pump_.Start());

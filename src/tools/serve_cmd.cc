@@ -442,6 +442,13 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
       [a](ServeConfig& c) {
         c.kv_events.replay_max_chunks = a->flags.kv_events.replay_max_chunks;
       });
+  add(cmd->add_option("--kv-events-describe-reads-per-s", ev.describe_reads_per_s,
+                      "Chunk file headers read a second for the descriptors of files this "
+                      "server did not store (another host's, or found at start); 0: none")
+          ->capture_default_str(),
+      [a](ServeConfig& c) {
+        c.kv_events.describe_reads_per_s = a->flags.kv_events.describe_reads_per_s;
+      });
   cmd->add_option("--config", args->config_path, "JSON file of settings (flags override it)")
       ->type_name("FILE");
   cmd->add_option("--log-level", args->log_level, "trace, debug, info, warn, error or off")

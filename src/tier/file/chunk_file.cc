@@ -51,7 +51,8 @@ void EncodeHeader(const ChunkHeader& h, std::span<uint8_t, kHeaderBytes> out) {
   Put<uint64_t>(p + 80, h.layout_fingerprint);
   Put<uint64_t>(p + 88, h.payload_bytes);
   Put<uint32_t>(p + 96, kChecksumXxh3);
-  Put<uint32_t>(p + 100, 0);
+  const bool described = !h.descriptor.empty() && h.descriptor.size() <= kMaxDescriptorBytes;
+  Put<uint32_t>(p + 100, described ? kFlagDescriptor : 0);
   Put<uint64_t>(p + 104, h.payload_checksum);
   Put<uint64_t>(p + 112, h.created_unix_ms);
   Put<uint32_t>(p + 120, h.chunk_tokens);
@@ -60,6 +61,11 @@ void EncodeHeader(const ChunkHeader& h, std::span<uint8_t, kHeaderBytes> out) {
   size_t n = std::min(h.model_id.size(), kMaxModelIdBytes);
   Put<uint32_t>(p + 132, static_cast<uint32_t>(n));
   std::memcpy(p + 136, h.model_id.data(), n);
+  if (described) {
+    Put<uint32_t>(p + kDescriptorOffset, static_cast<uint32_t>(h.descriptor.size()));
+    Put<uint32_t>(p + kDescriptorOffset + 4, kDescriptorFormat);
+    std::memcpy(p + kDescriptorOffset + 8, h.descriptor.data(), h.descriptor.size());
+  }
   Put<uint64_t>(p + kChecksumOffset, XXH3_64bits(p, kChecksumOffset));
 }
 
@@ -113,6 +119,22 @@ DecodedHeader DecodeHeader(std::span<const uint8_t, kHeaderBytes> in) {
   }
   h.model_id.assign(reinterpret_cast<const char*>(p + 136), n);
   d.verdict = HeaderVerdict::kOk;
+  // The descriptor is an addition within format 1: files without one (older writers, flags 0)
+  // and descriptors this build cannot take are a missing descriptor, never a missing chunk.
+  // Other flag bits are reserved for later additions and ignored.
+  if (Get<uint32_t>(p + 100) & kFlagDescriptor) {
+    const uint32_t len = Get<uint32_t>(p + kDescriptorOffset);
+    const uint32_t format = Get<uint32_t>(p + kDescriptorOffset + 4);
+    if (format != kDescriptorFormat) {
+      d.descriptor_problem =
+          fmt::format("descriptor format {} (this build reads {})", format, kDescriptorFormat);
+    } else if (len == 0 || len > kMaxDescriptorBytes) {
+      d.descriptor_problem =
+          fmt::format("descriptor length {} is not 1 to {}", len, kMaxDescriptorBytes);
+    } else {
+      h.descriptor.assign(reinterpret_cast<const char*>(p + kDescriptorOffset + 8), len);
+    }
+  }
   return d;
 }
 

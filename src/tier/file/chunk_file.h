@@ -9,6 +9,7 @@
 
 #include "kvtier/chunk_key.h"
 #include "kvtier/status.h"
+#include "kvtier/tier_listener.h"
 
 namespace kvtier::file_tier_internal {
 
@@ -16,6 +17,13 @@ inline constexpr size_t kHeaderBytes = 4096;
 inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr uint32_t kChecksumXxh3 = 1;
 inline constexpr size_t kMaxModelIdBytes = 1024;
+// The descriptor area (docs/file-format.md): flags bit 0, then at kDescriptorOffset a u32 length,
+// a u32 descriptor format and the bytes, up to the header checksum.
+inline constexpr uint32_t kFlagDescriptor = 1;
+inline constexpr size_t kDescriptorOffset = 1160;
+inline constexpr uint32_t kDescriptorFormat = 1;
+inline constexpr size_t kMaxDescriptorBytes = kMaxChunkDescriptorBytes;
+static_assert(kDescriptorOffset + 8 + kMaxDescriptorBytes == kHeaderBytes - 8);
 inline constexpr std::string_view kMarkerName = "kvtier-cache.json";
 inline constexpr std::string_view kNamespaceFileName = "namespace.json";
 inline constexpr std::string_view kTempInfix = ".tmp.";
@@ -31,9 +39,12 @@ struct ChunkHeader {
   uint64_t created_unix_ms = 0;
   uint32_t chunk_tokens = 0, rank = 0, world_size = 0;
   std::string model_id;
+  // Opaque to the tier (the KV-cache events' descriptor of the chunk, TierListener); empty: none.
+  std::string descriptor;
 };
 
-// Writes the 4096-byte header, header checksum included.
+// Writes the 4096-byte header, header checksum included. A descriptor longer than
+// kMaxDescriptorBytes is left out (the file then has none).
 void EncodeHeader(const ChunkHeader& header, std::span<uint8_t, kHeaderBytes> out);
 
 enum class HeaderVerdict {
@@ -45,6 +56,9 @@ struct DecodedHeader {
   HeaderVerdict verdict = HeaderVerdict::kCorrupt;
   std::string reason;  // why, when not kOk
   ChunkHeader header;
+  // Why a descriptor announced by the flags was not taken (an unknown descriptor format, a
+  // length out of bounds); the chunk itself is unaffected. Empty otherwise.
+  std::string descriptor_problem;
 };
 DecodedHeader DecodeHeader(std::span<const uint8_t, kHeaderBytes> in);
 

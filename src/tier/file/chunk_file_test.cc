@@ -59,6 +59,83 @@ TEST(ChunkFileTest, EveryHeaderBitFlipIsDetected) {
   }
 }
 
+// The descriptor (docs/file-format.md, "The descriptor"): opaque bytes in the header's reserved
+// area, announced by flags bit 0, covered by the header checksum.
+TEST(ChunkFileTest, DescriptorRoundTripsAndHeadersWithoutOneHaveNone) {
+  AlignedBuffer buf(kHeaderBytes);
+  auto span = std::span<uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes);
+  auto cspan = std::span<const uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes);
+  ChunkHeader h = SampleHeader();
+  for (size_t len : {size_t{1}, size_t{1300}, kMaxDescriptorBytes}) {
+    h.descriptor.assign(len, '\0');
+    for (size_t i = 0; i < len; ++i) h.descriptor[i] = static_cast<char>(i * 31 + 7);
+    EncodeHeader(h, span);
+    uint32_t flags;
+    std::memcpy(&flags, buf.data() + 100, 4);
+    EXPECT_EQ(flags, kFlagDescriptor);
+    DecodedHeader d = DecodeHeader(cspan);
+    ASSERT_EQ(d.verdict, HeaderVerdict::kOk) << d.reason;
+    EXPECT_EQ(d.header.descriptor, h.descriptor) << len;
+    EXPECT_EQ(d.descriptor_problem, "");
+    EXPECT_EQ(d.header.model_id, "Qwen/Qwen3-8B");
+  }
+  // Too long for the area: left out, the rest of the header as ever.
+  h.descriptor.assign(kMaxDescriptorBytes + 1, 'x');
+  EncodeHeader(h, span);
+  DecodedHeader d = DecodeHeader(cspan);
+  ASSERT_EQ(d.verdict, HeaderVerdict::kOk) << d.reason;
+  EXPECT_EQ(d.header.descriptor, "");
+  // A header as written before descriptors existed (flags 0, the area zero) has none.
+  EncodeHeader(SampleHeader(), span);
+  EXPECT_TRUE(std::all_of(buf.data() + kDescriptorOffset, buf.data() + kHeaderBytes - 8,
+                          [](uint8_t b) { return b == 0; }));
+  d = DecodeHeader(cspan);
+  ASSERT_EQ(d.verdict, HeaderVerdict::kOk);
+  EXPECT_EQ(d.header.descriptor, "");
+  EXPECT_EQ(d.descriptor_problem, "");
+}
+
+// A descriptor this build cannot take, in a header whose checksum holds (another writer's bug,
+// a later descriptor format), costs the descriptor only: the chunk stays readable.
+TEST(ChunkFileTest, ADescriptorThisBuildCannotTakeLeavesTheChunk) {
+  AlignedBuffer buf(kHeaderBytes);
+  ChunkHeader h = SampleHeader();
+  h.descriptor = "descriptor";
+  struct Case {
+    uint32_t length, format;
+  };
+  for (Case c : {Case{0, 1}, Case{kMaxDescriptorBytes + 1, 1}, Case{0xffffffffu, 1}, Case{10, 2}}) {
+    EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+    std::memcpy(buf.data() + kDescriptorOffset, &c.length, 4);
+    std::memcpy(buf.data() + kDescriptorOffset + 4, &c.format, 4);
+    uint64_t sum = XXH3_64bits(buf.data(), kHeaderBytes - 8);
+    std::memcpy(buf.data() + kHeaderBytes - 8, &sum, 8);
+    DecodedHeader d =
+        DecodeHeader(std::span<const uint8_t, kHeaderBytes>(buf.data(), kHeaderBytes));
+    ASSERT_EQ(d.verdict, HeaderVerdict::kOk) << d.reason;
+    EXPECT_EQ(d.header.descriptor, "");
+    EXPECT_NE(d.descriptor_problem, "") << c.length << " " << c.format;
+    EXPECT_EQ(d.header.payload_checksum, h.payload_checksum);
+  }
+}
+
+// A flipped bit in the descriptor is a flipped bit in the header: the checksum catches it, and
+// the file is corrupt like any other header damage (the format has one checksum for the header).
+TEST(ChunkFileTest, AFlipInTheDescriptorIsCaughtByTheHeaderChecksum) {
+  AlignedBuffer good(kHeaderBytes), bad(kHeaderBytes);
+  ChunkHeader h = SampleHeader();
+  h.descriptor.assign(kMaxDescriptorBytes, 'd');
+  EncodeHeader(h, std::span<uint8_t, kHeaderBytes>(good.data(), kHeaderBytes));
+  for (size_t byte = kDescriptorOffset; byte < kHeaderBytes - 8; byte += 13) {
+    std::memcpy(bad.data(), good.data(), kHeaderBytes);
+    bad.data()[byte] ^= 0x04;
+    EXPECT_EQ(
+        DecodeHeader(std::span<const uint8_t, kHeaderBytes>(bad.data(), kHeaderBytes)).verdict,
+        HeaderVerdict::kCorrupt)
+        << byte;
+  }
+}
+
 TEST(ChunkFileTest, OtherVersionIsForeign) {
   AlignedBuffer buf(kHeaderBytes);
   ChunkHeader h = SampleHeader();

@@ -151,6 +151,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   size_t LookupPrefix(std::span<const ChunkKey> keys);
   Status Rescan();
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
+  Result<std::string> ReadDescriptor(const ChunkKey& key);
   Status Write(const ChunkKey& key, std::span<const uint8_t> src);
   Status Submit(bool write, std::function<void()> task);
   bool Drain() {
@@ -856,6 +857,27 @@ Status FileTier::Impl::Foreign(const ChunkKey& key, uint64_t seen, const std::st
   return Status::NotFound(fmt::format("chunk {} is foreign ({})", key.ToHex(), why));
 }
 
+// The header alone: the descriptor is for events, so a file found wanting here is left to the
+// reads, which judge and remove it (one verdict, docs/file-format.md), and the index is untouched.
+Result<std::string> FileTier::Impl::ReadDescriptor(const ChunkKey& key) {
+  const std::string path = ChunkPath(key);
+  OpenOptions oo;
+  oo.direct = options_.use_o_direct;
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<File> file, env_->Open(path, oo));
+  ThreadScratch& scratch = tls_scratch;
+  IoOp op = IoOp::Read(0, scratch.header.span());
+  KVTIER_RETURN_IF_ERROR(ReadExact(*file, std::span<IoOp>(&op, 1)));
+  file.reset();
+  DecodedHeader d =
+      DecodeHeader(std::span<const uint8_t, kHeaderBytes>(scratch.header.data(), kHeaderBytes));
+  if (d.verdict != HeaderVerdict::kOk) return Status::Corruption(d.reason);
+  if (d.header.namespace_root != ns_root_ || d.header.key != key) {
+    return Status::Corruption("the header names another namespace or key");
+  }
+  if (!d.descriptor_problem.empty()) return Status::Corruption(d.descriptor_problem);
+  return std::move(d.header.descriptor);
+}
+
 Status FileTier::Impl::Read(const ChunkKey& key, std::span<uint8_t> dst) {
   reads_.fetch_add(1);
   const uint64_t n = options_.chunk_bytes;
@@ -1102,6 +1124,9 @@ Status FileTier::Impl::WriteAndPublish(const ChunkKey& key, std::span<const uint
   h.rank = options_.ns.rank;
   h.world_size = options_.ns.world_size;
   h.model_id = options_.ns.model_id;
+  // Asked as late as the write allows: a descriptor that arrives after this point is not in the
+  // file (a published file never changes), and the write never waits for one.
+  if (options_.listener) h.descriptor = options_.listener->ChunkDescriptor(key);
   maker.src = src;
   maker.out = scratch.header.data();
 
@@ -1491,6 +1516,10 @@ bool FileTier::Contains(const ChunkKey& key) {
 }
 
 Status FileTier::Rescan() { return impl_->Rescan(); }
+
+Result<std::string> FileTier::ReadDescriptor(const ChunkKey& key) {
+  return impl_->ReadDescriptor(key);
+}
 
 Status FileTier::Read(const ChunkKey& key, std::span<uint8_t> dst) { return impl_->Read(key, dst); }
 

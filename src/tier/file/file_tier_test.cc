@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -762,6 +763,60 @@ TEST(FileTierTest, TheListenerHearsPublishesEvictionsAndCorruptFiles) {
   recorder->calls.clear();
   auto reopened = OpenTier(o);  // the start-up scan finds the file that is left
   EXPECT_EQ(recorder->calls, (Calls{{TestKey(2), true}}));
+}
+
+// The listener's descriptor goes into the header of the file written (docs/file-format.md, "The
+// descriptor"), and ReadDescriptor reads it back from the header alone; a chunk written with
+// none has none. A descriptor area the reader cannot take fails ReadDescriptor, not the chunk.
+TEST(FileTierTest, TheListenersDescriptorIsInTheHeader) {
+  struct Describer : TierListener {
+    void OnTierChange(TierId, const ChunkKey&, bool) noexcept override {}
+    std::string ChunkDescriptor(const ChunkKey& key) noexcept override {
+      if (key == TestKey(0)) return std::string(1500, 'a');
+      if (key == TestKey(1)) return "";
+      return std::string(kMaxChunkDescriptorBytes + 1, 'b');  // too long: left out
+    }
+  };
+  testing::StorageDir dir;
+  FileTierOptions o = Options(dir.path(), 8192);
+  o.listener = std::make_shared<Describer>();
+  auto tier = OpenTier(o);
+  AlignedBuffer buf(8192);
+  for (int i = 0; i < 3; ++i) {
+    FillChunk(TestKey(i), buf.span());
+    ASSERT_TRUE(tier->Write(TestKey(i), buf.span()).ok());
+  }
+  auto d = tier->ReadDescriptor(TestKey(0));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(*d, std::string(1500, 'a'));
+  for (int i : {1, 2}) {
+    d = tier->ReadDescriptor(TestKey(i));
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ(*d, "") << i;
+  }
+  EXPECT_TRUE(tier->ReadDescriptor(TestKey(3)).status().IsNotFound());
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(tier->Read(TestKey(i), buf.span()).ok()) << i;
+    EXPECT_TRUE(VerifyChunk(TestKey(i), buf.span()));
+  }
+  // An oversized descriptor length under a valid header checksum.
+  const std::string path = dir.LocalOf(tier->ChunkPath(TestKey(0)));
+  std::vector<uint8_t> header(4096);
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.read(reinterpret_cast<char*>(header.data()), 4096);
+    const uint32_t length = 100000;
+    std::memcpy(header.data() + 1160, &length, 4);
+    const uint64_t sum = XXH3_64bits(header.data(), 4088);
+    std::memcpy(header.data() + 4088, &sum, 8);
+    f.seekp(0);
+    f.write(reinterpret_cast<const char*>(header.data()), 4096);
+  }
+  EXPECT_EQ(tier->ReadDescriptor(TestKey(0)).status().code(), StatusCode::kCorruption);
+  std::memset(buf.data(), 0, buf.size());
+  ASSERT_TRUE(tier->Read(TestKey(0), buf.span()).ok());
+  EXPECT_TRUE(VerifyChunk(TestKey(0), buf.span()));
+  EXPECT_EQ(tier->Stats().corrupt, 0u);
 }
 
 TEST(FileTierTest, ForeignFilesAreNeverServedNorRemoved) {
