@@ -202,7 +202,7 @@ class Budget:
 
     def prior(self, kind: str) -> float:
         c = self.cfg
-        return {"tiers": 120.0, "vllm_start": 300.0, "engine": 180.0,
+        return {"tiers": 120.0, "vllm_start": 240.0, "engine": 180.0,
                 # paced stages stop when the server falls behind, mostly by the fourth
                 "capacity": min(4, c["capacity_max_stages"]) * (c["stage_time"] + 15) + 30,
                 "run": c["time"] + 60.0}[kind]
@@ -316,16 +316,17 @@ def storage_bytes(arm: str, vllm_delta: dict, kvtier_delta: dict | None) -> dict
     return {"written": None, "read": None, "source": "not measured (no counter in this vLLM)"}
 
 
-def session_io(sid: int) -> dict:
-    """read_bytes / write_bytes of every process in session `sid` (vLLM and its workers): what
-    reached the block devices, page-cache hits not included."""
+def process_io(sid: int, pids=()) -> dict:
+    """read_bytes / write_bytes of every process in session `sid` (vLLM and its workers) and of
+    `pids` (kvtier serve): what reached the block devices, page-cache hits not included."""
     total = {"read_bytes": 0, "write_bytes": 0}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             fields = (proc / "stat").read_text().rpartition(")")[2].split()
-            if int(fields[3]) != sid:  # after the name: state, ppid, pgrp, session
+            # after the name: state, ppid, pgrp, session
+            if int(fields[3]) != sid and int(proc.name) not in pids:
                 continue
             for line in (proc / "io").read_text().splitlines():
                 k, _, v = line.partition(":")
@@ -614,11 +615,15 @@ class ArmRunner:
             self.vllm = None
 
     def close(self) -> None:
+        """Stops the arm's processes and removes its chunks (tens of GB at long contexts: the
+        next arm needs the room)."""
         self.stop_vllm()
         if self.serve is not None:
             self.serve.stop()
             self.h.children.remove(self.serve.proc.pid)
             self.serve = None
+        if self.cache_dir() is not None:
+            shutil.rmtree(self.cache_dir(), ignore_errors=True)
 
     def kvtier_metrics(self) -> dict | None:
         if self.serve is not None:
@@ -689,9 +694,10 @@ class ArmRunner:
         qps = cap["capacity"]["recommended_qps"]
         name = f"c{context}-{self.arm}"
         before, kv_before = pc.prometheus(self.vllm.port), self.kvtier_metrics()
-        io_before = session_io(self.vllm.proc.pid)
+        serve_pid = [self.serve.proc.pid] if self.serve is not None else []
+        io_before = process_io(self.vllm.proc.pid, serve_pid)
         run = self.bench_qa(context, ["--qps", f"{qps:.4f}", "--time", str(cfg["time"])], name)
-        io_after = session_io(self.vllm.proc.pid)
+        io_after = process_io(self.vllm.proc.pid, serve_pid)
         vd = delta(before, pc.prometheus(self.vllm.port))
         kv_after = self.kvtier_metrics()
         kd = delta(kv_before, kv_after) if kv_after is not None else None

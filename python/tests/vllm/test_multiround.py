@@ -61,10 +61,10 @@ def test_budget_stops_before_a_phase_its_estimate_says_cannot_finish(tmp_path):
     budget = mr.Budget(540, state, cfg, clock=lambda: now[0])
     run = mr.Phase("run", "none", 8192)
     capacity = mr.Phase("capacity", "none", 8192)
-    # Nothing measured yet: the priors (a run: --time and a minute; a start: 300 s).
-    assert budget.estimate("run") == 120 and budget.estimate("vllm_start") == 300
+    # Nothing measured yet: the priors (a run: --time and a minute; a start: 240 s).
+    assert budget.estimate("run") == 120 and budget.estimate("vllm_start") == 240
     assert budget.allows(run, needs_start=False) == (True, 120)
-    assert budget.allows(run, needs_start=True) == (True, 420)
+    assert budget.allows(run, needs_start=True) == (True, 360)
     assert budget.estimate("capacity") == 4 * 35 + 30
     # Measured phases replace the priors, the longest of a kind counting.
     state.put("c8192-none-run", {"kind": "run", "seconds": 75.0})
