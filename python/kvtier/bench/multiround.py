@@ -453,8 +453,9 @@ class Harness:
             "import vllm; from vllm.platforms import current_platform as p; "
             "print(vllm.__version__, p.is_cuda_alike() or p.is_xpu(), p.device_name)"],
             capture_output=True, text=True, timeout=self.budget.timeout())
+        # Where the check itself fails, the arms are tried: a vLLM that cannot run one exits.
         version, offload_ok, device = (platform.stdout.strip().splitlines()[-1].split(" ", 2)
-                                       if platform.returncode == 0 else ("?", "False", "?"))
+                                       if platform.returncode == 0 else ("?", "?", "?"))
         probe = self.disk / "storage-probe"
         measured = pc.measure_tiers(self.kvtier, probe, self.cfg["chunk_tokens"] * self.bpt,
                                     engine=not on_gpu)
@@ -463,7 +464,7 @@ class Harness:
             measured["cpu_GBps"] = bw / 1e9
         measured.update(on_gpu=on_gpu, cpu_source="host->GPU copy" if on_gpu else
                         "kvtier bench engine", vllm=version, device=device,
-                        native_offload_supported=offload_ok == "True")
+                        native_offload_supported={"True": True, "False": False}.get(offload_ok))
         return measured
 
     # --- one arm --------------------------------------------------------------------------------
@@ -557,8 +558,8 @@ class ArmRunner:
         h, cfg = self.h, self.h.cfg
         self.stop_vllm()
         args = h.args()
-        if self.arm in ("native", "tiering") and not h.state.get("tiers")[
-                "native_offload_supported"]:
+        if self.arm in ("native", "tiering") and h.state.get("tiers")[
+                "native_offload_supported"] is False:
             raise ArmFailed("vLLM's OffloadingConnector needs a CUDA-alike or XPU device "
                             f"(vLLM's own check); this is {h.state.get('tiers')['device']}")
         if self.arm == "server" and self.serve is None:
