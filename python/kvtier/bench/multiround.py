@@ -388,8 +388,10 @@ class Children:
 
     @staticmethod
     def _started(pid: int) -> str | None:
+        """The process's start time, None when it is gone (or dead and not yet reaped)."""
         try:
-            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            return None if fields[0] == "Z" else fields[19]
         except (OSError, IndexError):
             return None
 
@@ -482,12 +484,19 @@ class Harness:
                 log(f"== {phase.key} (estimate {need:.0f} s, "
                     f"{self.budget.left():.0f} s left)")
                 start = time.monotonic()
-                result = runner.run(phase)
+                try:
+                    result = runner.run(phase)
+                except (OSError, RuntimeError, KeyError, ValueError) as e:
+                    # A vLLM that died or a bench qa that failed: the arm's other points would
+                    # fail alike; the other arms go on.
+                    raise ArmFailed(f"{phase.key} failed: {e!r}"[-2000:] + runner.log_reason())
+                # The phase's own time: a vLLM start is estimated apart (State.add_start).
                 result.update(kind=phase.kind, arm=arm, context=phase.context,
-                              seconds=time.monotonic() - start)
+                              start_seconds=runner.start_seconds,
+                              seconds=time.monotonic() - start - runner.start_seconds)
                 self.state.put(engine_key(arm, self.cfg["engine_table"])
                                if phase.kind == "engine" else phase.key, result)
-                log(f"   {phase.key} done in {result['seconds']:.0f} s")
+                log(f"   {phase.key} done in {time.monotonic() - start:.0f} s")
         except ArmFailed as e:
             log(f"the {arm} arm is skipped: {e}")
             self.state.put(f"skip-{arm}", {"reason": str(e)})
@@ -526,6 +535,7 @@ class ArmRunner:
         self.vllm = None
         self.serve = None
         self.used = False
+        self.start_seconds = 0.0  # of the vLLM start in the current phase
         self.kvtier_port = -1
         self.socket = str(h.sockdir / "kvtier.sock")
         self.serve_dir = h.disk / "kvtier-serve-l2"
@@ -538,6 +548,7 @@ class ArmRunner:
 
     def run(self, phase: Phase) -> dict:
         h = self.h
+        self.start_seconds = 0.0
         if self.needs_start(phase):
             self.start()
         elif phase.kind != "engine":  # cold again without a restart
@@ -589,8 +600,9 @@ class ArmRunner:
             if not exited:
                 raise OutOfTime(f"vLLM of the {self.arm} arm was not up by the deadline")
             raise ArmFailed(failure_reason(text)) from None
-        h.state.add_start(time.monotonic() - start)
-        log(f"   vLLM ({self.arm}) up in {time.monotonic() - start:.0f} s")
+        self.start_seconds = time.monotonic() - start
+        h.state.add_start(self.start_seconds)
+        log(f"   vLLM ({self.arm}) up in {self.start_seconds:.0f} s")
         self.used = False
 
     def restart_serve(self, connected: bool = True) -> None:
@@ -608,6 +620,11 @@ class ArmRunner:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and len(self.serve.stats().get("clients", [])) < 2:
                 time.sleep(0.5)
+
+    def log_reason(self) -> str:
+        if self.vllm is None or not self.vllm.log_path.exists():
+            return ""
+        return "; vLLM's log: " + failure_reason(self.vllm.log_path.read_text(errors="replace"))
 
     def stop_vllm(self) -> None:
         if self.vllm is not None:

@@ -228,3 +228,17 @@ def test_an_interrupted_run_goes_on_and_measures_every_number(tmp_path):
     assert row["errors"]["mean_ttft"] is not None and row["errors"]["service_rate"] is not None
     assert result["engines"]["server"]["kv_cache"]["blocks"] == 24
     assert "TTFT mean" in again.stdout and "server" in again.stdout
+
+
+def test_a_process_left_by_a_killed_command_is_stopped_by_the_next(tmp_path):
+    children = mr.Children(tmp_path / "children.json")
+    # A session of its own whose parent is gone, as a vLLM left by a command killed at its limit.
+    left = int(subprocess.run(["sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!"],
+                              capture_output=True, text=True).stdout)
+    children.add(left, group=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    children.add(gone.pid, group=False)  # exited: its pid may be anyone's now, left alone
+    mr.Children(tmp_path / "children.json").stop_leftovers()
+    assert mr.Children._started(left) is None
+    assert json.loads((tmp_path / "children.json").read_text()) == []
