@@ -8,6 +8,9 @@
 #   scripts/vllm-gpu-bench.sh model            # the model directory, $MODEL_DIR
 #   scripts/vllm-gpu-bench.sh bench [ARGS...]  # vllm_ttft with ARGS (default: every arm, 8k-32k)
 #   scripts/vllm-gpu-bench.sh all [ARGS...]    # the three in a row
+#   scripts/vllm-gpu-bench.sh multiround [ARGS...]  # the multi-round experiment against kvtier
+#       plan (python -m kvtier.bench.multiround, state in $OUT/multiround; exit status 3: stopped
+#       at --budget-s with work left, run the same command again; docs/planner.md)
 #
 # Needs: vLLM (0.26-0.34) and PyTorch with CUDA in the default python3; nvcc; the C++ build
 # dependencies of the project (scripts/install-deps.sh, or CMAKE_ARGS pointing at them).
@@ -42,9 +45,20 @@ print('vllm', vllm.__version__, 'connector OK:', compat.features())"
     --json "$OUT/ttft.json" --plot "$OUT/ttft.svg" "$@" 2>&1 | tee "$OUT/bench.log"
 }
 
+multiround() {
+  # Resumable: the settings and every finished phase are in the state directory, so each
+  # command of at most 10 minutes goes on where the previous one stopped.
+  python3 -c "import vllm; from kvtier.vllm import KvtierConnector; print('vllm', vllm.__version__)"
+  local rc=0
+  PYTHONUNBUFFERED=1 python3 -m kvtier.bench.multiround --state "${STATE:-$OUT/multiround}" \
+    "$@" 2>&1 | tee -a "$OUT/multiround.log" || rc=${PIPESTATUS[0]}
+  return "$rc"
+}
+
 case "${1:-}" in
   build|model) "$1" ;;
   bench) shift; bench "$@" ;;
+  multiround) shift; multiround "$@" ;;
   all) shift; build; model; bench "$@" ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac

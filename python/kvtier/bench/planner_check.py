@@ -186,13 +186,14 @@ def timed_completion(port: int, prompt, max_tokens: int) -> float:
 DECODE_STEPS = 64
 
 
-def measure_engine(vllm: Vllm, lengths, repeats: int, users: int, block_tokens: int) -> dict:
+def measure_engine(vllm, lengths, repeats: int, users: int, block_tokens: int,
+                   vocab: int = 4096) -> dict:
     """What a user measures on an idle server before planning: the TTFT of prompts of each length
     from an empty cache (the prefill table), the TTFT of a prompt the server holds entirely (the
     per-request overhead), one decode step; then `users` requests sent together (held, decoding,
     cold), for the record."""
     rng = random.Random(7)
-    fresh = lambda n: [rng.randrange(3, 4096) for _ in range(n)]
+    fresh = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
     # vLLM computes at least a prompt's last token, and a prefix hit is whole blocks: a prompt of
     # one block and one token, sent twice, has the second time everything but that token cached.
     # (A prompt of whole blocks would recompute its last block: a 128-token prompt sent twice
@@ -245,6 +246,26 @@ def measure_engine(vllm: Vllm, lengths, repeats: int, users: int, block_tokens: 
                            "cold_wall_s": statistics.median(together_cold)}}
 
 
+def measure_tiers(kvtier: str, disk_dir: Path, chunk_bytes: int, engine: bool = True) -> dict:
+    """Tier bandwidths as a user measures them: the disk under `disk_dir` with
+    `kvtier bench storage` (files of a chunk, the best of 1 and 4 readers), and kvtier's L1 with
+    `kvtier bench engine` (one copy thread), GB/s; `engine` False leaves the L1 out (a GPU host
+    measures its host->GPU copy instead)."""
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    st = json.loads(subprocess.run(
+        [kvtier, "bench", "storage", str(disk_dir), "--file-size", str(chunk_bytes),
+         "--readers", "1,4", "--json"], capture_output=True, text=True, check=True).stdout)
+    out = {"disk_read_GBps": max(r["read_GBps"] for r in st["readers"]),
+           "disk_write_GBps": st["write_GBps"]}
+    if engine:
+        eng = json.loads(subprocess.run(
+            [kvtier, "bench", "engine", "--chunk-mib", str(max(1, chunk_bytes >> 20)),
+             "--chunks", "32", "--threads", "1", "--json"], capture_output=True, text=True,
+            check=True).stdout)
+        out["cpu_GBps"] = eng["load_GBps"]
+    return out
+
+
 def concurrent_completions(port: int, prompts, max_tokens: int) -> float:
     """Wall time for all of `prompts` sent at the same instant."""
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -253,7 +274,10 @@ def concurrent_completions(port: int, prompts, max_tokens: int) -> float:
         return time.perf_counter() - start
 
 
-def bench_qa(kvtier: str, args, context: int, extra, name: str, out: Path) -> dict:
+def bench_qa(kvtier: str, args, context: int, extra, name: str, out: Path,
+             timeout: float | None = None) -> dict:
+    """One `kvtier bench qa` against the vLLM on args.port. `timeout`: seconds before it is
+    stopped (subprocess.TimeoutExpired)."""
     summary = out / f"{name}.json"
     cmd = [kvtier, "bench", "qa", "--base-url", f"http://127.0.0.1:{args.port}/v1",
            "--model", "bench", "--num-users", str(args.users), "--num-rounds", str(args.rounds),
@@ -262,7 +286,7 @@ def bench_qa(kvtier: str, args, context: int, extra, name: str, out: Path) -> di
            "--warmup-requests", "0", "--log-interval", "1000", "--output", str(out / f"{name}.csv"),
            "--json-summary", str(summary)] + extra
     with open(out / f"{name}.log", "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if rc != 0 or not summary.exists():
         raise RuntimeError(f"bench qa failed ({rc}): {(out / f'{name}.log').read_text()[-2000:]}")
     return json.loads(summary.read_text())
@@ -337,8 +361,12 @@ def plan_inputs(engine: dict) -> tuple[str, float]:
 
 
 def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict,
-         qps: float | None, offload: bool) -> dict:
-    bpt = kv_bytes_per_token(MODEL_CONFIG)
+         qps: float | None, offload: bool, eviction_policy: str | None = None) -> dict:
+    """`kvtier plan` of one point: the model in args.model_dir, a GPU KV cache of
+    args.vllm_blocks blocks of args.block_tokens, `tiers` (--tier values), the workload's flags
+    and the engine as measured idle. The offload arm's prediction when `offload`, else the
+    baseline's."""
+    bpt = kv_bytes_per_token(json.loads((args.model_dir / "config.json").read_text()))
     # The shared part as the server tokenizes it; the rest of the first prompt is the user's
     # context (and markup) and the question.
     system = shape["shared"]
@@ -363,6 +391,8 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
            "--capacity-start-qps", str(args.start_qps)]
     for t in tiers:
         cmd += ["--tier", t]
+    if eviction_policy:
+        cmd += ["--eviction-policy", eviction_policy]
     cmd += ["--qps", str(qps)] if qps else ["--load", "0.65"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -433,22 +463,9 @@ def main(argv=None) -> int:
     (args.model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
     bpt = kv_bytes_per_token(MODEL_CONFIG)
 
-    # Tier bandwidths, as a user measures them.
-    disk_dir = out / "storage-probe"
-    disk_dir.mkdir(exist_ok=True)
-    chunk_bytes = args.chunk_tokens * bpt
-    st = json.loads(subprocess.run(
-        [args.kvtier, "bench", "storage", str(disk_dir), "--file-size", str(chunk_bytes),
-         "--readers", "1,4", "--json"], capture_output=True, text=True, check=True).stdout)
-    disk_read = max(r["read_GBps"] for r in st["readers"])
-    disk_write = st["write_GBps"]
-    eng = json.loads(subprocess.run(
-        [args.kvtier, "bench", "engine", "--chunk-mib", str(max(1, chunk_bytes >> 20)),
-         "--chunks", "32", "--threads", "1", "--json"], capture_output=True, text=True,
-        check=True).stdout)
-    cpu_bw = eng["load_GBps"]
-    tiers = [f"cpu:{args.l1_mib}MiB:{cpu_bw:.3f}GB/s",
-             f"disk:64GiB:{disk_read:.3f}GB/s:{disk_write:.3f}GB/s"]
+    bw = measure_tiers(args.kvtier, out / "storage-probe", args.chunk_tokens * bpt)
+    tiers = [f"cpu:{args.l1_mib}MiB:{bw['cpu_GBps']:.3f}GB/s",
+             f"disk:64GiB:{bw['disk_read_GBps']:.3f}GB/s:{bw['disk_write_GBps']:.3f}GB/s"]
     log(f"tiers: {tiers}")
 
     socket = str(out / "kvtier.sock")

@@ -88,11 +88,14 @@ def http(port: int, path: str, body=None, timeout: float = 600) -> dict:
 
 # --- the model ---------------------------------------------------------------------------------
 
-def make_model(out: Path, config_name: str, seed: int = 0, std: float = 0.02) -> None:
+def make_model(out: Path, config_name: str, seed: int = 0, std: float = 0.02,
+               weights: bool = True) -> None:
     """A model directory vLLM loads: the config, a byte-level BPE tokenizer trained here (prompts
     are token ids; the tokenizer only has to exist) and random weights from a fixed seed, written
     as safetensors, so that every server of a run computes the same function and its answers
-    depend on the prompt (vLLM's dummy weights give nearly the same answer to every prompt)."""
+    depend on the prompt (vLLM's dummy weights give nearly the same answer to every prompt).
+    Without `weights`, only the config and the tokenizer, for `--load-format dummy` (16 GB less
+    disk where the answers do not matter)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -121,6 +124,9 @@ def make_model(out: Path, config_name: str, seed: int = 0, std: float = 0.02) ->
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0,
                                                             "eos_token_id": 1}))
+    if not weights:
+        log(f"model config and tokenizer written to {out} (no weights: --load-format dummy)")
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     h, hd = cfg["hidden_size"], cfg["head_dim"]
@@ -194,24 +200,29 @@ class Answer:
 class Vllm:
     """One `vllm serve` of the model with one arm's connector; started without waiting."""
 
-    def __init__(self, args, arm: str, port: int, transfer: dict | None, workdir: Path):
+    def __init__(self, args, arm: str, port: int, transfer: dict | None, workdir: Path, *,
+                 eager: bool = True, log_stats: bool = False, extra_args: list[str] = ()):
+        """`log_stats`: vLLM's statistics on (its Prometheus /metrics counts prefix-cache hits
+        only then); `extra_args` go before --vllm-args."""
         self.arm, self.port = arm, port
         self.cmd = cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(args.model), "--served-model-name", "bench", "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--port", str(port),
-               "--host", "127.0.0.1", "--enforce-eager", "--disable-log-stats",
-               "--seed", "0"]
+               "--host", "127.0.0.1", "--seed", "0"]
+        if eager:
+            cmd.append("--enforce-eager")
+        # costfile: its decisions reach the log with the stats (connector_counters)
+        if not log_stats and arm != "costfile":
+            cmd.append("--disable-log-stats")
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         if args.on_gpu:
-            cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
+            cmd += ["--kv-cache-memory-bytes", str(round(args.kv_cache_gb * (1 << 30))),
                     "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         else:  # vLLM's CPU build sizes its KV cache from the environment, in GiB
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(args.kv_cache_gb)))
         if transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
-        if arm == "costfile":  # its decisions reach the log with the stats (connector_counters)
-            cmd.remove("--disable-log-stats")
-        cmd += args.vllm_args.split()
+        cmd += list(extra_args) + args.vllm_args.split()
         self.log_path = workdir / f"vllm-{arm}.log"
         if arm == "lmcache":
             env.update(LMCACHE_CHUNK_SIZE=str(args.chunk_tokens), LMCACHE_LOCAL_CPU="True",
@@ -412,7 +423,12 @@ def copy_bandwidth() -> float | None:
 
 # --- the run -----------------------------------------------------------------------------------
 
-def transfer_config(args, arm: str, disk: Path, socket: str) -> dict | None:
+def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier: bool = False,
+                    kvtier_http_port: int = -1) -> dict | None:
+    """vLLM's --kv-transfer-config of an arm (None: no connector). Every directory an arm keeps
+    chunks in is emptied here, so an arm configured anew starts cold. The in-process kvtier arm
+    gets a file tier on `disk` with `kvtier_file_tier` and serves its engine's /metrics on
+    `kvtier_http_port` when that is 0 or more."""
     cpu_bytes = int(args.cpu_gb * 1e9)
     if arm == "gpu":
         return None
@@ -436,8 +452,15 @@ def transfer_config(args, arm: str, disk: Path, socket: str) -> dict | None:
               "kv_role": "kv_both"}
     extra = json.loads(args.kvtier_extra) if args.kvtier_extra else {}
     if arm == "kvtier":
-        return dict(kvtier, kv_connector_extra_config={
-            "kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
+        settings = {"kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens}
+        if kvtier_file_tier:
+            l2 = disk / "kvtier-inproc-l2"
+            shutil.rmtree(l2, ignore_errors=True)
+            l2.mkdir(parents=True)
+            settings["kvtier.l2"] = {"type": "fs", "path": str(l2), "max_size_gb": args.disk_gb}
+        if kvtier_http_port >= 0:
+            settings["kvtier.http_port"] = kvtier_http_port
+        return dict(kvtier, kv_connector_extra_config={**settings, **extra})
     if arm == "server":  # the file arm measures the same server
         return dict(kvtier, kv_connector_extra_config={
             "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
