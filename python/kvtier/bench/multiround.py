@@ -168,6 +168,18 @@ def engine_key(arm: str, engine_table: str) -> str:
     return "engine-shared" if engine_table == "once" else f"engine-{arm}"
 
 
+def selection(state: State, contexts: str | None, arms: str | None) -> tuple[str, str]:
+    """The command's points and arms: as given, else the previous command's on this state
+    (so that "the same command again" without them goes on with them instead of turning into
+    the whole experiment), else all of them. Kept for the next command."""
+    path = state.root / "selection.json"
+    last = json.loads(path.read_text()) if path.exists() else {}
+    chosen = (contexts or last.get("contexts") or FULL_CONTEXTS,
+              arms or last.get("arms") or ",".join(ARMS))
+    write_json(path, {"contexts": chosen[0], "arms": chosen[1]})
+    return chosen
+
+
 def pending(state: State, arms, contexts, engine_table: str) -> list[Phase]:
     """The phases still to run, in order: the tiers, then arm by arm the idle engine (per arm,
     or once for all with engine_table "once") and, context by context, capacity and run.
@@ -880,8 +892,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a phase that cannot finish within this many seconds of "
                    "the command's start (exit status 3: run the same command again)")
-    p.add_argument("--contexts", default=FULL_CONTEXTS, help="per-user context, tokens")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    p.add_argument("--contexts", default=None, help="per-user context, tokens (default: the "
+                   f"previous command's on this state, else {FULL_CONTEXTS})")
+    p.add_argument("--arms", default=None, help=f"of {', '.join(ARMS)} (default: the previous "
+                   "command's on this state, else all)")
     p.add_argument("--retry-skipped", action="store_true",
                    help="try again the arms an earlier command recorded as skipped")
     p.add_argument("--kvtier", default=os.environ.get("KVTIER_BINARY")
@@ -900,6 +914,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     state = State(args.state.resolve())
     cfg = settings(args, state, p)
+    args.contexts, args.arms = selection(state, args.contexts, args.arms)
     contexts = [vllm_ttft.parse_tokens(c) for c in args.contexts.split(",")]
     arms = [a for a in args.arms.split(",") if a]
     if any(a not in ARMS for a in arms):

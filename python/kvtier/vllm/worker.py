@@ -273,9 +273,13 @@ class WorkerSide:
             return
         base = store.pool_base
         with self._pool_lock:
-            if base in self._registered_pools:
-                self._registered_pools.discard(base)
-                torch.cuda.cudart().cudaHostUnregister(base)
+            if base not in self._registered_pools:
+                return
+            self._registered_pools.discard(base)
+            start = time.monotonic()
+            torch.cuda.cudart().cudaHostUnregister(base)
+        logger.info("kvtier: a replaced server's pool (%.1f GiB) unregistered in %.0f ms",
+                    store.pool_bytes / 2**30, (time.monotonic() - start) * 1e3)
 
     def _kernel_ids(self, block_ids: list[int], group: int) -> list[int]:
         r = self._kernel_ratios[group]

@@ -242,3 +242,11 @@ def test_a_process_left_by_a_killed_command_is_stopped_by_the_next(tmp_path):
     mr.Children(tmp_path / "children.json").stop_leftovers()
     assert mr.Children._started(left) is None
     assert json.loads((tmp_path / "children.json").read_text()) == []
+
+
+def test_a_resumed_command_keeps_the_previous_commands_points_and_arms(tmp_path):
+    state = mr.State(tmp_path / "state")
+    assert mr.selection(state, None, None) == (mr.FULL_CONTEXTS, ",".join(mr.ARMS))
+    assert mr.selection(state, "16k", "none,server") == ("16k", "none,server")
+    assert mr.selection(state, None, None) == ("16k", "none,server")  # the same command again
+    assert mr.selection(state, "24k", None) == ("24k", "none,server")
