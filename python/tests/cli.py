@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -16,3 +18,16 @@ def kvtier_binary() -> str:
     if binary is None:
         pytest.fail("the kvtier CLI is not installed next to this interpreter nor on PATH")
     return binary
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (after SIGCONT: a test may have stopped it), a wait, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

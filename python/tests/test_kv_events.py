@@ -7,7 +7,6 @@ Then a restart: the new process announces the file tier's chunks from their head
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -17,7 +16,7 @@ import pytest
 
 import kvtier
 
-from cli import kvtier_binary
+from cli import kvtier_binary, stop_process
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (it comes with vLLM)")
 msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (it comes with vLLM)")
@@ -80,13 +79,7 @@ class Server:
         return getattr(self, name)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if not self.log.closed:
             self.log.close()
 

@@ -17,7 +17,7 @@ import pytest
 
 import kvtier
 
-from cli import kvtier_binary
+from cli import kvtier_binary, stop_process
 
 CHUNK = 64 * 1024
 
@@ -50,14 +50,7 @@ class Serve:
             return f.read()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -43,7 +43,7 @@ import pytest
 
 import kvtier
 
-from cli import kvtier_binary
+from cli import kvtier_binary, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -223,13 +223,7 @@ class Host:
             return f.read()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if not self.log.closed:
             self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
