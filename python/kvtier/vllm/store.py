@@ -11,7 +11,9 @@ scheduler's), which is the workers' parent under vLLM's multiprocessing executor
 workers' own process under its single-process one, so both sides find it without talking.
 
 A server that is down or dies is retried at most every RETRY_SECONDS; meanwhile every lookup is a
-miss, so vLLM keeps serving by recomputing.
+miss, so vLLM keeps serving by recomputing. Each connection is also checked every RETRY_SECONDS
+while idle, so that a restarted server is found and connected to before the next request, not
+by it.
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ class ServerConnection:
         self._next_attempt = 0.0
         self._logged_down = False
         self._closed = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="kvtier-watch", daemon=True).start()
 
     def connect_now(self) -> None:
         """One synchronous attempt; raises ConfigError if the server refuses this model."""
@@ -269,7 +273,22 @@ class ServerConnection:
                         logger.info("kvtier: connected to the server at %s", self._socket)
                         self._logged_down = False
 
+    def _watch(self) -> None:
+        """A ping every RETRY_SECONDS, and a reconnect where it failed: an idle connector
+        would otherwise learn of a restarted server only at its next use, whose lookups then
+        miss (and, on a GPU, whose worker would register the new pool meanwhile)."""
+        while not self._stop.wait(RETRY_SECONDS):
+            with self._lock:
+                client = None if self._connecting else self._client
+            if client is not None and client.connected:
+                try:
+                    client.ping()
+                except kvtier.KvtierError:
+                    pass  # the connection is broken now: get() sees it
+            self.get()
+
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             client, self._client = self._client, None
             self._closed = True

@@ -574,3 +574,34 @@ def test_a_new_servers_pool_is_prepared_before_the_client_is_handed_out(workdir:
     finally:
         conn.close()
         server.stop()
+
+
+def test_a_restarted_server_is_connected_to_before_the_next_use(workdir: Path):
+    """An idle connection finds a restarted server by itself (a ping every RETRY_SECONDS):
+    the first request after a restart is served, not a miss while it reconnects, and on_connect
+    (the GPU's pool registration) has already run."""
+    import kvtier
+    from kvtier.vllm import store
+    from kvtier.vllm.config import ConnectorConfig
+
+    server = KvtierServer(workdir, None)
+    prepared = []
+    conn = store.ServerConnection(ConnectorConfig(socket=server.socket), server.socket,
+                                  kvtier.KeyNamespace("watched"), 0, "watched-test", 1000,
+                                  on_connect=prepared.append)
+    try:
+        conn.connect_now()
+        first = conn.get()
+        assert first is not None and prepared == [first]
+        server.kill()
+        server = KvtierServer(workdir, None)  # the same socket, a new pool
+        deadline = time.monotonic() + 4 * store.RETRY_SECONDS + 5
+        while len(prepared) < 2:  # nobody calls get() meanwhile
+            assert time.monotonic() < deadline, "the restarted server was not found"
+            time.sleep(0.1)
+        client = conn.get()
+        assert client is prepared[1] and client is not first and client.connected
+        client.ping()
+    finally:
+        conn.close()
+        server.stop()
