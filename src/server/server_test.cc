@@ -2055,7 +2055,11 @@ TEST_F(ServerTest, ReservationsNotCommittedInTimeAreTakenBack) {
     int status = 0;
     ASSERT_EQ(waitpid(child, &status, 0), child);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-    EXPECT_TRUE((*hog)->AbortSlots(*mine).ok());
+    // On a loaded machine the child may take longer than the 300 ms timeout, and `mine` expire
+    // before this: either way the slots are given back.
+    Status abort = (*hog)->AbortSlots(*mine);
+    EXPECT_TRUE(abort.ok() || abort.message().find("expired") != std::string::npos)
+        << abort.ToString();
   }
 }
 
