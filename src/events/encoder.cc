@@ -187,6 +187,21 @@ Status Bad(std::string_view why) {
   return Status::InvalidArgument(fmt::format("bad descriptor: {}", why));
 }
 
+// One msgpack map filling `bytes` exactly, within Limits(); `what` names it in the errors.
+Result<msgpack::object_handle> UnpackMap(std::span<const uint8_t> bytes, std::string_view what) {
+  msgpack::object_handle oh;
+  try {
+    size_t off = 0;
+    oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(), off, nullptr,
+                         nullptr, Limits());
+    if (off != bytes.size()) return Bad(fmt::format("trailing bytes after {}", what));
+  } catch (const std::exception& e) {
+    return Bad(fmt::format("{} is not msgpack within bounds ({})", what, e.what()));
+  }
+  if (oh.get().type != msgpack::type::MAP) return Bad(fmt::format("{} is not a map", what));
+  return oh;
+}
+
 std::optional<int64_t> AsInt(const msgpack::object& o) {
   if (o.type == msgpack::type::POSITIVE_INTEGER) {
     if (o.via.u64 > static_cast<uint64_t>(INT64_MAX)) return std::nullopt;
@@ -208,17 +223,8 @@ Result<PackedHash> AsHash(const msgpack::object& o, bool nil_ok, std::string_vie
 }  // namespace
 
 Result<Descriptor> ParseDescriptor(std::span<const uint8_t> bytes, uint32_t chunk_tokens) {
-  msgpack::object_handle oh;
-  try {
-    size_t off = 0;
-    oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(), off, nullptr,
-                         nullptr, Limits());
-    if (off != bytes.size()) return Bad("trailing bytes after the map");
-  } catch (const std::exception& e) {
-    return Bad(fmt::format("not msgpack within bounds ({})", e.what()));
-  }
+  KVTIER_ASSIGN_OR_RETURN(msgpack::object_handle oh, UnpackMap(bytes, "the descriptor"));
   const msgpack::object& root = oh.get();
-  if (root.type != msgpack::type::MAP) return Bad("not a map");
   Descriptor d;
   bool has_index = false, has_block_size = false, has_group = false, has_hashes = false,
        has_parent = false;
@@ -336,17 +342,8 @@ std::string EncodeFileDescriptor(const FileDescriptor& f, size_t max_bytes) {
 }
 
 Result<FileDescriptor> ParseFileDescriptor(std::span<const uint8_t> bytes) {
-  msgpack::object_handle oh;
-  try {
-    size_t off = 0;
-    oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(), off, nullptr,
-                         nullptr, Limits());
-    if (off != bytes.size()) return Bad("trailing bytes after the file's map");
-  } catch (const std::exception& e) {
-    return Bad(fmt::format("the file's map is not msgpack within bounds ({})", e.what()));
-  }
+  KVTIER_ASSIGN_OR_RETURN(msgpack::object_handle oh, UnpackMap(bytes, "the file's descriptor"));
   const msgpack::object& root = oh.get();
-  if (root.type != msgpack::type::MAP) return Bad("the file's descriptor is not a map");
   FileDescriptor f;
   std::span<const uint8_t> map;
   unsigned seen = 0;  // a bit per required key
