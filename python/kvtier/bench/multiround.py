@@ -63,6 +63,8 @@ from pathlib import Path
 from kvtier.bench import planner_check as pc
 from kvtier.bench import vllm_ttft
 
+log = pc.log
+
 ARMS = ("none", "native", "tiering", "kvtier", "server")
 # The arm's name in vllm_ttft.transfer_config.
 TRANSFER_ARM = {"none": "gpu", "native": "native", "tiering": "tiering", "kvtier": "kvtier",
@@ -91,10 +93,6 @@ FULL_CONTEXTS = "8k,16k,24k,28k"
 SHORTENING = ("users", "rounds", "system_prompt", "answer_tokens", "stage_time",
               "capacity_max_stages", "time", "kv_cache_bytes", "cpu_gb", "tiering_cpu_gb",
               "idle_repeats")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def free_port() -> int:
@@ -618,7 +616,8 @@ class ArmRunner:
         self.used = False
 
     def restart_serve(self, connected: bool = True) -> None:
-        """kvtier serve on an emptied directory; the connector reconnects at its next use."""
+        """kvtier serve on an emptied directory; the connector reconnects by itself (its idle
+        check, every RETRY_SECONDS)."""
         if self.serve is not None:
             self.serve.stop()
             self.h.children.remove(self.serve.proc.pid)
@@ -628,7 +627,7 @@ class ArmRunner:
         self.serve = vllm_ttft.Serve(args, self.socket, self.serve_dir,
                                      self.h.state.logs / "serve.log")
         self.h.children.add(self.serve.proc.pid, group=False)
-        if connected:  # the connector retries a missing server every 2 s
+        if connected:  # its scheduler and its worker
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and len(self.serve.stats().get("clients", [])) < 2:
                 time.sleep(0.5)

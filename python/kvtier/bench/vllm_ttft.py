@@ -260,15 +260,11 @@ class Vllm:
     def phase_sums(self) -> dict[str, float] | None:
         """vLLM's own account of its requests so far (seconds summed over them: waiting in
         the queue, prefill), on the arms that keep statistics (costfile); else None."""
+        from kvtier.bench.planner_check import metric, prometheus
         if "--disable-log-stats" in self.cmd:
             return None
-        sums = {}
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read()
-        for line in text.decode().splitlines():
-            for phase in ("queue", "prefill"):
-                if line.startswith(f"vllm:request_{phase}_time_seconds_sum"):
-                    sums[phase] = sums.get(phase, 0.0) + float(line.rsplit(" ", 1)[1])
-        return sums
+        m = prometheus(self.port)
+        return {p: metric(m, f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill")}
 
     def timed_ttft(self, prompt: list[int], into: dict, kind: str) -> float:
         """ttft(), with the request's queue and prefill time from vLLM's metrics (where kept)
@@ -352,10 +348,10 @@ class Serve:
 
     def wait_reconnected(self, vllms: list, prompt, timeout: float = 60) -> bool:
         """Until every vLLM's connector is connected to this server again and its worker can
-        use it: a connector learns of a new server at its next use and reconnects in the
-        background (on a GPU its worker then registers the new pool for DMA, a second or more
-        for gigabytes), so each is sent short requests meanwhile, until a round of them has
-        all its chunks saved. Otherwise the hit after a restart would measure the reconnect
+        use it: a connector finds a new server within its idle check (RETRY_SECONDS) or at its
+        next use, and on a GPU its worker then registers the new pool for DMA (0.4 s for 8 GiB
+        on an H200) before using it, so each is sent short requests until a round of them has
+        its chunks saved. Otherwise the hit after a restart would measure the reconnect
         (lookups miss until it is done) or share the GPU with the registration."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -381,19 +377,18 @@ class Serve:
         self.start()
         self.restarted_at = time.monotonic()
 
-    def wait_old_pool_released(self, vllms: list, prompt) -> None:
+    def wait_old_pool_released(self) -> None:
         """After a restart, until each connector has let the old server's pool go: a worker
         keeps it mapped KEEP_LOST_S (loads pinned in it may still read it) and then, at its
-        next use, unregisters it from the GPU (cudaHostUnregister of gigabytes, which holds up
-        the worker's GPU work for a moment) on a thread of its own. Not in the time of the
-        next measured request, which would bill the restart to whatever arm comes next."""
-        from kvtier.vllm.store import KEEP_LOST_S
+        idle check (every RETRY_SECONDS) or next use, unregisters it from the GPU
+        (cudaHostUnregister of gigabytes, which holds up the worker's GPU work for a moment) on
+        a thread of its own. Not in the time of the next measured request, which would bill
+        the restart to whatever arm comes next."""
+        from kvtier.vllm.store import KEEP_LOST_S, RETRY_SECONDS
         if self.restarted_at is None:
             return
-        time.sleep(max(0.0, self.restarted_at + KEEP_LOST_S + 0.5 - time.monotonic()))
-        for v in vllms:
-            v.complete(prompt(), 1)
-        time.sleep(2.0)
+        time.sleep(max(0.0, self.restarted_at + KEEP_LOST_S + RETRY_SECONDS + 2.0
+                       - time.monotonic()))
         self.restarted_at = None
 
     def stop(self) -> None:
@@ -673,17 +668,18 @@ def main(argv=None) -> int:
                             recomputed = vllm.complete(prefix + suffix, args.check_tokens)[1]
                         else:
                             agree, how = tokens.agrees_with(reference)
-                            if not agree and tokens.agrees_with(recomputed)[0]:
-                                agree, how = True, (f"{tokens.agrees_with(recomputed)[1]} with "
-                                                    f"the recompute's answer (prefix hit's: {how})")
+                            if not agree:
+                                agree_whole, how_whole = tokens.agrees_with(recomputed)
+                                if agree_whole:
+                                    agree, how = True, (f"{how_whole} with the recompute's "
+                                                        f"answer (prefix hit's: {how})")
                             checks.setdefault(arm, []).append(how)
                             if not agree:
                                 mismatches.append({"arm": arm, "repeat": rep, "how": how,
                                                    "tokens": tokens.tokens,
                                                    "reference": reference.tokens})
-                serve is not None and serve.wait_old_pool_released(
-                    [servers[a] for a in ("server", "costfile") if a in servers],
-                    lambda: fresh(2 * ct))
+                if serve is not None:
+                    serve.wait_old_pool_released()
                 log(f"{context} tokens, repeat {rep + 1}/{args.repeats}: " + ", ".join(
                     f"{arm} {samples[arm]['hit'][-1] * 1e3:.0f} ms" for arm in arms
                     if samples[arm]["hit"]))
