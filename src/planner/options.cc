@@ -137,6 +137,10 @@ const std::vector<FlagInfo>& Flags() {
        &F::layer_load_overhead_us},
       {"no-sensitivity", "Skip the 0.9x/1.1x GPU-memory re-runs", nullptr, nullptr,
        &F::no_sensitivity},
+      {"no-cost-aware",
+       "Model a connector with kvtier.cost_aware = false: every hit is loaded, also where "
+       "reading it is slower than recomputing it (default: only what pays is loaded)",
+       nullptr, nullptr, &F::no_cost_aware},
       {"json", "Print one JSON object instead of the table", nullptr, nullptr, &F::json},
       {"plot", "Also draw TTFT against context to FILE.svg or FILE.png (gnuplot)", &F::plot},
   };
@@ -473,6 +477,7 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   }
   KVTIER_ASSIGN_OR_RETURN(in.hit_suffix_tokens, ParseCount(f.hit_suffix, "hit-suffix", 1));
   in.sensitivity = !f.no_sensitivity;
+  in.cost_aware = !f.no_cost_aware;
   return in;
 }
 

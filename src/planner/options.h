@@ -51,6 +51,7 @@ struct PlannerFlags {
   std::string hit_suffix = "256";
   std::string layer_load_overhead_us = "0";
   bool no_sensitivity = false;
+  bool no_cost_aware = false;
   bool json = false;
   std::string plot;
 };

@@ -94,6 +94,7 @@ class Planner {
     if (offload) o.tiers = in_.tiers;
     o.write_policy = in_.write_policy;
     o.l1_eviction = in_.l1_eviction;
+    o.cost_aware = in_.cost_aware;
     return o;
   }
   // The arm's service rate, finished requests per second, measured as --capacity-method says.

@@ -39,6 +39,7 @@ struct PlanInputs {
   std::vector<TierSpec> tiers;
   WritePolicy write_policy = WritePolicy::kWriteThrough;
   EvictionPolicyKind l1_eviction = EvictionPolicyKind::kPrefixAware;  // the first tier's
+  bool cost_aware = true;  // the connector's kvtier.cost_aware
   bool fast = false;                                                  // closed forms only
   bool sensitivity = true;   // re-simulate at 0.9x and 1.1x GPU KV memory
   bool service_rate = true;  // capacity probes for both arms

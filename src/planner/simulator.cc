@@ -350,6 +350,7 @@ struct Request {
   uint64_t generated = 0;   // answer tokens so far
   uint64_t step_chunk = 0;  // prefill tokens scheduled in the current step
   size_t saved_chunks = 0;  // leading chunks the tiers had or were sent (the connector's `saved`)
+  size_t declined_end = 0;  // chunks below this were in a tier and not loaded: saved again
   struct PinRef {
     uint32_t tier, owner, chunk;
   };
@@ -397,6 +398,7 @@ class Simulation {
   void Send(uint32_t conv, double now);
   void Admit(double now);
   bool TryAdmit(Request& r, double now);
+  size_t CostAwareHits(uint64_t prompt, uint64_t local, const std::vector<int>& tier_of) const;
   bool EvictGpu(uint64_t need_tokens, uint32_t keep_conv);
   void MaybeStartStep(double now);
   void EndStep(double now);
@@ -565,8 +567,14 @@ bool Simulation::TryAdmit(Request& r, double now) {
       if (found < 0) break;
       tier_of.push_back(found);
     }
-    r.saved_chunks = hits;
     const size_t first_chunk = gpu_hit / chunk;
+    if (o_.cost_aware) {
+      const size_t found = hits;
+      hits = CostAwareHits(r.prompt, gpu_hit, tier_of);
+      tier_of.resize(hits);
+      if (hits < found) r.declined_end = found;
+    }
+    r.saved_chunks = hits;
     std::vector<double> bytes(tiers_.size(), 0);
     for (size_t i = first_chunk; i < hits; ++i) {
       uint64_t lo = std::max<uint64_t>(i * chunk, gpu_hit);
@@ -619,6 +627,38 @@ bool Simulation::TryAdmit(Request& r, double now) {
     ReleasePins(r);
   }
   return true;
+}
+
+// kvtier's cost-aware lookup (python/kvtier/vllm/cost.py, CostModel.choose): of the leading
+// chunks the tiers hold, load them all, only the first tier's leading run (its copy overlaps
+// the compute), or none, whichever gives the first token soonest by the prefill cost of what is
+// left to compute and each lower tier's read at its bandwidth (the tiers read side by side, as
+// the load runs them). A tie loads more.
+size_t Simulation::CostAwareHits(uint64_t prompt, uint64_t local,
+                                 const std::vector<int>& tier_of) const {
+  const size_t chunk = e_.chunk_tokens;
+  const size_t hits = tier_of.size();
+  size_t memory = std::min<size_t>(local / chunk, hits);
+  while (memory < hits && tier_of[memory] == 0) ++memory;
+  if (memory == hits) return hits;
+  std::vector<double> bytes(tiers_.size(), 0);
+  for (size_t i = memory; i < hits; ++i) {
+    bytes[tier_of[i]] += static_cast<double>(chunk) * e_.kv_bytes_per_token;
+  }
+  double read = 0;
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    read = std::max(read, bytes[t] / tiers_[t].spec().read_bytes_per_s);
+  }
+  auto end = [&](size_t chunks) { return std::min<uint64_t>(chunks * chunk, prompt - 1); };
+  auto compute = [&](uint64_t from) { return e_.prefill.Suffix(from, prompt - from); };
+  size_t best = hits;
+  double best_s = read + compute(end(hits));
+  if (end(memory) > local && compute(end(memory)) < best_s) {
+    best = memory;
+    best_s = compute(end(memory));
+  }
+  if (compute(local) < best_s) best = 0;
+  return best;
 }
 
 // A load holds its chunks pinned in the tiers it reads and promotes into until its copy to the
@@ -685,7 +725,9 @@ void Simulation::SaveChunks(Request& r, size_t end_chunk, double now) {
   if (tiers_.empty() || o_.write_policy == WritePolicy::kNone) return;
   std::vector<uint8_t> fresh(end_chunk - begin, 0);
   for (size_t i = begin; i < end_chunk; ++i) {
-    fresh[i - begin] = !InAnyTier(ChunkOwner(r.conv, i), i);
+    // A chunk declined at the lookup was recomputed: it is saved again, into the tiers that
+    // lack it (kvtier's L1 takes it; a tier that has it keeps its copy).
+    fresh[i - begin] = i < r.declined_end || !InAnyTier(ChunkOwner(r.conv, i), i);
   }
   const bool write_back = o_.write_policy == WritePolicy::kWriteBack;
   const size_t last_tier = write_back ? 1 : tiers_.size();

@@ -111,6 +111,9 @@ struct SimOptions {
   WritePolicy write_policy = WritePolicy::kWriteThrough;
   // The first tier's eviction, as `kvtier serve --eviction-policy` (kvtier's L1 runs it).
   EvictionPolicyKind l1_eviction = EvictionPolicyKind::kPrefixAware;
+  // The connector's cost-aware lookups (kvtier.cost_aware, on by default): a hit is loaded only
+  // as far as loading it is predicted to be faster than computing it.
+  bool cost_aware = true;
   // Capacity probe: `users` users ask back to back (no think time) for `duration_s`; throughput
   // is measured over the last three quarters.
   bool saturate = false;

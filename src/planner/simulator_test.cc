@@ -106,6 +106,35 @@ TEST(SimulatorTest, MonotoneInBandwidth) {
   }
 }
 
+TEST(SimulatorTest, CostAwareLookupsLoadOnlyWhatPays) {
+  // 16k contexts, 8 users against an 8 GiB first tier: most returning prefixes are on the
+  // second tier only. At 0.3 GB/s reading one (2.3 GB, 8 s) is far slower than recomputing it
+  // (0.65 s): loading every hit makes the offload arm slower than none; the connector's
+  // cost-aware lookups decline those reads and recompute, so the arm is no slower than none.
+  SimOptions slow = Options(16384, 0.3, CpuNfs(8.0 * (1ull << 30), 0.3e9, 1e9));
+  SimOptions everything = slow;
+  everything.cost_aware = false;
+  auto base = Simulate(Options(16384, 0.3, {}));
+  auto aware = Simulate(slow);
+  auto all = Simulate(everything);
+  ASSERT_TRUE(base.ok() && aware.ok() && all.ok());
+  EXPECT_GT(all->bytes_read[1], 0);
+  EXPECT_GT(all->mean_ttft_s, base->mean_ttft_s * 1.5);
+  EXPECT_EQ(aware->bytes_read[1], 0);
+  EXPECT_LE(aware->mean_ttft_s, base->mean_ttft_s * 1.02);
+  CheckInvariants(slow, *aware);
+  // A second tier faster than recompute is loaded either way.
+  SimOptions fast = Options(16384, 0.3, CpuNfs(8.0 * (1ull << 30), 20e9, 20e9));
+  SimOptions fast_all = fast;
+  fast_all.cost_aware = false;
+  auto f1 = Simulate(fast);
+  auto f2 = Simulate(fast_all);
+  ASSERT_TRUE(f1.ok() && f2.ok());
+  EXPECT_GT(f1->bytes_read[1], 0);
+  EXPECT_EQ(f1->bytes_read[1], f2->bytes_read[1]);
+  EXPECT_DOUBLE_EQ(f1->mean_ttft_s, f2->mean_ttft_s);
+}
+
 TEST(SimulatorTest, WriteTrafficCompetesWithReads) {
   auto fast_writes = Simulate(Options(24576, 0.35, CpuNfs(8.0 * (1ull << 30), 3.55e9, 50e9)));
   auto slow_writes = Simulate(Options(24576, 0.35, CpuNfs(8.0 * (1ull << 30), 3.55e9, 0.5e9)));

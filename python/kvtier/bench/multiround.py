@@ -19,6 +19,10 @@ vllm_ttft.transfer_config (one place for every arm's connector settings):
 * ``server``: kvtier's connector with ``kvtier serve``, L1 of --cpu-gb and a file tier on
   --disk-dir.
 
+kvtier's two arms run the connector's defaults (cost-aware lookups, the prefill time learned
+from the engine) given the disk's read rate the harness measured (``kvtier.file_read_gbps``),
+as a user is told to; `kvtier plan` predicts them cost-aware, vLLM's arms loading every hit.
+
 Per arm the idle engine is measured first as planner_check measures it (the prefill table, the
 per-request overhead, decode steps; the KV budget vLLM made), then per context, each from cold
 caches and emptied directories (vLLM restarted where the arm's cache lives inside it):
@@ -587,9 +591,13 @@ class ArmRunner:
             self.restart_serve(connected=False)
         self.kvtier_port = free_port() if self.arm == "kvtier" else -1
         h.disk.mkdir(parents=True, exist_ok=True)
-        transfer = vllm_ttft.transfer_config(args, TRANSFER_ARM[self.arm], h.disk, self.socket,
-                                             kvtier_file_tier=True,
-                                             kvtier_http_port=self.kvtier_port)
+        # kvtier's cost-aware lookups start from the disk's read rate measured beforehand, as a
+        # user is told to give it (docs/vllm.md), and learn the prefill time from the engine.
+        disk_gbps = h.state.get("tiers").get("disk_read_GBps")
+        transfer = vllm_ttft.transfer_config(
+            args, TRANSFER_ARM[self.arm], h.disk, self.socket, kvtier_file_tier=True,
+            kvtier_http_port=self.kvtier_port,
+            kvtier_keys={"kvtier.file_read_gbps": round(disk_gbps, 3)} if disk_gbps else None)
         extra = ["--load-format", "dummy", "--block-size", str(cfg["block_tokens"]),
                  "--max-num-batched-tokens", str(cfg["max_batched_tokens"]),
                  "--chat-template", CHAT_TEMPLATE]
@@ -783,11 +791,15 @@ def predict(h: Harness, arm: str, context: int) -> dict:
                   write_policy="write_through", start_qps=cap["start_qps"],
                   system_prompt=run["words"]["system"])
     tiers, eviction = arm_tiers(arm, cfg, h.state.get("tiers"))
+    # kvtier's connector loads only what pays unless told otherwise; vLLM's loads every hit.
+    extra = json.loads(cfg["kvtier_extra"]) if cfg["kvtier_extra"] else {}
+    cost_aware = arm in ("kvtier", "server") and extra.get("kvtier.cost_aware", True) not in (
+        False, "false", "off", 0)
     out = {}
     for name, qps in (("at_qps", run["measured"]["qps"]), ("at_load", None)):
         try:
             out[name] = pc.plan(h.kvtier, args, engine, tiers, run["words"]["context"],
-                                run["prompt_shape"], qps, arm != "none", eviction)
+                                run["prompt_shape"], qps, arm != "none", eviction, cost_aware)
         except RuntimeError as e:
             out[name] = {"error": str(e)[-2000:]}
     return out

@@ -23,9 +23,10 @@ directory on --disk-dir; before each hit, new prompts of more than the CPU tier'
 prefix out of it and the page cache is dropped, so the hit reads the ``fs`` tier, cold), ``kvtier`` (in-process, L1 of --cpu-gb), ``server`` (``kvtier serve``,
 L1 of --cpu-gb, file tier on --disk-dir) and ``file`` (the server arm's file tier, cold: kvtier
 serve restarted with an empty L1 and the page cache dropped before each hit; the file tier reads
-with O_DIRECT), ``costfile`` (the same cold file-tier hits through a vLLM of its own on the same
-kvtier serve, its connector's cost-aware lookups given --cost-extra: the prefill table and the
-disk's read rate measured beforehand, so a hit the disk would make slower than recomputing is
+with O_DIRECT; the server arm's connector loads every hit, kvtier.cost_aware off),
+``costfile`` (the same cold file-tier hits through a vLLM of its own on the same kvtier serve,
+its connector's cost-aware lookups as a user gets them, plus --cost-extra: a prefill table, the
+disk's read rate measured beforehand; a hit the disk would make slower than recomputing is
 declined) and ``lmcache`` (LMCache in process, vLLM's LMCacheConnectorV1 with its
 ``local_cpu`` tier of --cpu-gb and 256-token chunks; LMCache from --lmcache-site or the
 environment; an arm that does not start is left out with its error). Every hit is checked: its first --check-tokens greedy tokens must equal those of
@@ -436,11 +437,12 @@ def copy_bandwidth() -> float | None:
 # --- the run -----------------------------------------------------------------------------------
 
 def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier: bool = False,
-                    kvtier_http_port: int = -1) -> dict | None:
+                    kvtier_http_port: int = -1, kvtier_keys: dict | None = None) -> dict | None:
     """vLLM's --kv-transfer-config of an arm (None: no connector). Every directory an arm keeps
     chunks in is emptied here, so an arm configured anew starts cold. The in-process kvtier arm
     gets a file tier on `disk` with `kvtier_file_tier` and serves its engine's /metrics on
-    `kvtier_http_port` when that is 0 or more."""
+    `kvtier_http_port` when that is 0 or more. `kvtier_keys`: more connector keys for the kvtier
+    arms (--kvtier-extra's override them)."""
     cpu_bytes = int(args.cpu_gb * 1e9)
     if arm == "gpu":
         return None
@@ -462,7 +464,8 @@ def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
               "kv_role": "kv_both"}
-    extra = json.loads(args.kvtier_extra) if args.kvtier_extra else {}
+    extra = {**(kvtier_keys or {}), **(json.loads(args.kvtier_extra) if args.kvtier_extra
+                                         else {})}
     if arm == "kvtier":
         settings = {"kvtier.l1_size_gb": args.cpu_gb, "kvtier.chunk_tokens": args.chunk_tokens}
         if kvtier_file_tier:
@@ -473,7 +476,7 @@ def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier
         if kvtier_http_port >= 0:
             settings["kvtier.http_port"] = kvtier_http_port
         return dict(kvtier, kv_connector_extra_config={**settings, **extra})
-    if arm == "server":  # the file arm measures the same server
+    if arm == "server":
         return dict(kvtier, kv_connector_extra_config={
             "kvtier.socket": socket, "kvtier.chunk_tokens": args.chunk_tokens, **extra})
     if arm == "costfile":  # the same server again, through a vLLM deciding what pays
@@ -521,8 +524,10 @@ def main(argv=None) -> int:
                     help='more connector keys for the kvtier arms, as JSON, e.g. '
                          '\'{"kvtier.load_mode": "async"}\'')
     ap.add_argument("--cost-extra", default="",
-                    help='the costfile arm\'s cost-aware keys, as JSON, e.g. \'{"kvtier.prefill_'
-                         'table": "8192:0.23,16384:0.52", "kvtier.file_read_gbps": 1.2}\'')
+                    help='more connector keys for the costfile arm, as JSON, e.g. '
+                         '\'{"kvtier.prefill_table": "8192:0.23,16384:0.52", '
+                         '"kvtier.file_read_gbps": 1.2}\' (default: none, the prefill times '
+                         'learned from the model\'s shape)')
     ap.add_argument("--gap", type=float, default=0.3,
                     help="seconds after each cold request before the next arm's")
     ap.add_argument("--disk-dir", type=Path, default=None,
@@ -583,7 +588,10 @@ def main(argv=None) -> int:
     try:
         t0 = time.monotonic()
         for i, arm in enumerate(a for a in arms if a != "file"):
-            servers[arm] = Vllm(args, arm, 8100 + i, transfer_config(args, arm, disk, socket),
+            # The file arm measures the server arm's vLLM: it loads every hit.
+            keys = {"kvtier.cost_aware": False} if arm == "server" else None
+            servers[arm] = Vllm(args, arm, 8100 + i,
+                                transfer_config(args, arm, disk, socket, kvtier_keys=keys),
                                 workdir)
         results["failed_arms"] = {}
         for arm, vllm in list(servers.items()):

@@ -43,10 +43,12 @@ class ConnectorConfig:
     # else asynchronously between steps (file-tier hits: the request waits, others run).
     # layerwise / async: always that way (layerwise also on a CPU KV cache, for tests).
     load_mode: str = "auto"
-    # Cost-aware lookups (cost.py): with a prefill table (seconds to prefill prompts of so many
-    # tokens on this machine), a file-tier hit is loaded only where reading it is predicted to be
-    # faster than computing its tokens; below min_file_read_gbps (the file tier's read rate
-    # measured on loads) file-tier hits are never loaded. cost_aware = false turns both off.
+    # Cost-aware lookups (cost.py): a file-tier hit is loaded only where reading it is predicted
+    # to be faster than computing its tokens, from a prefill table (seconds to prefill prompts of
+    # so many tokens on this machine) or, without one, the model's shape scaled to the prefills
+    # the engine has been timed at (until the first, every hit loads); below min_file_read_gbps
+    # (the file tier's read rate measured on loads) file-tier hits are never loaded.
+    # cost_aware = false turns both off.
     # file_read_gbps: the file tier's read rate measured beforehand (`kvtier bench storage`),
     # the estimate before the first load and the one it decays back to; 0: an optimistic 4 GB/s.
     cost_aware: bool = True

@@ -18,6 +18,12 @@ tokens [a, b) with [0, a) cached is P(b) - P(a), P the table interpolated. Atten
 convex, so a prefix shorter than the whole hit is never better than both ends when the reads
 and the compute run one after the other: the choice is between the three points above.
 
+Without a table, P comes from the model's shape: the multiply-adds of a prefill, linear in the
+tokens (the weights) plus quadratic (attention), in units of an assumed throughput. Only the
+ratio between lengths is trusted: until the workers have timed a prefill, the unknown scale
+makes every hit load (as with cost-aware lookups off), and from the first timed prefill on the
+scale is what the engine took.
+
 The table is kept current from what the engine actually takes: the workers time every step
 that prefills (on the GPU's own clock: CUDA events around the forward pass), the scheduler had
 predicted that step's compute from the table, and the ratio of the two sums, decayed like the
@@ -69,6 +75,55 @@ class PrefillCost:
         return max(0.0, self.total(end) - self.total(start))
 
 
+class ModelShapeCost(PrefillCost):
+    """P(tokens) from the model's shape: the floating-point operations of prefilling a prompt
+    of that many tokens, at NOMINAL_FLOPS. Linear in the tokens for the weights' matrix
+    products, quadratic for causal attention (each token's query against the keys before it).
+    The absolute scale is a guess that the cost model never uses before it has measured the
+    engine (CostModel.scale_known): the shape alone is trusted, and it agrees with measured
+    prefills (Qwen3-8B on an H200: P(32k) / P(4k) 12.5 from the shape, 12.0 measured)."""
+
+    NOMINAL_FLOPS = 1e15
+
+    def __init__(self, linear_flops_per_token: float, attention_flops_per_token_pair: float):
+        if linear_flops_per_token <= 0 or attention_flops_per_token_pair < 0:
+            raise ValueError("a model shape needs positive sizes")
+        self.linear = linear_flops_per_token
+        self.attention = attention_flops_per_token_pair
+
+    def total(self, tokens: int) -> float:
+        pairs = tokens * tokens / 2  # causal: each token attends to those before it
+        return (self.linear * tokens + self.attention * pairs) / self.NOMINAL_FLOPS
+
+    @classmethod
+    def from_hf_config(cls, c) -> ModelShapeCost | None:
+        """From a Hugging Face text model's config (attributes as in config.json); None where
+        the config lacks the sizes."""
+        hidden = getattr(c, "hidden_size", None)
+        layers = getattr(c, "num_hidden_layers", None)
+        heads = getattr(c, "num_attention_heads", None)
+        if not (isinstance(hidden, int) and isinstance(layers, int) and isinstance(heads, int)
+                and hidden > 0 and layers > 0 and heads > 0):
+            return None
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        # The feed-forward width a token passes through: a mixture of experts' active experts.
+        experts = getattr(c, "num_experts_per_tok", None)
+        expert_width = getattr(c, "moe_intermediate_size", None)
+        if experts and expert_width:
+            ffn = experts * expert_width
+        else:
+            ffn = (getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
+                   or 4 * hidden)
+        gated = 3 if getattr(c, "hidden_act", "") in ("silu", "swiglu") else 2
+        weights = (2 * hidden * heads * head_dim  # q and o projections
+                   + 2 * hidden * kv_heads * head_dim  # k and v
+                   + gated * hidden * ffn)
+        linear = 2.0 * layers * weights  # a multiply-add is two operations
+        attention = 2.0 * 2 * layers * heads * head_dim  # q.k and the weighted sum of v
+        return cls(linear, attention)
+
+
 def parse_prefill_table(value) -> list[tuple[int, float]]:
     """[[tokens, seconds], ...] or "TOKENS:S,..." (kvtier plan --prefill-table's form)."""
     if isinstance(value, str):
@@ -85,15 +140,23 @@ class DecayedRatio:
     weighted by exp(-age / half-life * ln 2), plus a prior worth `prior_den` of the denominator
     that never decays: with no recent observations the ratio returns to the prior."""
 
+    # With no prior (prior_den 0), the sums decay no lower than this: the ratio is kept.
+    MIN_WEIGHT = 1e-12
+
     def __init__(self, prior: float, prior_den: float, half_life_s: float = 60.0):
         self._prior_num, self._prior_den = prior * prior_den, prior_den
         self._half_life = half_life_s
         self._num = self._den = 0.0
-        self._at = time.monotonic()
+        self._at: float | None = None  # the clock of the last decay (callers may pass theirs)
         self._lock = threading.Lock()
 
     def _decay(self, now: float) -> None:
+        if self._at is None or now <= self._at:  # the first call, or no time passed since
+            self._at = now if self._at is None else self._at
+            return
         factor = math.exp(-(now - self._at) / self._half_life * math.log(2))
+        if self._prior_den == 0 and self._den > 0 and self._den * factor < self.MIN_WEIGHT:
+            factor = self.MIN_WEIGHT / self._den
         self._num *= factor
         self._den *= factor
         self._at = now
@@ -109,7 +172,14 @@ class DecayedRatio:
     def value(self, now: float | None = None) -> float:
         with self._lock:
             self._decay(time.monotonic() if now is None else now)
+            if self._den + self._prior_den == 0:
+                return 1.0  # nothing known
             return (self._num + self._prior_num) / (self._den + self._prior_den)
+
+    def observed(self) -> bool:
+        """Something was observed (it may have decayed since)."""
+        with self._lock:
+            return self._den > 0
 
 
 class ReadRate(DecayedRatio):
@@ -153,8 +223,16 @@ class CostModel:
         # slow tier with small chunks: 80 MB of prior against 7 MB read in a second).
         prior = file_read_bps or self.PRIOR_READ_BPS
         self.file_rate = ReadRate(prior, prior_s=chunk_bytes / prior)
-        # Measured step time over the table's prediction for it.
-        self.compute_scale = DecayedRatio(1.0, self.PRIOR_COMPUTE_S)
+        # Measured step time over the table's prediction for it. A model's shape has no word of
+        # its own on the scale: it is learned from the engine before any decision rests on it.
+        self.shape_only = isinstance(prefill, ModelShapeCost)
+        self.compute_scale = DecayedRatio(1.0, 0.0 if self.shape_only else self.PRIOR_COMPUTE_S)
+
+    def scale_known(self) -> bool:
+        """compute() predicts seconds: a measured table, or a shape the engine has been timed
+        against."""
+        return self.prefill is not None and (not self.shape_only or
+                                             self.compute_scale.observed())
 
     def step_prediction(self, work: list[tuple[int, int]]) -> float:
         """The table's (unscaled) seconds for a step that computes tokens [a, b) of each request
@@ -182,7 +260,7 @@ class CostModel:
         if rate < self.min_file_read_bps:
             fallback = memory if end(memory) > local else 0
             return Choice(fallback, 0.0, 0.0)
-        if self.prefill is None:
+        if not self.scale_known():
             return Choice(hits, read_s, read_s)
         options = [Choice(hits, read_s + self.compute(end(hits), n_tokens), read_s)]
         if end(memory) > local:

@@ -42,7 +42,7 @@ import kvtier
 from .compat import (BlockTables, event_hashing, features, full_cuda_graphs, hash_block_size,
                      skips_external_kv)
 from .config import ConfigError, ConnectorConfig
-from .cost import CostModel, PrefillCost
+from .cost import CostModel, ModelShapeCost, PrefillCost
 from .events import Describer
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
@@ -135,6 +135,9 @@ class SchedulerSide:
         self._stats = KvtierConnectorStats()
         self._stats_lock = threading.Lock()
         self._cost: CostModel | None = None  # made at the first lookup (it needs the chunk size)
+        # Without a prefill table, the cost model's prefill times come from the model's shape.
+        self._model_shape = ModelShapeCost.from_hf_config(
+            getattr(vllm_config.model_config, "hf_text_config", None))
         self._lookup_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup")
         self._lookups_down_until = 0.0
@@ -168,9 +171,11 @@ class SchedulerSide:
 
     def _cost_model(self, chunk_bytes: int) -> CostModel | None:
         cfg = self.cfg
-        if self._cost is None and cfg.cost_aware and (cfg.prefill_table or
-                                                      cfg.min_file_read_gbps > 0):
-            prefill = PrefillCost(list(cfg.prefill_table)) if cfg.prefill_table else None
+        if self._cost is None and cfg.cost_aware:
+            prefill = (PrefillCost(list(cfg.prefill_table)) if cfg.prefill_table
+                       else self._model_shape)
+            if prefill is None and cfg.min_file_read_gbps <= 0:
+                return None
             self._cost = CostModel(prefill, cfg.chunk_tokens, chunk_bytes,  # one rank's share
                                    cfg.min_file_read_gbps * 1e9, cfg.file_read_gbps * 1e9)
         return self._cost

@@ -3,12 +3,15 @@ estimate and decay, and the choice on both sides of the break-even."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvtier.vllm.config import ConfigError, parse_config
-from kvtier.vllm.cost import CostModel, PrefillCost, ReadRate, parse_prefill_table
+from kvtier.vllm.cost import CostModel, ModelShapeCost, PrefillCost, ReadRate, parse_prefill_table
 
 MB = 1 << 20
 # A machine where prefill is quadratic-ish: 8k in 0.25 s, 16k in 0.6 s, 32k in 1.6 s.
@@ -117,3 +120,48 @@ def test_a_wrong_prefill_table_corrects_itself_within_a_few_prefills():
     assert CostModel(None, 256, 36 * MB).step_prediction([(0, 8192)]) == 0
     # Without timings for a while, the table's own word comes back.
     assert model.compute_scale.value(now=time.monotonic() + 3600) == pytest.approx(1.0, rel=0.01)
+
+
+def qwen3_8b() -> SimpleNamespace:
+    configs = Path(__file__).resolve().parents[2] / "kvtier" / "bench" / "configs"
+    return SimpleNamespace(**json.loads((configs / "qwen3-8b.json").read_text()))
+
+
+def test_the_models_shape_predicts_how_prefill_grows_with_the_prompt():
+    # Qwen3-8B's prefill on an H200 (docs/benchmarks.md, run H, no connector): the measured
+    # times are the same multiple of the shape's at every length, within 6 %.
+    shape = ModelShapeCost.from_hf_config(qwen3_8b())
+    measured = {4096: 0.110, 8192: 0.231, 16384: 0.521, 24576: 0.868, 32768: 1.315}
+    scales = [s / shape.total(n) for n, s in measured.items()]
+    assert max(scales) / min(scales) < 1.07, scales
+    # Both terms count: the weights' (linear) and attention's (quadratic).
+    assert shape.compute(0, 8192) < shape.compute(8192, 16384) < 2.2 * shape.compute(0, 8192)
+    # A mixture of experts is costed by its active experts; a config without the sizes has no
+    # shape.
+    moe = SimpleNamespace(**{**vars(qwen3_8b()), "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 768})
+    assert ModelShapeCost.from_hf_config(moe).linear < shape.linear / 2
+    assert ModelShapeCost.from_hf_config(SimpleNamespace(hidden_size=64)) is None
+    assert ModelShapeCost.from_hf_config(None) is None
+
+
+def test_without_a_table_every_hit_loads_until_a_prefill_is_timed_then_the_shape_decides():
+    model = CostModel(ModelShapeCost.from_hf_config(qwen3_8b()), 256, 36 * MB,
+                      file_read_bps=1.2e9)
+    # The shape's absolute scale is a guess: nothing is declined on it.
+    assert not model.scale_known()
+    assert model.choose(32768, 0, 0, 127).chunks == 127
+    # The workers timed a 16k prefill at 0.52 s: a 32k disk-only hit (4.6 GB at 1.2 GB/s,
+    # 3.8 s) is declined for a 1.3 s recompute, and one on a 20 GB/s tier is loaded.
+    model.compute_scale.observe(0.521, model.step_prediction([(0, 16384)]))
+    assert model.scale_known()
+    assert model.compute(0, 32768) == pytest.approx(1.315, rel=0.06)
+    assert model.choose(32768, 0, 0, 127).chunks == 0
+    for _ in range(3):
+        model.file_rate.observe(20e9, 1.0)
+    assert model.choose(32768, 0, 0, 127).chunks == 127
+    # The learned scale is kept when nothing is timed for hours: there is no guess to return to.
+    assert model.compute(0, 32768) == pytest.approx(1.315, rel=0.06)
+    later = time.monotonic() + 24 * 3600
+    assert model.compute_scale.value(now=later) == pytest.approx(model.compute_scale.value())
+    assert model.scale_known()
