@@ -172,10 +172,14 @@ def kv_bytes_per_token(model: Path, dtype: str = "bfloat16") -> int:
 
 
 class Answer:
-    """Greedy tokens with the two most likely at each step. Two answers agree when their tokens
-    are equal, or when they first part at a near tie of the reference (its two best tokens within
-    NEAR_TIE nats: bf16 rounding in another batch shape can flip those); a wrong KV cache changes
-    the answer from its first token, far from any tie."""
+    """Greedy tokens with the TOP most likely at each step. Two answers agree when their tokens
+    are equal, or when they first part at a near tie of the reference (the other answer's token
+    among its TOP best, within NEAR_TIE nats of its choice: bf16 rounding in another batch shape
+    can flip those; a model with random weights has flat distributions, with ties among more
+    than two tokens); a wrong KV cache changes the answer from its first token, far from any
+    tie."""
+
+    TOP = 5
 
     NEAR_TIE = 0.05
 
@@ -248,7 +252,7 @@ class Vllm:
 
     def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, "Answer"]:
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "logprobs": 2}
+                "ignore_eos": True, "logprobs": Answer.TOP}
         start = time.perf_counter()
         reply = http(self.port, "/v1/completions", body)
         elapsed = time.perf_counter() - start
@@ -685,7 +689,9 @@ def main(argv=None) -> int:
                             if not agree:
                                 mismatches.append({"arm": arm, "repeat": rep, "how": how,
                                                    "tokens": tokens.tokens,
-                                                   "reference": reference.tokens})
+                                                   "reference": reference.tokens,
+                                                   "reference_top": reference.top,
+                                                   "recomputed": recomputed.tokens})
                 if serve is not None:
                     serve.wait_old_pool_released()
                 log(f"{context} tokens, repeat {rep + 1}/{args.repeats}: " + ", ".join(

@@ -499,6 +499,37 @@ def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expect
         server.stop()
 
 
+def test_without_a_table_the_models_shape_is_scaled_by_timed_prefills(workdir: Path, expected):
+    """The defaults, no prefill table and no read rate: before the workers have timed a
+    prefill, the prefill cost's scale is unknown and a hit on a tier capped at 8 MB/s is loaded
+    (and its slow read measured); after three timed prefills of 1,500 tokens the model's shape,
+    scaled to them, puts recomputing the prefix far below reading it, and the same hit, from an
+    empty L1 again, is declined and recomputed. The answers are vLLM's own every time."""
+    l2 = workdir / "l2-shape"
+    store_on_the_file_tier(workdir, l2, expected)
+    server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.008})
+    c = Vllm(workdir, "shape", connector_config(**{"kvtier.socket": server.socket}))
+    try:
+        assert transfer_metric(c, "prefill_steps", timeout=0) == 0
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_loaded", 30, at_least=1792) >= 1792
+        assert transfer_metric(c, "tokens_declined", timeout=0) == 0
+        for seed in range(3):
+            c.complete(random_prompt(400 + seed, 1500), max_tokens=1)
+        assert transfer_metric(c, "prefill_steps", 30, at_least=3) >= 3
+        server.stop()
+        server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.008})
+        reconnect(c, server)
+        c.reset_prefix_cache()
+        assert c.complete(LONG) == expected["long"]
+        assert transfer_metric(c, "tokens_declined", 30, at_least=1792) >= 1792
+        assert transfer_metric(c, "tokens_loaded", timeout=0) < 2 * 1792
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()
+
+
 def test_a_lost_servers_pool_stays_mapped_a_while(workdir: Path, monkeypatch):
     """The worker's connection keeps a lost server's pool mapped (slots pinned before the loss
     are still read by the step that follows), found by the server's start stamp, and closes it
