@@ -43,6 +43,10 @@ class ConnectorConfig:
     # else asynchronously between steps (file-tier hits: the request waits, others run).
     # layerwise / async: always that way (layerwise also on a CPU KV cache, for tests).
     load_mode: str = "auto"
+    # How a save's gather moves KV off a CUDA device: the copier's choice ("auto": for pages
+    # under 64 KiB an SM kernel into device staging, then one DMA), or "dma" (the copy engines
+    # only: no SM taken from the forward pass that runs beside the save), "kernel", "staged".
+    save_mechanism: str = "auto"
     # Cost-aware lookups (cost.py): a file-tier hit is loaded only where reading it is predicted
     # to be faster than computing its tokens, from a prefill table (seconds to prefill prompts of
     # so many tokens on this machine) or, without one, the model's shape scaled to the prefills
@@ -183,6 +187,9 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if config.load_mode not in ("auto", "layerwise", "async"):
         raise ConfigError(f"'{_PREFIX}load_mode' must be auto, layerwise or async, got "
                           f"{config.load_mode!r}")
+    if config.save_mechanism not in ("auto", "dma", "kernel", "staged"):
+        raise ConfigError(f"'{_PREFIX}save_mechanism' must be auto, dma, kernel or staged, got "
+                          f"{config.save_mechanism!r}")
     for name in ("min_file_read_gbps", "file_read_gbps"):
         if getattr(config, name) < 0:
             raise ConfigError(f"'{_PREFIX}{name}' must not be negative, got "

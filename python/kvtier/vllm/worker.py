@@ -147,6 +147,7 @@ class WorkerSide:
         self._socket = cfg.socket if cfg.server_mode else in_process_socket(
             engine_core_pid(vllm_config))
         self._copiers: list[kvtier.KvCopier] = []
+        self._save_copiers: list[kvtier.KvCopier] = []  # the same caches, save_mechanism's way
         self._part_offsets: list[int] = []
         self._part_bytes: list[int] = []
         self._kernel_ratios: list[int] = []  # kernel blocks per vLLM block, per group
@@ -191,9 +192,13 @@ class WorkerSide:
             names = self.kv_cache_config.kv_cache_groups[g].layer_names
             tensors, ratio = describe_group(names, kv_caches, num_blocks, self.block_size)
             self._kernel_ratios.append(ratio)
-            copier = kvtier.KvCopier([kvtier.KvPageTensor(**t) for t in tensors],
-                                     self.block_size // ratio, device=device)
+            pages = [kvtier.KvPageTensor(**t) for t in tensors]
+            copier = kvtier.KvCopier(pages, self.block_size // ratio, device=device)
             self._copiers.append(copier)
+            self._save_copiers.append(
+                copier if device < 0 or self.cfg.save_mechanism == "auto" else
+                kvtier.KvCopier(pages, self.block_size // ratio, device=device,
+                                mechanism=self.cfg.save_mechanism))
             self._part_offsets.append(offset)
             self._part_bytes.append(copier.chunk_bytes(self.cfg.chunk_tokens))
             offset += self._part_bytes[-1]
@@ -483,7 +488,7 @@ class WorkerSide:
 
     def _copy(self, gather: bool, block_ids: list[list[int]], address: int) -> None:
         handles = []
-        for g, copier in enumerate(self._copiers):
+        for g, copier in enumerate(self._save_copiers if gather else self._copiers):
             ids = self._kernel_ids(block_ids[g], g)
             where = address + self._part_offsets[g]
             if gather:

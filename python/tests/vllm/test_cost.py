@@ -45,6 +45,9 @@ def test_config_takes_and_checks_the_table():
         parse_config({"kvtier.min_file_read_gbps": -1})
     with pytest.raises(ConfigError, match="file_read_gbps"):
         parse_config({"kvtier.file_read_gbps": -0.5})
+    assert parse_config({"kvtier.save_mechanism": "dma"}).save_mechanism == "dma"
+    with pytest.raises(ConfigError, match="save_mechanism"):
+        parse_config({"kvtier.save_mechanism": "fast"})
 
 
 def test_read_rate_corrects_itself_within_a_few_loads_and_decays_back():
