@@ -125,8 +125,8 @@ class SchedulerSide:
                            "layer by layer (use a piecewise cudagraph_mode for layer-wise loads)")
             self._layerwise = False
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        self._steps_in_flight = (vllm_config.parallel_config.pipeline_parallel_size
-                                 + int(async_scheduling))
+        self._pipeline_stages = vllm_config.parallel_config.pipeline_parallel_size
+        self._steps_in_flight = self._pipeline_stages + int(async_scheduling)
         self._step = 0  # build_connector_meta calls so far
         # Pins of layer-wise loads handed to the workers: (step, request id, pins per rank),
         # released RELEASE_AFTER_STEPS + steps in flight later.
@@ -488,8 +488,11 @@ class SchedulerSide:
             return
         self._cost.file_rate.observe(data.get("file_read_bytes", 0),
                                      data.get("file_read_us", 0) / 1e6)
-        self._cost.compute_scale.observe(data.get("prefill_measured_us", 0),
-                                         data.get("prefill_predicted_us", 0))
+        # Every rank reports the step's whole prediction; a pipeline stage times only its own
+        # layers, so the stages' times add up to one step's.
+        self._cost.compute_scale.observe(
+            data.get("prefill_measured_us", 0) * self._pipeline_stages,
+            data.get("prefill_predicted_us", 0))
 
     def request_finished(self, request) -> tuple[bool, dict | None]:
         st = self._requests.pop(request.request_id, None)
