@@ -27,6 +27,24 @@ for arm in ("baseline", "offload"):
     assert a["mean_ttft_s"] >= 0.020, "every TTFT holds the per-request overhead"
 PY
 
+# Cost-aware lookups (the connector's default): a disk far slower than recomputing is never read;
+# --no-cost-aware models a connector that loads every hit, and it is.
+for mode in aware all; do
+  flag=(); [ "$mode" = all ] && flag=(--no-cost-aware)
+  "$KVTIER" plan --gpu-kv-gb 1GB --prefill-table 1024:0.1,4096:0.5 --step-overhead-ms 0 \
+      --users 4 --rounds 3 --system-prompt 200 --question-tokens 20 --answer-tokens 16 \
+      --duration 60s --request-overhead-ms 20 --decode-step-ms 10 --tier cpu:256MiB:10GB/s \
+      --tier disk:10GB:0.2GB/s --context 4096 --qps 0.5 --json --no-sensitivity "${flag[@]}" \
+      > "$T/cost-$mode.json" 2> "$T/cost.err" || { cat "$T/cost.err" >&2; fail "plan $mode"; }
+done
+python3 - "$T/cost-aware.json" "$T/cost-all.json" <<'PY' || fail "plan --no-cost-aware"
+import json, sys
+aware, every = (json.load(open(f))["points"][0]["offload"] for f in sys.argv[1:])
+assert aware["bytes_read"]["disk"] == 0, aware["bytes_read"]
+assert every["bytes_read"]["disk"] > 0, every["bytes_read"]
+assert every["mean_ttft_s"] > aware["mean_ttft_s"], (every["mean_ttft_s"], aware["mean_ttft_s"])
+PY
+
 "$KVTIER" simulate "${COMMON[@]}" --context 2048 --qps 1 --requests-csv "$T/req.csv" \
     > "$T/sim.txt" 2>&1 || { cat "$T/sim.txt" >&2; fail "simulate --requests-csv"; }
 python3 - "$T/req.csv" <<'PY' || fail "simulate --requests-csv content"
