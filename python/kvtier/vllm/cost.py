@@ -99,22 +99,22 @@ class ModelShapeCost(PrefillCost):
     def from_hf_config(cls, c) -> ModelShapeCost | None:
         """From a Hugging Face text model's config (attributes as in config.json); None where
         the config lacks the sizes."""
-        hidden = getattr(c, "hidden_size", None)
-        layers = getattr(c, "num_hidden_layers", None)
-        heads = getattr(c, "num_attention_heads", None)
-        if not (isinstance(hidden, int) and isinstance(layers, int) and isinstance(heads, int)
-                and hidden > 0 and layers > 0 and heads > 0):
+        def size(name: str) -> int | None:  # a positive integer, or None (absent, a list...)
+            v = getattr(c, name, None)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+        hidden, layers, heads = (size("hidden_size"), size("num_hidden_layers"),
+                                 size("num_attention_heads"))
+        if not (hidden and layers and heads):
             return None
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        kv_heads = size("num_key_value_heads") or heads
+        head_dim = size("head_dim") or hidden // heads
         # The feed-forward width a token passes through: a mixture of experts' active experts.
-        experts = getattr(c, "num_experts_per_tok", None)
-        expert_width = getattr(c, "moe_intermediate_size", None)
+        experts, expert_width = size("num_experts_per_tok"), size("moe_intermediate_size")
         if experts and expert_width:
             ffn = experts * expert_width
         else:
-            ffn = (getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
-                   or 4 * hidden)
+            ffn = size("intermediate_size") or size("ffn_dim") or 4 * hidden
         gated = 3 if getattr(c, "hidden_act", "") in ("silu", "swiglu") else 2
         weights = (2 * hidden * heads * head_dim  # q and o projections
                    + 2 * hidden * kv_heads * head_dim  # k and v

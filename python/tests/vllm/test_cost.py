@@ -145,6 +145,12 @@ def test_the_models_shape_predicts_how_prefill_grows_with_the_prompt():
                              "moe_intermediate_size": 768})
     assert ModelShapeCost.from_hf_config(moe).linear < shape.linear / 2
     assert ModelShapeCost.from_hf_config(SimpleNamespace(hidden_size=64)) is None
+    # Sizes that are not plain integers (per-layer lists, None) fall back or give no shape.
+    odd = SimpleNamespace(**{**vars(qwen3_8b()), "intermediate_size": [1024, 2048],
+                             "head_dim": None})
+    assert ModelShapeCost.from_hf_config(odd).linear > 0
+    assert ModelShapeCost.from_hf_config(SimpleNamespace(
+        hidden_size=64, num_hidden_layers=[2], num_attention_heads=4)) is None
     assert ModelShapeCost.from_hf_config(None) is None
 
 
