@@ -66,6 +66,7 @@ from pathlib import Path
 
 from kvtier.bench import planner_check as pc
 from kvtier.bench import vllm_ttft
+from kvtier.vllm.config import parse_config
 
 log = pc.log
 
@@ -791,10 +792,11 @@ def predict(h: Harness, arm: str, context: int) -> dict:
                   write_policy="write_through", start_qps=cap["start_qps"],
                   system_prompt=run["words"]["system"])
     tiers, eviction = arm_tiers(arm, cfg, h.state.get("tiers"))
-    # kvtier's connector loads only what pays unless told otherwise; vLLM's loads every hit.
+    # kvtier's connector loads only what pays unless told otherwise (read as the connector
+    # reads the key); vLLM's loads every hit.
     extra = json.loads(cfg["kvtier_extra"]) if cfg["kvtier_extra"] else {}
-    cost_aware = arm in ("kvtier", "server") and extra.get("kvtier.cost_aware", True) not in (
-        False, "false", "off", 0)
+    cost_aware = arm in ("kvtier", "server") and parse_config(
+        {k: v for k, v in extra.items() if k == "kvtier.cost_aware"}).cost_aware
     out = {}
     for name, qps in (("at_qps", run["measured"]["qps"]), ("at_load", None)):
         try:
