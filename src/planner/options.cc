@@ -141,6 +141,15 @@ const std::vector<FlagInfo>& Flags() {
        "Model a connector with kvtier.cost_aware = false: every hit is loaded, also where "
        "reading it is slower than recomputing it (default: only what pays is loaded)",
        nullptr, nullptr, &F::no_cost_aware},
+      {"prefetch",
+       "Model a connector with kvtier.prefetch on: finished conversations, expected back in "
+       "the order they finished, are promoted into the first tier and pinned there "
+       "(docs/prefetch.md)",
+       nullptr, nullptr, &F::prefetch},
+      {"prefetch-fraction",
+       "With --prefetch: the share of the first tier that expected conversations may hold "
+       "(kvtier.prefetch_fraction)",
+       &F::prefetch_fraction},
       {"json", "Print one JSON object instead of the table", nullptr, nullptr, &F::json},
       {"plot", "Also draw TTFT against context to FILE.svg or FILE.png (gnuplot)", &F::plot},
   };
@@ -478,6 +487,12 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   KVTIER_ASSIGN_OR_RETURN(in.hit_suffix_tokens, ParseCount(f.hit_suffix, "hit-suffix", 1));
   in.sensitivity = !f.no_sensitivity;
   in.cost_aware = !f.no_cost_aware;
+  in.prefetch = f.prefetch;
+  KVTIER_ASSIGN_OR_RETURN(in.prefetch_fraction,
+                          ParseNumber(f.prefetch_fraction, "--prefetch-fraction"));
+  if (!(in.prefetch_fraction > 0 && in.prefetch_fraction <= 1)) {
+    return Status::InvalidArgument("--prefetch-fraction must be in (0, 1]");
+  }
   return in;
 }
 

@@ -52,6 +52,8 @@ struct PlannerFlags {
   std::string layer_load_overhead_us = "0";
   bool no_sensitivity = false;
   bool no_cost_aware = false;
+  bool prefetch = false;
+  std::string prefetch_fraction = "0.5";
   bool json = false;
   std::string plot;
 };

@@ -11,6 +11,19 @@
 #include "planner/units.h"
 
 namespace kvtier::planner {
+SimOptions SimOptionsFor(const PlanInputs& in, bool offload) {
+  SimOptions o;
+  o.engine = in.engine;
+  o.workload = in.workload;
+  if (offload) o.tiers = in.tiers;
+  o.write_policy = in.write_policy;
+  o.l1_eviction = in.l1_eviction;
+  o.cost_aware = in.cost_aware;
+  o.prefetch = in.prefetch;
+  o.prefetch_fraction = in.prefetch_fraction;
+  return o;
+}
+
 namespace {
 
 constexpr double kProbeMaxS = 300;     // capacity probes need not be as long as the run
@@ -88,13 +101,9 @@ class Planner {
     if (progress_) progress_(s);
   }
   SimOptions Options(const EngineModel& engine, const Workload& w, bool offload) const {
-    SimOptions o;
+    SimOptions o = SimOptionsFor(in_, offload);
     o.engine = engine;
     o.workload = w;
-    if (offload) o.tiers = in_.tiers;
-    o.write_policy = in_.write_policy;
-    o.l1_eviction = in_.l1_eviction;
-    o.cost_aware = in_.cost_aware;
     return o;
   }
   // The arm's service rate, finished requests per second, measured as --capacity-method says.

@@ -40,6 +40,8 @@ struct PlanInputs {
   WritePolicy write_policy = WritePolicy::kWriteThrough;
   EvictionPolicyKind l1_eviction = EvictionPolicyKind::kPrefixAware;  // the first tier's
   bool cost_aware = true;  // the connector's kvtier.cost_aware
+  bool prefetch = false;   // the connector's kvtier.prefetch, with its prefetch_fraction
+  double prefetch_fraction = 0.5;
   bool fast = false;                                                  // closed forms only
   bool sensitivity = true;   // re-simulate at 0.9x and 1.1x GPU KV memory
   bool service_rate = true;  // capacity probes for both arms
@@ -112,6 +114,10 @@ struct ArmQps {
   double baseline = 0, offload = 0;
 };
 Result<ArmQps> QpsForEachArm(const PlanInputs& inputs, uint64_t context);
+
+// The simulator's options for `in` (its engine, workload, and connector settings); with
+// `offload`, its tiers too.
+SimOptions SimOptionsFor(const PlanInputs& in, bool offload);
 
 // Regime of a point: 1 when the no-offload arm recomputes less than 1% of its prompt tokens
 // because of eviction; otherwise 3 when reading the mean prompt from the slowest tier is cheaper

@@ -244,6 +244,7 @@ class TierState {
   }
 
   bool kvtier_l1() const { return policy_ != nullptr; }
+  uint32_t slots() const { return slots_; }
   const TierSpec& spec() const { return spec_; }
   double used() const { return used_; }
   double peak() const { return peak_; }
@@ -369,7 +370,7 @@ struct Conversation {
   uint64_t computed_before = 0;  // block-aligned tokens computed in earlier rounds
 };
 
-enum class EventType { kSend, kLoadDone, kStepEnd, kJoin };
+enum class EventType { kSend, kLoadDone, kStepEnd, kJoin, kPrefetchDone };
 struct Event {
   double t;
   uint64_t seq;
@@ -422,6 +423,14 @@ class Simulation {
   void WriteBelow(size_t t, const std::vector<ChunkRef>& chunks, double now);
   void ChargeWrite(size_t t, double bytes, double now);
   void SaveChunks(Request& r, size_t end_chunk, double now);
+  // The connector's prefetch (python/kvtier/vllm/prefetch.py, docs/prefetch.md).
+  void Expect(const Request& r, double now);
+  void Returned(uint32_t conv, double now);
+  struct Expected;
+  void PlanPrefetch(double now);
+  void StartPrefetch(Expected& e, double now);
+  void PrefetchDone(uint32_t conv, double now);
+  void Unpin(std::vector<ChunkRef>* pins);
 
   const SimOptions& o_;
   const EngineModel& e_;
@@ -450,7 +459,32 @@ class Simulation {
   double stop_sending_ = 0;
   uint64_t completed_in_window_ = 0;
   double last_flush_s_ = 0;
+
+  // Prefetch: conversations expected back, oldest finish first, and the L1 chunks each holds
+  // pinned; the pins of those that came back, held until their request is admitted.
+  struct Expected {
+    uint32_t conv = 0;
+    double finished = 0;
+    size_t chunks = 0;
+    size_t target = 0;    // leading chunks it may hold
+    bool pinned = false;  // promoted up to its target (as far as the tiers held it) and pinned
+    std::vector<ChunkRef> pins;
+  };
+  std::deque<Expected> expected_;
+  std::unordered_map<uint32_t, std::vector<ChunkRef>> returning_;
+  std::deque<double> return_gaps_;
+  bool prefetching_ = false;                // one promotion at a time
+  std::vector<ChunkRef> prefetch_chunks_;  // the promotion under way
 };
+
+// The prefetch's rule (python/kvtier/vllm/prefetch.py keeps the same constants): returns are
+// predicted from the last kGapWindow finish-to-return gaps, once there are kMinReturns of them
+// and their coefficient of variation is at most kMaxGapCv (users who come back at a steady
+// pace); a conversation not back within kHorizonGaps mean gaps is given up.
+constexpr size_t kGapWindow = 32;
+constexpr size_t kMinReturns = 8;
+constexpr double kMaxGapCv = 0.5;
+constexpr double kHorizonGaps = 2.0;
 
 uint32_t Simulation::NewConversation(uint32_t rounds) {
   convs_.emplace_back();
@@ -469,6 +503,7 @@ void Simulation::Send(uint32_t id, double now) {
   r.prompt = w_.PromptTokens(r.round);
   c.last_sent = now;
   c.busy = true;
+  Returned(id, now);
   requests_.push_back(std::move(r));
   waiting_.push_back(static_cast<uint32_t>(requests_.size() - 1));
 }
@@ -616,6 +651,11 @@ bool Simulation::TryAdmit(Request& r, double now) {
       }
     }
   }
+  // The prefetch's pins of this conversation go once the request's own load holds what it reads.
+  if (auto it = returning_.find(r.conv); it != returning_.end()) {
+    Unpin(&it->second);
+    returning_.erase(it);
+  }
   r.computed = hit_end;
   r.log.recomputed_tokens = r.prompt - hit_end;
   if (c.computed_before > hit_end) res_.evicted_recompute_tokens += c.computed_before - hit_end;
@@ -746,6 +786,127 @@ void Simulation::SaveChunks(Request& r, size_t end_chunk, double now) {
   FlushTier(0, now);
 }
 
+void Simulation::Unpin(std::vector<ChunkRef>* pins) {
+  for (const auto& [owner, chunk] : *pins) tiers_[0].SetPinned(owner, chunk, false);
+  pins->clear();
+}
+
+// A request finished: its conversation (the chunks it saved) is expected back.
+void Simulation::Expect(const Request& r, double now) {
+  if (!o_.prefetch || tiers_.empty()) return;
+  Expected e;
+  e.conv = r.conv;
+  e.finished = now;
+  e.chunks = r.saved_chunks;
+  expected_.push_back(std::move(e));
+}
+
+// A conversation sent its next question: the gap since its last answer is learned, and its pins
+// wait for the request's own load.
+void Simulation::Returned(uint32_t conv, double now) {
+  auto it = std::find_if(expected_.begin(), expected_.end(),
+                         [&](const Expected& e) { return e.conv == conv; });
+  if (it == expected_.end()) return;
+  return_gaps_.push_back(now - it->finished);
+  if (return_gaps_.size() > kGapWindow) return_gaps_.pop_front();
+  returning_[conv] = std::move(it->pins);
+  expected_.erase(it);
+}
+
+// Keeps pinned in L1 the expected conversations, oldest finish first, as far as they fit in
+// prefetch_fraction of its slots (with the pins of those that came back): the first that does
+// not fit gets its leading chunks up to the budget, the ones after it nothing. Promotions from the
+// tiers below run one at a time.
+void Simulation::PlanPrefetch(double now) {
+  if (tiers_.empty() || return_gaps_.size() < kMinReturns) return;
+  double mean = 0, var = 0;
+  for (double g : return_gaps_) mean += g;
+  mean /= static_cast<double>(return_gaps_.size());
+  for (double g : return_gaps_) var += (g - mean) * (g - mean);
+  var /= static_cast<double>(return_gaps_.size());
+  const bool steady = std::sqrt(var) <= kMaxGapCv * mean;
+  const auto budget = static_cast<size_t>(o_.prefetch_fraction * tiers_[0].slots());
+  size_t used = 0;
+  for (auto& [conv, pins] : returning_) used += pins.size();
+  size_t room = steady && used < budget ? budget - used : 0;
+  bool shared_counted = false;
+  for (auto it = expected_.begin(); it != expected_.end();) {
+    if (now - it->finished > kHorizonGaps * mean) {
+      Unpin(&it->pins);
+      it = expected_.erase(it);
+      continue;
+    }
+    // The shared system prompt's chunks are counted once.
+    const size_t counted = shared_counted ? std::min(shared_chunks_, it->chunks) : 0;
+    size_t target = 0;
+    if (room > 0) {
+      target = std::min(it->chunks, counted + room);
+      room -= target - counted;
+      shared_counted = true;
+    }
+    if (target != it->target) {
+      Unpin(&it->pins);
+      it->target = target;
+      it->pinned = false;
+    }
+    if (target > 0 && !it->pinned && !prefetching_) StartPrefetch(*it, now);
+    ++it;
+  }
+}
+
+// Pins the leading chunks of `e` up to its target that L1 holds, and reads those only a tier
+// below holds (up to the first no tier holds): they are promoted and pinned when the read is done.
+void Simulation::StartPrefetch(Expected& e, double now) {
+  prefetch_chunks_.clear();
+  std::vector<double> bytes(tiers_.size(), 0);
+  for (size_t i = 0; i < e.target; ++i) {
+    const uint32_t owner = ChunkOwner(e.conv, i);
+    if (tiers_[0].Has(owner, i)) {
+      tiers_[0].SetPinned(owner, i, true);
+      tiers_[0].Access(owner, i);
+      e.pins.emplace_back(owner, i);
+      continue;
+    }
+    size_t t = 1;
+    while (t < tiers_.size() && !tiers_[t].Has(owner, i)) ++t;
+    if (t == tiers_.size()) break;
+    bytes[t] += chunk_bytes_;
+    prefetch_chunks_.emplace_back(owner, i);
+  }
+  e.pinned = true;
+  if (prefetch_chunks_.empty()) return;
+  double ready = now;
+  for (size_t t = 1; t < tiers_.size(); ++t) {
+    if (bytes[t] == 0) continue;
+    TierState& tier = tiers_[t];
+    tier.busy_until = std::max(now, tier.busy_until) + bytes[t] / tier.spec().read_bytes_per_s;
+    ready = std::max(ready, tier.busy_until);
+    res_.bytes_read[t] += bytes[t];
+  }
+  prefetching_ = true;
+  Push(ready, EventType::kPrefetchDone, e.conv);
+}
+
+// A promotion's reads are done: its chunks enter L1 (linked as one call), pinned if their
+// conversation is still expected and within the budget.
+void Simulation::PrefetchDone(uint32_t conv, double now) {
+  prefetching_ = false;
+  auto it = std::find_if(expected_.begin(), expected_.end(),
+                         [&](const Expected& e) { return e.conv == conv && e.pinned; });
+  std::vector<ChunkRef>* pins = it != expected_.end() ? &it->pins : nullptr;
+  if (auto back = returning_.find(conv); back != returning_.end()) pins = &back->second;
+  for (const ChunkRef& c : prefetch_chunks_) {
+    double unused = 0;
+    const ChunkRef parent{ChunkOwner(conv, c.second - 1), c.second - 1};
+    InsertTier(0, c.first, c.second, c.second > 0 ? &parent : nullptr, false, now, &unused);
+    if (pins != nullptr && tiers_[0].Has(c.first, c.second)) {
+      tiers_[0].SetPinned(c.first, c.second, true);
+      pins->push_back(c);
+    }
+  }
+  prefetch_chunks_.clear();
+}
+
 void Simulation::Admit(double now) {
   while (!waiting_.empty()) {
     Request& r = requests_[waiting_.front()];
@@ -832,6 +993,7 @@ void Simulation::Finish(Request& r, double now) {
   if (c.gpu_end > shared_end_) gpu_lru_.insert({c.freed_at, r.conv});
   --shared_pins_;
   c.busy = false;
+  Expect(r, now);
   if (o_.saturate && now >= stop_sending_ * 0.25 && now <= stop_sending_) ++completed_in_window_;
 
   uint32_t conv_id = r.conv;
@@ -957,7 +1119,11 @@ Result<SimResult> Simulation::Run() {
       case EventType::kStepEnd:
         EndStep(now);
         break;
+      case EventType::kPrefetchDone:
+        PrefetchDone(ev.id, now);
+        break;
     }
+    if (o_.prefetch) PlanPrefetch(now);
     // Only an idle engine schedules: a request arriving mid-step waits for the step to end.
     if (!engine_busy_) MaybeStartStep(now);
     res_.end_s = now;

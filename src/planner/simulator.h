@@ -114,6 +114,11 @@ struct SimOptions {
   // The connector's cost-aware lookups (kvtier.cost_aware, on by default): a hit is loaded only
   // as far as loading it is predicted to be faster than computing it.
   bool cost_aware = true;
+  // The connector's prefetch (kvtier.prefetch): conversations that finished are expected back in
+  // the order they finished; the oldest ones that fit in `prefetch_fraction` of the first tier
+  // are promoted into it from below and pinned there until they return (docs/prefetch.md).
+  bool prefetch = false;
+  double prefetch_fraction = 0.5;
   // Capacity probe: `users` users ask back to back (no think time) for `duration_s`; throughput
   // is measured over the last three quarters.
   bool saturate = false;

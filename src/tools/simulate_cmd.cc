@@ -131,12 +131,8 @@ int RunSimulateCommand(const CLI::App& cmd, planner::PlannerFlags& flags,
       FormatSeconds(in.engine.step_overhead_s));
   double wall = 0;
   for (size_t i = 0; i < in.contexts.size(); ++i) {
-    planner::SimOptions o;
-    o.engine = in.engine;
-    o.workload = in.workload;
+    planner::SimOptions o = planner::SimOptionsFor(in, /*offload=*/false);
     o.workload.context_tokens = in.contexts[i];
-    o.write_policy = in.write_policy;
-    o.l1_eviction = in.l1_eviction;
     fmt::print(stderr, "simulating context {} tokens ({}/{})\n", in.contexts[i], i + 1,
                in.contexts.size());
     // Each arm at its own qps: --qps, or --load of that arm's capacity measured as `kvtier plan`

@@ -64,6 +64,11 @@ class ConnectorConfig:
     # process, an object of the server's kv_events keys (endpoint, replay_endpoint, topic, ...:
     # the embedded engine publishes, the connector describes).
     kv_events: Any = "off"
+    # Prefetch into L1 (docs/prefetch.md): once conversations come back at a steady pace, those
+    # expected back soonest are promoted from the file tier and pinned in L1, up to
+    # prefetch_fraction of its pool.
+    prefetch: bool = False
+    prefetch_fraction: float = 0.5
 
     @property
     def server_mode(self) -> bool:
@@ -190,6 +195,9 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     if config.save_mechanism not in ("auto", "dma", "kernel", "staged"):
         raise ConfigError(f"'{_PREFIX}save_mechanism' must be auto, dma, kernel or staged, got "
                           f"{config.save_mechanism!r}")
+    if not 0 < config.prefetch_fraction <= 1:
+        raise ConfigError(f"'{_PREFIX}prefetch_fraction' must be in (0, 1], got "
+                          f"{config.prefetch_fraction}")
     for name in ("min_file_read_gbps", "file_read_gbps"):
         if getattr(config, name) < 0:
             raise ConfigError(f"'{_PREFIX}{name}' must not be negative, got "

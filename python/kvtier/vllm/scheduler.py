@@ -46,6 +46,7 @@ from .cost import CostModel, ModelShapeCost, PrefillCost
 from .events import Describer
 from .layout import supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
+from .prefetch import Prefetcher
 from .stats import KvtierConnectorStats
 from .store import Namespaces, ServerConnection, in_process_socket
 
@@ -91,6 +92,7 @@ class _Request:
     layerwise: bool = False  # the planned load runs within the step (every chunk pinned in L1)
     in_memory_tokens: int = 0  # of the looked-up prefix, tokens in kvtier's L1 (the rest: L2)
     hit_sources: dict | None = None  # the planned load's tokens per tier, for vLLM's metrics
+    seen: bool = False  # its first lookup told the prefetch of its arrival
 
 
 class SchedulerSide:
@@ -166,6 +168,10 @@ class SchedulerSide:
                 self.block_size, hash_block_size(vllm_config, kv_cache_config, self.block_size),
                 self.groups[0], token_ids)
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
+        self._prefetch = None
+        if cfg.prefetch:
+            self._prefetch = Prefetcher(lambda: [s.get() for s in self._servers],
+                                        cfg.prefetch_fraction, self._count)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -180,10 +186,19 @@ class SchedulerSide:
                                    cfg.min_file_read_gbps * 1e9, cfg.file_read_gbps * 1e9)
         return self._cost
 
-    def _lookup(self, keys: list[bytes], first: int, n_tokens: int, local: int) -> _Answer:
+    def _lookup(self, req_id: str, keys: list[bytes], first: int, n_tokens: int,
+                local: int) -> _Answer:
         """Runs on the lookup thread. A miss when the store is unreachable. The cost model may
         shorten the hit (cost.py). With layer-wise loads on, a hit whose every chunk is in L1
-        has chunks [first, hits) pinned."""
+        has chunks [first, hits) pinned: by the prefetch already, if it held them."""
+        try:
+            return self._lookup_pinned(req_id, keys, first, n_tokens, local)
+        finally:
+            if self._prefetch is not None:
+                self._prefetch.forget(req_id)  # the prefetch's pins it did not take
+
+    def _lookup_pinned(self, req_id: str, keys: list[bytes], first: int, n_tokens: int,
+                       local: int) -> _Answer:
         # The backoff after a failed lookup holds for the servers it failed on: once the
         # connections are to a restarted server, lookups go to it at once.
         if not keys or (time.monotonic() < self._lookups_down_until and
@@ -214,15 +229,23 @@ class SchedulerSide:
             answer.in_memory = min(answer.in_memory, answer.hits)
             hits, in_memory = answer.hits, answer.in_memory
         if self._layerwise and first < hits <= in_memory:
-            answer.pins, answer.server_started = self._pin(clients, keys[first:hits])
+            answer.pins, answer.server_started = self._pin(clients, keys[first:hits], req_id,
+                                                           first)
         return answer
 
-    def _pin(self, clients, keys: list[bytes]) -> tuple[list[list[int]] | None, float]:
-        """Every rank's slots of `keys`, pinned; (None, 0) unless every rank pinned them all
-        (evicted meanwhile, or over the server's per-client limit: the load goes asynchronous)."""
+    def _pin(self, clients, keys: list[bytes], req_id: str, first: int
+             ) -> tuple[list[list[int]] | None, float]:
+        """Every rank's slots of `keys` (chunks [first, ...) of the request's), pinned; (None, 0)
+        unless every rank pinned them all (evicted meanwhile, or over the server's per-client
+        limit: the load goes asynchronous). Pins the prefetch holds are taken over."""
         started = {s for _, s in clients}
         if len(started) != 1 or 0.0 in started:
             return None, 0.0  # ranks on different servers, or one's start unknown
+        if self._prefetch is not None:
+            pins = self._prefetch.take_pins(req_id, [c for c, _ in clients], first,
+                                            first + len(keys))
+            if pins is not None:
+                return pins, started.pop()
         pins = []
         for client, _ in clients:
             try:
@@ -273,7 +296,8 @@ class SchedulerSide:
         if st.lookup is None or st.lookup[0] != (n_tokens, local):
             self._drop_lookup(st)
             st.lookup = ((n_tokens, local),
-                         self._lookup_thread.submit(self._lookup, keys, first, n_tokens, local))
+                         self._lookup_thread.submit(self._lookup, st.request.request_id, keys,
+                                                    first, n_tokens, local))
         try:
             return st.lookup[1].result(timeout=LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
@@ -312,6 +336,12 @@ class SchedulerSide:
         st = self._state(request)
         if st is None:
             return 0, False
+        if not st.seen:
+            st.seen = True
+            if self._prefetch is not None:
+                self._prefetch.arrived(request.request_id,
+                                       self._keys(st, request.num_tokens // self.cfg.chunk_tokens),
+                                       getattr(request, "arrival_time", None) or time.time())
         st.load = None
         if st.load_issued or not self._loads_enabled or skips_external_kv(request):
             return 0, False
@@ -413,6 +443,8 @@ class SchedulerSide:
         while self._held and self._held[0][0] <= done:
             self._release(self._held.pop(0)[2])
         self._tables.update(scheduler_output)
+        if self._prefetch is not None:
+            self._prefetch.plan(time.time())
         meta.preempted_req_ids = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted_req_ids:
             st = self._requests.get(req_id)
@@ -499,8 +531,15 @@ class SchedulerSide:
         self._tables.forget(request.request_id)
         if st is not None:
             self._drop_lookup(st)  # pins of a load never scheduled
+            if self._prefetch is not None:
+                self._prefetch.forget(request.request_id)
             if request.status in (RequestStatus.FINISHED_STOPPED,
                                   RequestStatus.FINISHED_LENGTH_CAPPED):
+                if self._prefetch is not None:
+                    # Its conversation may come back: it starts with the chunks it saved.
+                    self._prefetch.finished(st.keys[:st.saved],
+                                            request.num_prompt_tokens // self.cfg.chunk_tokens,
+                                            time.time())
                 # It finished on the output of a step after its load's: that has run. (An
                 # aborted one may be in a step still running: its pins wait for the steps.)
                 mine = [h for h in self._held if h[1] == request.request_id]
@@ -514,6 +553,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._lookup_thread.shutdown(wait=False, cancel_futures=True)
+        if self._prefetch is not None:
+            self._prefetch.close()
         if self._describer is not None:
             self._describer.close()
         for server in self._servers:

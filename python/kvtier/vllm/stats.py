@@ -38,6 +38,8 @@ HELP = {
     "prefill_measured_us": "Timed steps' time as measured (us)",
     "chunks_described": "Chunk descriptors sent for kvtier's KV-cache events",
     "describes_dropped": "Chunk descriptors dropped (those chunks are stored, never announced)",
+    "chunks_prefetched": "Chunks the prefetch promoted into (or kept in) L1 and pinned",
+    "prefetched_returns": "Conversations that came back to a prefix the prefetch held in L1",
 }
 COUNTERS = tuple(HELP)  # the names, in the order vLLM's log line shows them
 

@@ -1,0 +1,251 @@
+"""Prefetch into L1 of conversations expected back (docs/prefetch.md).
+
+Scheduler side. Finished requests are remembered by the chunk keys they saved; a later request
+whose keys pass through the last key of the finished one's prompt is that conversation's return
+(the next turn's prompt repeats the last one's, while its answer may come back tokenized
+differently), and the gap between the
+two is learned. Once returns come at a steady pace, the conversations expected back soonest
+(oldest finish first) are kept pinned in L1 up to a share of the pool, promoted from the file
+tier by `prepare_load` on a thread of their own, one at a time. The simulator of `kvtier plan`
+(src/planner/simulator.cc, PlanPrefetch) follows the same rule and constants.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import statistics
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import kvtier
+
+logger = logging.getLogger("vllm.kvtier")
+
+GAP_WINDOW = 32  # finish-to-return gaps the prediction is made from
+MIN_RETURNS = 8  # returns seen before anything is prefetched
+MAX_GAP_CV = 0.5  # gaps' standard deviation over their mean, at most, for a predictable order
+HORIZON_GAPS = 2.0  # a conversation not back within this many mean gaps is given up
+# Before the gaps are known, conversations are remembered this long, and at most this many.
+MAX_AGE_UNKNOWN_S = 3600.0
+MAX_EXPECTED = 4096
+# A promotion that got fewer chunks than asked (the pool full of chunks not yet written below,
+# or a chunk in no tier) is tried again this much later.
+RETRY_S = 1.0
+PLAN_EVERY_S = 0.05  # plan() runs at most this often, unless a return or a promotion happened
+
+
+def _held(pins) -> bool:
+    return any(slots for _, slots in pins)
+
+
+# A rank's pinned slots and the client that holds them: slot numbers mean nothing to another
+# connection (a restarted server), so they are released only through the one that pinned them.
+_Pins = tuple[object, list[int]]
+
+
+@dataclass
+class _Expected:
+    keys: list[bytes]
+    anchor: bytes  # the key a return passes through
+    finished: float
+    target: int = 0  # leading chunks it may hold pinned
+    pinned: bool = False  # a promotion to `target` is done (or under way: `busy`)
+    busy: bool = False
+    retry_at: float = 0.0
+    pins: list[_Pins] = field(default_factory=list)  # per rank
+
+
+class Prefetcher:
+    """`clients()` gives one client per rank (None while a rank's server is unreachable);
+    `count(name, value)` adds to the connector's stats."""
+
+    def __init__(self, clients: Callable[[], list], fraction: float,
+                 count: Callable[[str, int], None]):
+        self._clients = clients
+        self._fraction = fraction
+        self._count = count
+        self._lock = threading.Lock()
+        # By anchor, in finish order (a conversation that finishes again moves to the end).
+        self._expected: collections.OrderedDict[bytes, _Expected] = collections.OrderedDict()
+        # Conversations back, by request id: (their keys, pins) until the lookup answers.
+        self._returning: dict[str, tuple[list[bytes], list[_Pins]]] = {}
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAP_WINDOW)
+        self._busy = False  # a promotion is under way
+        self._budget: int | None = None  # pins the kept set may hold, all ranks together
+        self._planned = 0.0  # when plan() last ran
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+
+    # --- what the scheduler tells it -------------------------------------------------------
+
+    def finished(self, keys: list[bytes], prompt_chunks: int, now: float) -> None:
+        """A request finished having saved `keys` (its leading chunks), the first
+        `prompt_chunks` of them its prompt's."""
+        anchor = min(prompt_chunks, len(keys)) - 1
+        if anchor < 0:
+            return
+        with self._lock:
+            old = self._expected.pop(keys[anchor], None)
+            if old is not None:
+                self._release(old.pins)
+            self._expected[keys[anchor]] = _Expected(list(keys), keys[anchor], now)
+            self._planned = 0.0
+            while len(self._expected) > MAX_EXPECTED:
+                self._release(self._expected.popitem(last=False)[1].pins)
+
+    def arrived(self, req_id: str, keys: list[bytes], arrival: float) -> None:
+        """A new request's first lookup: if it continues an expected conversation, that
+        conversation is back (its gap is learned, its pins wait for the lookup)."""
+        with self._lock:
+            if not self._expected:
+                return
+            for key in reversed(keys):
+                e = self._expected.pop(key, None)
+                if e is not None:
+                    break
+            else:
+                return
+            if arrival >= e.finished:
+                self._gaps.append(arrival - e.finished)
+            if _held(e.pins):
+                self._count("prefetched_returns", 1)
+            if _held(e.pins) or e.busy:  # a promotion under way hands its pins over too
+                self._returning[req_id] = (e.keys, e.pins)
+            e.pins = []
+            self._planned = 0.0
+
+    def take_pins(self, req_id: str, clients: list, first: int, end: int
+                  ) -> list[list[int]] | None:
+        """The pins of chunks [first, end) of a conversation that came back, per rank, if the
+        prefetch holds all of them through `clients` (the caller owns them then); the
+        prefetch's other pins of it are released. None otherwise (all its pins released)."""
+        with self._lock:
+            back = self._returning.pop(req_id, None)
+        if back is None:
+            return None
+        pins = back[1]
+        if (first < end and len(pins) == len(clients) and
+                all(c is client and len(slots) >= end
+                    for (c, slots), client in zip(pins, clients))):
+            self._release([(c, slots[:first] + slots[end:]) for c, slots in pins])
+            return [slots[first:end] for _, slots in pins]
+        self._release(pins)
+        return None
+
+    def forget(self, req_id: str) -> None:
+        """The request is gone: pins the prefetch still held for it go."""
+        with self._lock:
+            back = self._returning.pop(req_id, None)
+        if back is not None:
+            self._release(back[1])
+
+    # --- each step -------------------------------------------------------------------------
+
+    def plan(self, now: float) -> None:
+        """Gives up conversations past the horizon, sets each expected conversation's target,
+        and starts the next promotion. Never waits on the store."""
+        with self._lock:
+            if now - self._planned < PLAN_EVERY_S:
+                return
+            self._planned = now
+            steady = len(self._gaps) >= MIN_RETURNS
+            mean = statistics.fmean(self._gaps) if self._gaps else 0.0
+            if steady:
+                steady = statistics.pstdev(self._gaps) <= MAX_GAP_CV * mean
+            horizon = HORIZON_GAPS * mean if len(self._gaps) >= MIN_RETURNS else MAX_AGE_UNKNOWN_S
+            budget = self._slots() if steady else 0
+            used = sum(len(slots) for _, pins in self._returning.values() for _, slots in pins)
+            room = max(0, budget - used)
+            ranks = 0
+            shared: set[bytes] = set()  # keys counted already (a shared system prompt)
+            start = None
+            for key, e in list(self._expected.items()):
+                if now - e.finished > horizon:
+                    self._release(e.pins)
+                    del self._expected[key]
+                    continue
+                ranks = ranks or max(1, len(self._clients()))
+                target = 0
+                if room > 0:
+                    counted = 0
+                    while counted < len(e.keys) and e.keys[counted] in shared:
+                        counted += 1
+                    target = min(len(e.keys), counted + room // ranks)
+                    room -= (target - counted) * ranks
+                    shared.update(e.keys[counted:target])
+                if target != e.target and not e.busy:
+                    self._release(e.pins)
+                    e.pins, e.target, e.pinned = [], target, False
+                if (start is None and e.target > 0 and not e.pinned and not self._busy
+                        and now >= e.retry_at):
+                    start = e
+            if start is not None:
+                start.busy = start.pinned = self._busy = True
+                self._pool.submit(self._promote, start, start.keys[:start.target], now)
+
+    def _slots(self) -> int:
+        if self._budget is None:
+            clients = self._clients()
+            if not clients or clients[0] is None:
+                return 0
+            self._budget = int(self._fraction * clients[0].pool_bytes // clients[0].chunk_bytes)
+        return self._budget
+
+    def _promote(self, e: _Expected, keys: list[bytes], now: float) -> None:
+        """Runs on the prefetch thread: every rank's slots of `keys`, promoted and pinned. The
+        pins of an earlier, shorter promotion of `e` are released once these are taken."""
+        pins: list[_Pins] = []
+        for client in self._clients():
+            slots: list[int] = []
+            if client is not None:
+                try:
+                    slots = list(client.prepare_load(keys).wait().slots)
+                except kvtier.KvtierError as err:
+                    logger.debug("kvtier: prefetching %d chunks failed: %s", len(keys), err)
+            pins.append((client, slots))
+        self._count("chunks_prefetched", min((len(s) for _, s in pins), default=0))
+        with self._lock:
+            self._busy = e.busy = False
+            self._planned = 0.0
+            if self._expected.get(e.anchor) is e:
+                if e.target == len(keys):
+                    old, e.pins = e.pins, pins
+                    if any(len(slots) < len(keys) for _, slots in pins):
+                        e.pinned, e.retry_at = False, now + RETRY_S
+                    self._release(old)
+                    return
+                e.pinned = False  # its target changed meanwhile: promote again
+            else:
+                for req_id, (back_keys, back_pins) in self._returning.items():
+                    if back_keys is e.keys and not _held(back_pins):
+                        self._returning[req_id] = (back_keys, pins)  # it came back meanwhile
+                        return
+        self._unpin(pins)
+
+    def _release(self, pins: list[_Pins]) -> None:
+        if _held(pins):
+            try:
+                self._pool.submit(self._unpin, pins)
+            except RuntimeError:  # shut down: the connections' close releases every pin
+                pass
+
+    def _unpin(self, pins: list[_Pins]) -> None:
+        current = self._clients()
+        for client, slots in pins:
+            if not slots or client is None or not any(client is c for c in current):
+                continue  # a lost connection's pins went with it
+            try:
+                client.unpin(slots)
+            except kvtier.KvtierError as err:  # the server is gone: so are its pins
+                logger.debug("kvtier: releasing %d prefetch pins failed: %s", len(slots), err)
+
+    @property
+    def busy(self) -> bool:
+        """A promotion is under way."""
+        with self._lock:
+            return self._busy
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

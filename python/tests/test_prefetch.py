@@ -1,0 +1,148 @@
+"""The connector's prefetch (kvtier.vllm.prefetch, docs/prefetch.md) against a real `kvtier serve`
+with a file tier: what it keeps in L1 and in which order, that what it keeps survives a flood of
+saves, the hand-over of its pins to a returning request's load, the gates (too few returns,
+irregular returns, the horizon), and a server that dies under it."""
+
+import time
+
+import pytest
+
+import kvtier
+from kvtier.vllm.prefetch import HORIZON_GAPS, MIN_RETURNS, PLAN_EVERY_S, Prefetcher
+
+from test_server import CHUNK, Serve, chunks, keys_for, ns  # noqa: F401 (a fixture)
+
+CONV = 100  # chunks per conversation (6.4 MB); the L1 holds about ten conversations
+
+
+@pytest.fixture
+def served(tmp_path, ns):
+    server = Serve("--l2", f'{{"type":"fs","path":"{tmp_path / "l2"}"}}',
+                   "--write-policy", "write_through", "--max-client-slots", "900")
+    client = kvtier.connect(ns, socket_path=server.socket, client_name="pytest-prefetch")
+    counts = {}
+    prefetch = Prefetcher(lambda: [client], 0.25,
+                          lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v))
+    yield server, client, prefetch, counts
+    prefetch.close()
+    client.close()
+    server.stop()
+
+
+def store(client, keys, seed):
+    """Stores `keys`, waiting out the pool's back-pressure (write-through: a chunk frees its
+    slot once the file tier has it)."""
+    for i in range(0, len(keys), 50):
+        data = chunks(len(keys[i:i + 50]), seed + i)
+        deadline = time.monotonic() + 30
+        while not (r := client.store(keys[i:i + 50], data).wait()).ok:
+            assert r.code == "rejected" and time.monotonic() < deadline, r
+            time.sleep(0.02)
+
+
+def flood(client, ns, n, seed):
+    """Saves `n` new chunks: everything unpinned in L1 gives way (the file tier keeps it)."""
+    store(client, keys_for(ns, n, seed=seed), seed)
+
+
+def settle(prefetch, now, seconds=5.0):
+    """Plans every PLAN_EVERY_S for `seconds` of its clock (a promotion cut short by chunks
+    not yet written below is tried again RETRY_S later), letting the server flush meanwhile."""
+    end = now + seconds
+    while now < end:
+        prefetch.plan(now)
+        while prefetch.busy:
+            time.sleep(0.005)
+        time.sleep(0.002)
+        now += PLAN_EVERY_S
+    return now
+
+
+def converse(prefetch, convs, t0, gap, jitter=0.0):
+    """Each conversation finishes at t0 + i, then comes back `gap` (+- jitter) later, MIN_RETURNS
+    times over; the last round's finishes are left expected. Returns the time after it."""
+    t = t0
+    for r in range(MIN_RETURNS // len(convs) + 2):
+        for i, keys in enumerate(convs):
+            if r > 0:
+                back = t + gap + (jitter if i % 2 else -jitter)
+                prefetch.arrived(f"r{r}-{i}", keys + [b"x" * 32], back)
+            prefetch.finished(keys, len(keys), t + i)
+        t += gap + len(convs)
+    return t
+
+
+def test_keeps_the_conversations_expected_soonest_in_l1(served, ns):
+    server, client, prefetch, counts = served
+    budget = int(0.25 * client.pool_bytes // CHUNK)
+    convs = [keys_for(ns, CONV, seed=100 + i) for i in range(4)]
+    for i, keys in enumerate(convs):
+        store(client, keys, 1000 * i)
+    flood(client, ns, client.num_slots, seed=7)
+    assert all(client.lookup(k)[1] == 0 for k in convs)  # in the file tier only
+
+    now = converse(prefetch, convs, 0.0, gap=30.0)
+    now = settle(prefetch, now)
+    # Oldest finish first, as far as a quarter of the pool goes; the one at the edge keeps its
+    # head, the next nothing.
+    resident = [client.lookup(k)[1] for k in convs]
+    assert resident[0] == CONV and resident[1] == CONV
+    assert resident[2] == min(CONV, budget - 2 * CONV) and resident[3] == 0
+    assert counts["chunks_prefetched"] >= 2 * CONV
+
+    # Pinned: a flood of saves evicts everything else.
+    flood(client, ns, client.num_slots, seed=8)
+    assert [client.lookup(k)[1] for k in convs[:2]] == [CONV, CONV]
+
+    # The first comes back: its load takes the pins of the chunks it reads over; the rest go.
+    prefetch.arrived("back", convs[0] + [b"y" * 32], now)
+    assert counts["prefetched_returns"] == 1
+    pins = prefetch.take_pins("back", [client], 10, CONV)
+    assert pins is not None and len(pins[0]) == CONV - 10
+    assert prefetch.take_pins("back", [client], 10, CONV) is None  # handed over once
+    client.unpin(pins[0])
+    with pytest.raises(kvtier.InvalidArgumentError, match="not pinned"):
+        client.unpin(pins[0])
+
+    # With the first gone, the next ones move up: the fourth is now (partly) kept.
+    now = settle(prefetch, now + 1)
+    assert client.lookup(convs[2])[1] == CONV
+    assert client.lookup(convs[3])[1] == min(CONV, budget - 2 * CONV)
+
+    # Past the horizon every conversation is given up and its pins released.
+    settle(prefetch, now + HORIZON_GAPS * 30 + 100)
+    flood(client, ns, client.num_slots, seed=9)
+    assert all(client.lookup(k)[1] == 0 for k in convs)
+
+
+def test_nothing_is_prefetched_without_steady_returns(served, ns):
+    server, client, prefetch, counts = served
+    convs = [keys_for(ns, CONV, seed=200 + i) for i in range(2)]
+    for i, keys in enumerate(convs):
+        store(client, keys, 1000 * i)
+    flood(client, ns, client.num_slots, seed=7)
+
+    # Too few returns to predict from.
+    for i, keys in enumerate(convs):
+        prefetch.finished(keys, CONV, float(i))
+    settle(prefetch, 10.0)
+    assert all(client.lookup(k)[1] == 0 for k in convs)
+
+    # Enough returns, but their gaps spread wider than half their mean.
+    converse(prefetch, convs, 100.0, gap=30.0, jitter=25.0)
+    settle(prefetch, 1000.0)
+    assert all(client.lookup(k)[1] == 0 for k in convs)
+    assert counts.get("chunks_prefetched", 0) == 0
+
+
+def test_a_server_that_dies_under_it(served, ns):
+    server, client, prefetch, counts = served
+    convs = [keys_for(ns, CONV, seed=300 + i) for i in range(2)]
+    for i, keys in enumerate(convs):
+        store(client, keys, 1000 * i)
+    now = converse(prefetch, convs, 0.0, gap=30.0)
+    server.stop()  # promotions fail, pins cannot be released: no exception, nothing held
+    now = settle(prefetch, now)
+    prefetch.arrived("back", convs[0] + [b"z" * 32], now)
+    assert prefetch.take_pins("back", [client], 0, CONV) is None
+    settle(prefetch, now + 1000)
