@@ -10,9 +10,14 @@ import pytest
 import kvtier
 from kvtier.vllm.prefetch import HORIZON_GAPS, MIN_RETURNS, PLAN_EVERY_S, Prefetcher
 
-from test_server import CHUNK, Serve, chunks, keys_for, ns  # noqa: F401 (a fixture)
+from test_server import CHUNK, Serve, chunks, keys_for
 
 CONV = 100  # chunks per conversation (6.4 MB); the L1 holds about ten conversations
+
+
+@pytest.fixture
+def ns():
+    return kvtier.KeyNamespace("test/prefetch-model", 7, chunk_tokens=16)
 
 
 @pytest.fixture
@@ -21,8 +26,11 @@ def served(tmp_path, ns):
                    "--write-policy", "write_through", "--max-client-slots", "900")
     client = kvtier.connect(ns, socket_path=server.socket, client_name="pytest-prefetch")
     counts = {}
+    rate = [0.0]  # the file tier's read rate the connector would give it; 0: unknown
     prefetch = Prefetcher(lambda: [client], 0.25,
-                          lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v))
+                          lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v),
+                          lambda: rate[0])
+    prefetch.rate = rate
     yield server, client, prefetch, counts
     prefetch.close()
     client.close()
@@ -41,8 +49,13 @@ def store(client, keys, seed):
 
 
 def flood(client, ns, n, seed):
-    """Saves `n` new chunks: everything unpinned in L1 gives way (the file tier keeps it)."""
+    """Saves `n` new chunks: everything unpinned in L1 gives way (the file tier keeps it). Returns
+    once the file tier has them all."""
     store(client, keys_for(ns, n, seed=seed), seed)
+    deadline = time.monotonic() + 30
+    while client.stats()["pool"]["dirty"] > 0:
+        assert time.monotonic() < deadline, "the file tier never took the flood"
+        time.sleep(0.02)
 
 
 def settle(prefetch, now, seconds=5.0):
@@ -58,7 +71,7 @@ def settle(prefetch, now, seconds=5.0):
     return now
 
 
-def converse(prefetch, convs, t0, gap, jitter=0.0):
+def converse(prefetch, convs, t0, gap, jitter=0.0, gpu_chunks=0):
     """Each conversation finishes at t0 + i, then comes back `gap` (+- jitter) later, MIN_RETURNS
     times over; the last round's finishes are left expected. Returns the time after it."""
     t = t0
@@ -66,7 +79,7 @@ def converse(prefetch, convs, t0, gap, jitter=0.0):
         for i, keys in enumerate(convs):
             if r > 0:
                 back = t + gap + (jitter if i % 2 else -jitter)
-                prefetch.arrived(f"r{r}-{i}", keys + [b"x" * 32], back)
+                prefetch.arrived(f"r{r}-{i}", keys + [b"x" * 32], back, gpu_chunks)
             prefetch.finished(keys, len(keys), t + i)
         t += gap + len(convs)
     return t
@@ -95,7 +108,7 @@ def test_keeps_the_conversations_expected_soonest_in_l1(served, ns):
     assert [client.lookup(k)[1] for k in convs[:2]] == [CONV, CONV]
 
     # The first comes back: its load takes the pins of the chunks it reads over; the rest go.
-    prefetch.arrived("back", convs[0] + [b"y" * 32], now)
+    prefetch.arrived("back", convs[0] + [b"y" * 32], now, 0)
     assert counts["prefetched_returns"] == 1
     pins = prefetch.take_pins("back", [client], 10, CONV)
     assert pins is not None and len(pins[0]) == CONV - 10
@@ -132,6 +145,11 @@ def test_nothing_is_prefetched_without_steady_returns(served, ns):
     converse(prefetch, convs, 100.0, gap=30.0, jitter=25.0)
     settle(prefetch, 1000.0)
     assert all(client.lookup(k)[1] == 0 for k in convs)
+
+    # Steady returns, but vLLM's own cache held their whole prompts: reads would be wasted.
+    converse(prefetch, convs, 2000.0, gap=30.0, gpu_chunks=CONV)
+    settle(prefetch, 3000.0)
+    assert all(client.lookup(k)[1] == 0 for k in convs)
     assert counts.get("chunks_prefetched", 0) == 0
 
 
@@ -143,6 +161,22 @@ def test_a_server_that_dies_under_it(served, ns):
     now = converse(prefetch, convs, 0.0, gap=30.0)
     server.stop()  # promotions fail, pins cannot be released: no exception, nothing held
     now = settle(prefetch, now)
-    prefetch.arrived("back", convs[0] + [b"z" * 32], now)
+    prefetch.arrived("back", convs[0] + [b"z" * 32], now, 0)
     assert prefetch.take_pins("back", [client], 0, CONV) is None
     settle(prefetch, now + 1000)
+
+
+def test_a_read_that_would_end_after_the_return_is_not_started(served, ns):
+    server, client, prefetch, counts = served
+    convs = [keys_for(ns, CONV, seed=400 + i) for i in range(2)]
+    for i, keys in enumerate(convs):
+        store(client, keys, 1000 * i)
+    flood(client, ns, client.num_slots, seed=7)
+    prefetch.rate[0] = 13e6  # reading a conversation (6.5 MB) takes half a second
+    now = converse(prefetch, convs, 0.0, gap=30.0)
+    # converse's gaps are 2 x 30 + 2 - i, a mean of 61.5 s, and its last finishes were at
+    # now - 32 and now - 31: at now + 29.2 the first is due in 0.3 s (too soon for its read),
+    # the second in 1.3 s.
+    settle(prefetch, now + 29.2, seconds=0.25)
+    assert counts.get("prefetches_late", 0) == 1
+    assert client.lookup(convs[0])[1] == 0 and client.lookup(convs[1])[1] == CONV

@@ -428,7 +428,7 @@ class Simulation {
   void Returned(uint32_t conv, double now);
   struct Expected;
   void PlanPrefetch(double now);
-  void StartPrefetch(Expected& e, double now);
+  bool StartPrefetch(Expected& e, double now, double back);
   void PrefetchDone(uint32_t conv, double now);
   void Unpin(std::vector<ChunkRef>* pins);
 
@@ -468,11 +468,13 @@ class Simulation {
     size_t chunks = 0;
     size_t target = 0;    // leading chunks it may hold
     bool pinned = false;  // promoted up to its target (as far as the tiers held it) and pinned
+    bool late = false;    // its promotion would have ended after its predicted return
     std::vector<ChunkRef> pins;
   };
   std::deque<Expected> expected_;
   std::unordered_map<uint32_t, std::vector<ChunkRef>> returning_;
   std::deque<double> return_gaps_;
+  std::deque<bool> return_on_gpu_;  // of the same returns: its whole last prompt was on the GPU
   bool prefetching_ = false;                // one promotion at a time
   std::vector<ChunkRef> prefetch_chunks_;  // the promotion under way
 };
@@ -485,6 +487,9 @@ constexpr size_t kGapWindow = 32;
 constexpr size_t kMinReturns = 8;
 constexpr double kMaxGapCv = 0.5;
 constexpr double kHorizonGaps = 2.0;
+// Nor does it run while more than this share of those returns found their last prompt whole on
+// the GPU (its prefix cache holds the rotation: reads would be wasted).
+constexpr double kMaxGpuReturns = 0.5;
 
 uint32_t Simulation::NewConversation(uint32_t rounds) {
   convs_.emplace_back();
@@ -808,7 +813,12 @@ void Simulation::Returned(uint32_t conv, double now) {
                          [&](const Expected& e) { return e.conv == conv; });
   if (it == expected_.end()) return;
   return_gaps_.push_back(now - it->finished);
-  if (return_gaps_.size() > kGapWindow) return_gaps_.pop_front();
+  const uint64_t prompt = w_.PromptTokens(convs_[conv].rounds_sent - 2);
+  return_on_gpu_.push_back(convs_[conv].gpu_end >= FloorTo(prompt, e_.block_tokens));
+  if (return_gaps_.size() > kGapWindow) {
+    return_gaps_.pop_front();
+    return_on_gpu_.pop_front();
+  }
   returning_[conv] = std::move(it->pins);
   expected_.erase(it);
 }
@@ -824,7 +834,9 @@ void Simulation::PlanPrefetch(double now) {
   mean /= static_cast<double>(return_gaps_.size());
   for (double g : return_gaps_) var += (g - mean) * (g - mean);
   var /= static_cast<double>(return_gaps_.size());
-  const bool steady = std::sqrt(var) <= kMaxGapCv * mean;
+  const auto on_gpu = std::count(return_on_gpu_.begin(), return_on_gpu_.end(), true);
+  const bool steady = std::sqrt(var) <= kMaxGapCv * mean &&
+                      static_cast<double>(on_gpu) <= kMaxGpuReturns * return_gaps_.size();
   const auto budget = static_cast<size_t>(o_.prefetch_fraction * tiers_[0].slots());
   size_t used = 0;
   for (auto& [conv, pins] : returning_) used += pins.size();
@@ -839,7 +851,7 @@ void Simulation::PlanPrefetch(double now) {
     // The shared system prompt's chunks are counted once.
     const size_t counted = shared_counted ? std::min(shared_chunks_, it->chunks) : 0;
     size_t target = 0;
-    if (room > 0) {
+    if (room > 0 && !it->late) {
       target = std::min(it->chunks, counted + room);
       room -= target - counted;
       shared_counted = true;
@@ -849,22 +861,25 @@ void Simulation::PlanPrefetch(double now) {
       it->target = target;
       it->pinned = false;
     }
-    if (target > 0 && !it->pinned && !prefetching_) StartPrefetch(*it, now);
+    if (target > 0 && !it->pinned && !prefetching_ && !StartPrefetch(*it, now, it->finished + mean)) {
+      // Too late: its budget goes to the ones after it from the next plan on.
+      it->late = true;
+    }
     ++it;
   }
 }
 
 // Pins the leading chunks of `e` up to its target that L1 holds, and reads those only a tier
 // below holds (up to the first no tier holds): they are promoted and pinned when the read is done.
-void Simulation::StartPrefetch(Expected& e, double now) {
+// Does nothing and returns false when the reads would end after `back`, its predicted return.
+bool Simulation::StartPrefetch(Expected& e, double now, double back) {
   prefetch_chunks_.clear();
   std::vector<double> bytes(tiers_.size(), 0);
+  std::vector<ChunkRef> resident;
   for (size_t i = 0; i < e.target; ++i) {
     const uint32_t owner = ChunkOwner(e.conv, i);
     if (tiers_[0].Has(owner, i)) {
-      tiers_[0].SetPinned(owner, i, true);
-      tiers_[0].Access(owner, i);
-      e.pins.emplace_back(owner, i);
+      resident.emplace_back(owner, i);
       continue;
     }
     size_t t = 1;
@@ -873,18 +888,32 @@ void Simulation::StartPrefetch(Expected& e, double now) {
     bytes[t] += chunk_bytes_;
     prefetch_chunks_.emplace_back(owner, i);
   }
-  e.pinned = true;
-  if (prefetch_chunks_.empty()) return;
   double ready = now;
+  for (size_t t = 1; t < tiers_.size(); ++t) {
+    if (bytes[t] == 0) continue;
+    ready = std::max(ready, std::max(now, tiers_[t].busy_until) +
+                                bytes[t] / tiers_[t].spec().read_bytes_per_s);
+  }
+  if (ready > back) {
+    prefetch_chunks_.clear();
+    return false;
+  }
+  for (const auto& [owner, i] : resident) {
+    tiers_[0].SetPinned(owner, i, true);
+    tiers_[0].Access(owner, i);
+    e.pins.emplace_back(owner, i);
+  }
+  e.pinned = true;
+  if (prefetch_chunks_.empty()) return true;
   for (size_t t = 1; t < tiers_.size(); ++t) {
     if (bytes[t] == 0) continue;
     TierState& tier = tiers_[t];
     tier.busy_until = std::max(now, tier.busy_until) + bytes[t] / tier.spec().read_bytes_per_s;
-    ready = std::max(ready, tier.busy_until);
     res_.bytes_read[t] += bytes[t];
   }
   prefetching_ = true;
   Push(ready, EventType::kPrefetchDone, e.conv);
+  return true;
 }
 
 // A promotion's reads are done: its chunks enter L1 (linked as one call), pinned if their

@@ -28,6 +28,9 @@ GAP_WINDOW = 32  # finish-to-return gaps the prediction is made from
 MIN_RETURNS = 8  # returns seen before anything is prefetched
 MAX_GAP_CV = 0.5  # gaps' standard deviation over their mean, at most, for a predictable order
 HORIZON_GAPS = 2.0  # a conversation not back within this many mean gaps is given up
+# Nor does it run while more than this share of those returns found their last prompt whole in
+# vLLM's own GPU cache (it holds the rotation: reads would be wasted).
+MAX_GPU_RETURNS = 0.5
 # Before the gaps are known, conversations are remembered this long, and at most this many.
 MAX_AGE_UNKNOWN_S = 3600.0
 MAX_EXPECTED = 4096
@@ -55,16 +58,19 @@ class _Expected:
     pinned: bool = False  # a promotion to `target` is done (or under way: `busy`)
     busy: bool = False
     retry_at: float = 0.0
+    late: bool = False  # its promotion would end after its predicted return: never tried
     pins: list[_Pins] = field(default_factory=list)  # per rank
 
 
 class Prefetcher:
     """`clients()` gives one client per rank (None while a rank's server is unreachable);
-    `count(name, value)` adds to the connector's stats."""
+    `read_rate()` the file tier's read rate in bytes/s (0: unknown); `count(name, value)` adds
+    to the connector's stats."""
 
     def __init__(self, clients: Callable[[], list], fraction: float,
-                 count: Callable[[str, int], None]):
+                 count: Callable[[str, int], None], read_rate: Callable[[], float] = lambda: 0.0):
         self._clients = clients
+        self._read_rate = read_rate
         self._fraction = fraction
         self._count = count
         self._lock = threading.Lock()
@@ -73,6 +79,7 @@ class Prefetcher:
         # Conversations back, by request id: (their keys, pins) until the lookup answers.
         self._returning: dict[str, tuple[list[bytes], list[_Pins]]] = {}
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAP_WINDOW)
+        self._on_gpu: collections.deque[bool] = collections.deque(maxlen=GAP_WINDOW)
         self._busy = False  # a promotion is under way
         self._budget: int | None = None  # pins the kept set may hold, all ranks together
         self._planned = 0.0  # when plan() last ran
@@ -95,20 +102,22 @@ class Prefetcher:
             while len(self._expected) > MAX_EXPECTED:
                 self._release(self._expected.popitem(last=False)[1].pins)
 
-    def arrived(self, req_id: str, keys: list[bytes], arrival: float) -> None:
-        """A new request's first lookup: if it continues an expected conversation, that
-        conversation is back (its gap is learned, its pins wait for the lookup)."""
+    def arrived(self, req_id: str, keys: list[bytes], arrival: float, gpu_chunks: int) -> None:
+        """A new request's first lookup (`gpu_chunks` of its leading chunks in vLLM's own
+        cache): if it continues an expected conversation, that conversation is back (its gap is
+        learned, its pins wait for the lookup)."""
         with self._lock:
             if not self._expected:
                 return
-            for key in reversed(keys):
-                e = self._expected.pop(key, None)
+            for i in range(len(keys) - 1, -1, -1):
+                e = self._expected.pop(keys[i], None)
                 if e is not None:
                     break
             else:
                 return
             if arrival >= e.finished:
                 self._gaps.append(arrival - e.finished)
+                self._on_gpu.append(gpu_chunks > i)
             if _held(e.pins):
                 self._count("prefetched_returns", 1)
             if _held(e.pins) or e.busy:  # a promotion under way hands its pins over too
@@ -153,7 +162,8 @@ class Prefetcher:
             steady = len(self._gaps) >= MIN_RETURNS
             mean = statistics.fmean(self._gaps) if self._gaps else 0.0
             if steady:
-                steady = statistics.pstdev(self._gaps) <= MAX_GAP_CV * mean
+                steady = (statistics.pstdev(self._gaps) <= MAX_GAP_CV * mean and
+                          sum(self._on_gpu) <= MAX_GPU_RETURNS * len(self._on_gpu))
             horizon = HORIZON_GAPS * mean if len(self._gaps) >= MIN_RETURNS else MAX_AGE_UNKNOWN_S
             budget = self._slots() if steady else 0
             used = sum(len(slots) for _, pins in self._returning.values() for _, slots in pins)
@@ -168,7 +178,7 @@ class Prefetcher:
                     continue
                 ranks = ranks or max(1, len(self._clients()))
                 target = 0
-                if room > 0:
+                if room > 0 and not e.late:
                     counted = 0
                     while counted < len(e.keys) and e.keys[counted] in shared:
                         counted += 1
@@ -183,7 +193,8 @@ class Prefetcher:
                     start = e
             if start is not None:
                 start.busy = start.pinned = self._busy = True
-                self._pool.submit(self._promote, start, start.keys[:start.target], now)
+                self._pool.submit(self._promote, start, start.keys[:start.target], now,
+                                  start.finished + mean)
 
     def _slots(self) -> int:
         if self._budget is None:
@@ -193,11 +204,26 @@ class Prefetcher:
             self._budget = int(self._fraction * clients[0].pool_bytes // clients[0].chunk_bytes)
         return self._budget
 
-    def _promote(self, e: _Expected, keys: list[bytes], now: float) -> None:
+    def _promote(self, e: _Expected, keys: list[bytes], now: float, back: float) -> None:
         """Runs on the prefetch thread: every rank's slots of `keys`, promoted and pinned. The
-        pins of an earlier, shorter promotion of `e` are released once these are taken."""
+        pins of an earlier, shorter promotion of `e` are released once these are taken. Not if
+        reading what L1 lacks at the file tier's rate would end after `back`, its predicted
+        return: that conversation is marked late, and its share goes to the ones after it."""
+        rate = self._read_rate()
+        clients = self._clients()
+        if rate > 0 and clients and clients[0] is not None:
+            try:
+                missing = len(keys) - clients[0].lookup(keys)[1]
+            except kvtier.KvtierError:
+                missing = 0
+            if now + missing * clients[0].chunk_bytes / rate > back:
+                with self._lock:
+                    self._busy = e.busy = False
+                    e.late, e.pinned, self._planned = True, False, 0.0
+                    self._count("prefetches_late", 1)
+                return
         pins: list[_Pins] = []
-        for client in self._clients():
+        for client in clients:
             slots: list[int] = []
             if client is not None:
                 try:

@@ -170,8 +170,9 @@ class SchedulerSide:
         self.resumed_from_kvtier = 0  # preempted requests whose prefix came back from kvtier
         self._prefetch = None
         if cfg.prefetch:
-            self._prefetch = Prefetcher(lambda: [s.get() for s in self._servers],
-                                        cfg.prefetch_fraction, self._count)
+            self._prefetch = Prefetcher(
+                lambda: [s.get() for s in self._servers], cfg.prefetch_fraction, self._count,
+                lambda: self._cost.file_rate.bytes_per_s() if self._cost is not None else 0.0)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -339,9 +340,10 @@ class SchedulerSide:
         if not st.seen:
             st.seen = True
             if self._prefetch is not None:
-                self._prefetch.arrived(request.request_id,
-                                       self._keys(st, request.num_tokens // self.cfg.chunk_tokens),
-                                       getattr(request, "arrival_time", None) or time.time())
+                ct = self.cfg.chunk_tokens
+                self._prefetch.arrived(request.request_id, self._keys(st, request.num_tokens // ct),
+                                       getattr(request, "arrival_time", None) or time.time(),
+                                       num_computed_tokens // ct)
         st.load = None
         if st.load_issued or not self._loads_enabled or skips_external_kv(request):
             return 0, False

@@ -40,6 +40,7 @@ HELP = {
     "describes_dropped": "Chunk descriptors dropped (those chunks are stored, never announced)",
     "chunks_prefetched": "Chunks the prefetch promoted into (or kept in) L1 and pinned",
     "prefetched_returns": "Conversations that came back to a prefix the prefetch held in L1",
+    "prefetches_late": "Conversations not prefetched: their read would end after their return",
 }
 COUNTERS = tuple(HELP)  # the names, in the order vLLM's log line shows them
 
