@@ -795,13 +795,17 @@ def predict(h: Harness, arm: str, context: int) -> dict:
     # kvtier's connector loads only what pays unless told otherwise (read as the connector
     # reads the key); vLLM's loads every hit.
     extra = json.loads(cfg["kvtier_extra"]) if cfg["kvtier_extra"] else {}
-    cost_aware = arm in ("kvtier", "server") and parse_config(
-        {k: v for k, v in extra.items() if k == "kvtier.cost_aware"}).cost_aware
+    connector = parse_config({k: v for k, v in extra.items() if k in (
+        "kvtier.cost_aware", "kvtier.prefetch", "kvtier.prefetch_fraction")})
+    cost_aware = arm in ("kvtier", "server") and connector.cost_aware
+    prefetch = (connector.prefetch_fraction if arm in ("kvtier", "server") and connector.prefetch
+                else None)
     out = {}
     for name, qps in (("at_qps", run["measured"]["qps"]), ("at_load", None)):
         try:
             out[name] = pc.plan(h.kvtier, args, engine, tiers, run["words"]["context"],
-                                run["prompt_shape"], qps, arm != "none", eviction, cost_aware)
+                                run["prompt_shape"], qps, arm != "none", eviction, cost_aware,
+                                prefetch)
         except RuntimeError as e:
             out[name] = {"error": str(e)[-2000:]}
     return out

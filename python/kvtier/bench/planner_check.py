@@ -362,12 +362,13 @@ def plan_inputs(engine: dict) -> tuple[str, float]:
 
 def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict,
          qps: float | None, offload: bool, eviction_policy: str | None = None,
-         cost_aware: bool = True) -> dict:
+         cost_aware: bool = True, prefetch: float | None = None) -> dict:
     """`kvtier plan` of one point: the model in args.model_dir, a GPU KV cache of
     args.vllm_blocks blocks of args.block_tokens, `tiers` (--tier values), the workload's flags
     and the engine as measured idle. The offload arm's prediction when `offload`, else the
     baseline's; `cost_aware`: the offload loads only what pays (kvtier's default), else every
-    hit (vLLM's own offloading, or kvtier.cost_aware off)."""
+    hit (vLLM's own offloading, or kvtier.cost_aware off); `prefetch`: kvtier.prefetch on with
+    this prefetch_fraction."""
     bpt = kv_bytes_per_token(json.loads((args.model_dir / "config.json").read_text()))
     # The shared part as the server tokenizes it; the rest of the first prompt is the user's
     # context (and markup) and the question.
@@ -397,6 +398,8 @@ def plan(kvtier: str, args, engine: dict, tiers, context_words: int, shape: dict
         cmd += ["--eviction-policy", eviction_policy]
     if not cost_aware:
         cmd += ["--no-cost-aware"]
+    if prefetch is not None:
+        cmd += ["--prefetch", "--prefetch-fraction", str(prefetch)]
     cmd += ["--qps", str(qps)] if qps else ["--load", "0.65"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:

@@ -636,3 +636,28 @@ def test_a_restarted_server_is_connected_to_before_the_next_use(workdir: Path):
     finally:
         conn.close()
         server.stop()
+
+
+def test_prefetch_holds_the_conversations_expected_back(workdir: Path):
+    """kvtier.prefetch under vLLM: three conversations take turns, five rounds each, vLLM's own
+    prefix cache emptied before every request so that each return is kvtier's to serve. The
+    scheduler learns the finish-to-return gaps from the requests themselves; once eight returns
+    have come at a steady pace, it pins the conversations expected back soonest in L1 while
+    vLLM runs the others, and the next returns find their prefix held (prefetched_returns)."""
+    server = KvtierServer(workdir, workdir / "l2-prefetch")
+    cfg = connector_config(**{"kvtier.socket": server.socket, "kvtier.prefetch": True})
+    c = Vllm(workdir, "prefetch", cfg)
+    try:
+        prompts = [random_prompt(500 + i, 700) for i in range(3)]
+        for r in range(5):
+            for i in range(3):
+                c.reset_prefix_cache()
+                answer = c.complete(prompts[i], max_tokens=8)
+                prompts[i] = prompts[i] + list(answer) + random_prompt(600 + 10 * r + i, 30)
+        assert transfer_metric(c, "chunks_prefetched", 30) > 0
+        assert transfer_metric(c, "prefetched_returns", 30) >= 1
+        assert transfer_metric(c, "tokens_loaded", timeout=0) > 0
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()

@@ -48,6 +48,12 @@ def test_config_takes_and_checks_the_table():
     assert parse_config({"kvtier.save_mechanism": "dma"}).save_mechanism == "dma"
     with pytest.raises(ConfigError, match="save_mechanism"):
         parse_config({"kvtier.save_mechanism": "fast"})
+    cfg = parse_config({"kvtier.prefetch": "on", "kvtier.prefetch_fraction": 0.75})
+    assert cfg.prefetch and cfg.prefetch_fraction == 0.75
+    assert not parse_config({}).prefetch
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(ConfigError, match="prefetch_fraction"):
+            parse_config({"kvtier.prefetch_fraction": bad})
 
 
 def test_read_rate_corrects_itself_within_a_few_loads_and_decays_back():
