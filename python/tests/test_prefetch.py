@@ -29,7 +29,7 @@ def served(tmp_path, ns):
     rate = [0.0]  # the file tier's read rate the connector would give it; 0: unknown
     prefetch = Prefetcher(lambda: [client], 0.25,
                           lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v),
-                          lambda: rate[0])
+                          lambda: rate[0], chunk_tokens=16)
     prefetch.rate = rate
     yield server, client, prefetch, counts
     prefetch.close()
@@ -56,6 +56,15 @@ def flood(client, ns, n, seed):
     while client.stats()["pool"]["dirty"] > 0:
         assert time.monotonic() < deadline, "the file tier never took the flood"
         time.sleep(0.02)
+
+
+def on_file_tier_only(client, ns, n, seed):
+    """`n` conversations of CONV chunks, stored, then pushed out of L1 by a flood."""
+    convs = [keys_for(ns, CONV, seed=seed + i) for i in range(n)]
+    for i, keys in enumerate(convs):
+        store(client, keys, 1000 * i)
+    flood(client, ns, client.num_slots, seed=7)
+    return convs
 
 
 def settle(prefetch, now, seconds=5.0):
@@ -88,10 +97,7 @@ def converse(prefetch, convs, t0, gap, jitter=0.0, gpu_chunks=0):
 def test_keeps_the_conversations_expected_soonest_in_l1(served, ns):
     server, client, prefetch, counts = served
     budget = int(0.25 * client.pool_bytes // CHUNK)
-    convs = [keys_for(ns, CONV, seed=100 + i) for i in range(4)]
-    for i, keys in enumerate(convs):
-        store(client, keys, 1000 * i)
-    flood(client, ns, client.num_slots, seed=7)
+    convs = on_file_tier_only(client, ns, 4, seed=100)
     assert all(client.lookup(k)[1] == 0 for k in convs)  # in the file tier only
 
     now = converse(prefetch, convs, 0.0, gap=30.0)
@@ -102,6 +108,7 @@ def test_keeps_the_conversations_expected_soonest_in_l1(served, ns):
     assert resident[0] == CONV and resident[1] == CONV
     assert resident[2] == min(CONV, budget - 2 * CONV) and resident[3] == 0
     assert counts["chunks_prefetched"] >= 2 * CONV
+    assert counts["tokens_prefetched_from_file"] == sum(resident) * 16  # all read from the file
 
     # Pinned: a flood of saves evicts everything else.
     flood(client, ns, client.num_slots, seed=8)
@@ -130,10 +137,7 @@ def test_keeps_the_conversations_expected_soonest_in_l1(served, ns):
 
 def test_nothing_is_prefetched_without_steady_returns(served, ns):
     server, client, prefetch, counts = served
-    convs = [keys_for(ns, CONV, seed=200 + i) for i in range(2)]
-    for i, keys in enumerate(convs):
-        store(client, keys, 1000 * i)
-    flood(client, ns, client.num_slots, seed=7)
+    convs = on_file_tier_only(client, ns, 2, seed=200)
 
     # Too few returns to predict from.
     for i, keys in enumerate(convs):
@@ -168,10 +172,7 @@ def test_a_server_that_dies_under_it(served, ns):
 
 def test_a_read_that_would_end_after_the_return_is_not_started(served, ns):
     server, client, prefetch, counts = served
-    convs = [keys_for(ns, CONV, seed=400 + i) for i in range(2)]
-    for i, keys in enumerate(convs):
-        store(client, keys, 1000 * i)
-    flood(client, ns, client.num_slots, seed=7)
+    convs = on_file_tier_only(client, ns, 2, seed=400)
     prefetch.rate[0] = 13e6  # reading a conversation (6.5 MB) takes half a second
     now = converse(prefetch, convs, 0.0, gap=30.0)
     # converse's gaps are 2 x 30 + 2 - i, a mean of 61.5 s, and its last finishes were at

@@ -1,7 +1,7 @@
 """The multi-round chat experiment, every arm against `kvtier plan`, resumable across commands.
 
     python -m kvtier.bench.multiround --state DIR [--contexts 8k,16k,24k,28k]
-        [--arms none,native,tiering,kvtier,server] [--budget-s 540] [shortening knobs]
+        [--arms none,native,tiering,kvtier,server,prefetch] [--budget-s 540] [shortening knobs]
 
 The workload is LMCache's multi-round QA as `kvtier bench qa` sends it: 8 users, 20 rounds, a
 1,000-token system prompt shared by every user, 100-token answers, and per-user contexts of 8k,
@@ -17,7 +17,8 @@ vllm_ttft.transfer_config (one place for every arm's connector settings):
   on --disk-dir;
 * ``kvtier``: kvtier's connector in process, L1 of --cpu-gb and a file tier on --disk-dir;
 * ``server``: kvtier's connector with ``kvtier serve``, L1 of --cpu-gb and a file tier on
-  --disk-dir.
+  --disk-dir;
+* ``prefetch``: the server arm with ``kvtier.prefetch`` on (docs/prefetch.md).
 
 kvtier's two arms run the connector's defaults (cost-aware lookups, the prefill time learned
 from the engine) given the disk's read rate the harness measured (``kvtier.file_read_gbps``),
@@ -70,10 +71,13 @@ from kvtier.vllm.config import parse_config
 
 log = pc.log
 
-ARMS = ("none", "native", "tiering", "kvtier", "server")
+# The published experiment's arms; kvtier's prefetch arm is not one of them.
+EXPERIMENT_ARMS = ("none", "native", "tiering", "kvtier", "server")
+ARMS = EXPERIMENT_ARMS + ("prefetch",)
+KVTIER_ARMS = ("kvtier", "server", "prefetch")
 # The arm's name in vllm_ttft.transfer_config.
 TRANSFER_ARM = {"none": "gpu", "native": "native", "tiering": "tiering", "kvtier": "kvtier",
-                "server": "server"}
+                "server": "server", "prefetch": "server"}
 # Arms whose cache lives inside vLLM's processes: only a restart empties it.
 CACHE_IN_VLLM = {"native", "tiering", "kvtier"}
 EXIT_MORE_TO_DO = 3
@@ -289,7 +293,13 @@ def token_shares(arm: str, prompt_tokens: int, vllm_delta: dict, kvtier_delta: d
     cpu = disk = 0.0
     external = None
     how = "no offload"
-    if kvtier_delta is not None:
+    by_tier = ("vllm:kvtier_tokens_hit_memory_total", "vllm:kvtier_tokens_hit_file_total")
+    if kvtier_delta is not None and any(has_series(vllm_delta, n) for n in by_tier):
+        # The connector's own count of what each load took from where: the engine's byte
+        # counters also count what the prefetch read into L1 and the pins it gave back unread.
+        cpu, disk = (pc.metric(vllm_delta, n) for n in by_tier)
+        how = "kvtier's connector counters"
+    elif kvtier_delta is not None:
         read = lambda tier: pc.metric(kvtier_delta, "kvtier_bytes_read_total",  # noqa: E731
                                       tier=tier) / kv_bytes_per_token
         disk = read("file")
@@ -381,8 +391,8 @@ def shortened(cfg: dict, contexts: list[str], arms: list[str]) -> list[str]:
             out.append(f"{k.replace('_', '-')} {SETTINGS[k]} -> {cfg[k]}")
     if ",".join(contexts) != FULL_CONTEXTS:
         out.append(f"contexts {FULL_CONTEXTS} -> {','.join(contexts)}")
-    if tuple(arms) != ARMS:
-        out.append(f"arms {','.join(ARMS)} -> {','.join(arms)}")
+    if not set(EXPERIMENT_ARMS) <= set(arms):
+        out.append(f"arms {','.join(EXPERIMENT_ARMS)} -> {','.join(arms)}")
     if cfg["model_config"] != SETTINGS["model_config"]:
         out.append(f"model {SETTINGS['model_config']} -> {cfg['model_config']}")
     return out
@@ -588,17 +598,19 @@ class ArmRunner:
                 "native_offload_supported"] is False:
             raise ArmFailed("vLLM's OffloadingConnector needs a CUDA-alike or XPU device "
                             f"(vLLM's own check); this is {h.state.get('tiers')['device']}")
-        if self.arm == "server" and self.serve is None:
+        if self.arm in ("server", "prefetch") and self.serve is None:
             self.restart_serve(connected=False)
         self.kvtier_port = free_port() if self.arm == "kvtier" else -1
         h.disk.mkdir(parents=True, exist_ok=True)
         # kvtier's cost-aware lookups start from the disk's read rate measured beforehand, as a
         # user is told to give it (docs/vllm.md), and learn the prefill time from the engine.
         disk_gbps = h.state.get("tiers").get("disk_read_GBps")
+        keys = {"kvtier.file_read_gbps": round(disk_gbps, 3)} if disk_gbps else {}
+        if self.arm == "prefetch":
+            keys["kvtier.prefetch"] = True
         transfer = vllm_ttft.transfer_config(
             args, TRANSFER_ARM[self.arm], h.disk, self.socket, kvtier_file_tier=True,
-            kvtier_http_port=self.kvtier_port,
-            kvtier_keys={"kvtier.file_read_gbps": round(disk_gbps, 3)} if disk_gbps else None)
+            kvtier_http_port=self.kvtier_port, kvtier_keys=keys or None)
         extra = ["--load-format", "dummy", "--block-size", str(cfg["block_tokens"]),
                  "--max-num-batched-tokens", str(cfg["max_batched_tokens"]),
                  "--chat-template", CHAT_TEMPLATE]
@@ -672,7 +684,7 @@ class ArmRunner:
 
     def cache_dir(self) -> Path | None:
         return {"tiering": self.h.disk / "tiering-fs", "kvtier": self.h.disk / "kvtier-inproc-l2",
-                "server": self.serve_dir}.get(self.arm)
+                "server": self.serve_dir, "prefetch": self.serve_dir}.get(self.arm)
 
     # --- phases -------------------------------------------------------------------------------
 
@@ -797,9 +809,9 @@ def predict(h: Harness, arm: str, context: int) -> dict:
     extra = json.loads(cfg["kvtier_extra"]) if cfg["kvtier_extra"] else {}
     connector = parse_config({k: v for k, v in extra.items() if k in (
         "kvtier.cost_aware", "kvtier.prefetch", "kvtier.prefetch_fraction")})
-    cost_aware = arm in ("kvtier", "server") and connector.cost_aware
-    prefetch = (connector.prefetch_fraction if arm in ("kvtier", "server") and connector.prefetch
-                else None)
+    cost_aware = arm in KVTIER_ARMS and connector.cost_aware
+    prefetch = (connector.prefetch_fraction
+                if arm in KVTIER_ARMS and (connector.prefetch or arm == "prefetch") else None)
     out = {}
     for name, qps in (("at_qps", run["measured"]["qps"]), ("at_load", None)):
         try:

@@ -68,8 +68,10 @@ class Prefetcher:
     to the connector's stats."""
 
     def __init__(self, clients: Callable[[], list], fraction: float,
-                 count: Callable[[str, int], None], read_rate: Callable[[], float] = lambda: 0.0):
+                 count: Callable[[str, int], None], read_rate: Callable[[], float] = lambda: 0.0,
+                 chunk_tokens: int = 0):
         self._clients = clients
+        self._chunk_tokens = chunk_tokens
         self._read_rate = read_rate
         self._fraction = fraction
         self._count = count
@@ -211,12 +213,13 @@ class Prefetcher:
         return: that conversation is marked late, and its share goes to the ones after it."""
         rate = self._read_rate()
         clients = self._clients()
-        if rate > 0 and clients and clients[0] is not None:
+        resident = len(keys)  # leading chunks already in L1 (rank 0)
+        if clients and clients[0] is not None:
             try:
-                missing = len(keys) - clients[0].lookup(keys)[1]
+                resident = clients[0].lookup(keys)[1]
             except kvtier.KvtierError:
-                missing = 0
-            if now + missing * clients[0].chunk_bytes / rate > back:
+                pass
+            if rate > 0 and now + (len(keys) - resident) * clients[0].chunk_bytes / rate > back:
                 with self._lock:
                     self._busy = e.busy = False
                     e.late, e.pinned, self._planned = True, False, 0.0
@@ -232,6 +235,9 @@ class Prefetcher:
                     logger.debug("kvtier: prefetching %d chunks failed: %s", len(keys), err)
             pins.append((client, slots))
         self._count("chunks_prefetched", min((len(s) for _, s in pins), default=0))
+        if pins:  # what came up from the file tier: not a file-tier hit of any request
+            self._count("tokens_prefetched_from_file",
+                        max(0, len(pins[0][1]) - resident) * self._chunk_tokens)
         with self._lock:
             self._busy = e.busy = False
             self._planned = 0.0

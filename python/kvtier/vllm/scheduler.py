@@ -172,7 +172,8 @@ class SchedulerSide:
         if cfg.prefetch:
             self._prefetch = Prefetcher(
                 lambda: [s.get() for s in self._servers], cfg.prefetch_fraction, self._count,
-                lambda: self._cost.file_rate.bytes_per_s() if self._cost is not None else 0.0)
+                lambda: self._cost.file_rate.bytes_per_s() if self._cost is not None else 0.0,
+                cfg.chunk_tokens)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -388,6 +389,8 @@ class SchedulerSide:
         st.lookup = None  # its pins, if any, go to the load below
         from_memory = min(max(st.in_memory_tokens - local, 0), num_external_tokens)
         st.hit_sources = {"host": from_memory, "disk": num_external_tokens - from_memory}
+        self._count("tokens_hit_memory", from_memory)
+        self._count("tokens_hit_file", num_external_tokens - from_memory)
         ct = self.cfg.chunk_tokens
         first, end = local // ct, -(-hit_tokens // ct)
         block_ids = blocks.get_block_ids()

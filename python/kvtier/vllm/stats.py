@@ -29,6 +29,8 @@ HELP = {
     "save_errors": "Chunks that failed to save",
     "saves_skipped": "Saves skipped (kvtier had the chunk, or the store was unreachable)",
     "layerwise_loads": "Loads done layer by layer within the step",
+    "tokens_hit_memory": "Tokens of the loads handed to the workers that L1 held",
+    "tokens_hit_file": "Tokens of the loads handed to the workers that came from the file tier",
     "tokens_declined": "Tokens kvtier held that the cost model chose to recompute instead",
     "file_read_predicted_us": "File-tier read time of loads as predicted at lookup (us)",
     "file_read_us": "File-tier read time of loads as measured (us)",
@@ -41,6 +43,7 @@ HELP = {
     "chunks_prefetched": "Chunks the prefetch promoted into (or kept in) L1 and pinned",
     "prefetched_returns": "Conversations that came back to a prefix the prefetch held in L1",
     "prefetches_late": "Conversations not prefetched: their read would end after their return",
+    "tokens_prefetched_from_file": "Tokens the prefetch read from the file tier into L1",
 }
 COUNTERS = tuple(HELP)  # the names, in the order vLLM's log line shows them
 

@@ -110,6 +110,14 @@ def test_token_shares_by_tier_from_each_arms_counters():
     got = mr.token_shares("tiering", 1000, by, None, bpt)["token_share"]
     assert got == pytest.approx({"gpu": 0.3, "cpu": 0.15, "disk": 0.25, "recompute": 0.3})
     assert mr.storage_bytes("tiering", by, None)["written"] == 7.0
+    # With the connector's own counters (what each load took from where) they win: the engine's
+    # also count what a prefetch read into L1 and pins given back unread.
+    mine = dict(vllm, **{'vllm:kvtier_tokens_hit_memory_total{engine="0"}': 450.0,
+                         'vllm:kvtier_tokens_hit_file_total{engine="0"}': 50.0})
+    got = mr.token_shares("prefetch", 1000, mine, kv, bpt)
+    assert got["token_share"] == pytest.approx(
+        {"gpu": 0.3, "cpu": 0.45, "disk": 0.05, "recompute": 0.2})
+    assert "connector" in got["source"]
     got = mr.token_shares("none", 1000, vllm, None, bpt)["token_share"]
     assert got == pytest.approx({"gpu": 0.3, "cpu": 0.0, "disk": 0.0, "recompute": 0.7})
 
