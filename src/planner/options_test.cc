@@ -4,6 +4,7 @@
 
 #include <fstream>
 
+#include "planner/plan.h"
 #include "testing/temp_dir.h"
 
 namespace kvtier::planner {
@@ -60,6 +61,19 @@ TEST(OptionsTest, FlagsAreParsed) {
   EXPECT_EQ(in->write_policy, WritePolicy::kWriteBack);
   EXPECT_DOUBLE_EQ(in->workload.duration_s, 600);
   EXPECT_NE(in->engine.prefill.description().find("FLOPs"), std::string::npos);
+  EXPECT_FALSE(in->prefetch);
+  Parsed q;
+  auto pre = q.Build({"--prefetch", "--prefetch-fraction", "0.75", "--no-cost-aware"});
+  ASSERT_TRUE(pre.ok()) << pre.status().ToString();
+  EXPECT_TRUE(pre->prefetch);
+  EXPECT_DOUBLE_EQ(pre->prefetch_fraction, 0.75);
+  EXPECT_FALSE(pre->cost_aware);
+  // `kvtier simulate` takes the connector's settings from the same inputs as `kvtier plan`.
+  SimOptions o = SimOptionsFor(*pre, /*offload=*/true);
+  EXPECT_TRUE(o.prefetch && !o.cost_aware);
+  EXPECT_DOUBLE_EQ(o.prefetch_fraction, 0.75);
+  EXPECT_EQ(o.tiers.size(), 1u);
+  EXPECT_TRUE(SimOptionsFor(*pre, /*offload=*/false).tiers.empty());
 }
 
 TEST(OptionsTest, BadInputIsRefusedClearly) {
@@ -75,6 +89,10 @@ TEST(OptionsTest, BadInputIsRefusedClearly) {
             std::string::npos);
   EXPECT_NE(ErrorOf({"--calibrate", "16384"}).find("TOKENS:SECONDS"), std::string::npos);
   EXPECT_FALSE(ErrorOf({"--qps", "1", "--load", "0.5"}).empty());
+  EXPECT_NE(ErrorOf({"--prefetch", "--prefetch-fraction", "1.5"}).find("(0, 1]"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf({"--prefetch-fraction", "half"}).find("--prefetch-fraction"),
+            std::string::npos);
 }
 
 TEST(OptionsTest, DecodeStepIsOneFigureOrALineOverTheKvRead) {

@@ -42,7 +42,7 @@ struct PlanInputs {
   bool cost_aware = true;  // the connector's kvtier.cost_aware
   bool prefetch = false;   // the connector's kvtier.prefetch, with its prefetch_fraction
   double prefetch_fraction = 0.5;
-  bool fast = false;                                                  // closed forms only
+  bool fast = false;         // closed forms only
   bool sensitivity = true;   // re-simulate at 0.9x and 1.1x GPU KV memory
   bool service_rate = true;  // capacity probes for both arms
   // One measured point (context tokens, mean TTFT of the no-offload arm) to calibrate the

@@ -475,7 +475,7 @@ class Simulation {
   std::unordered_map<uint32_t, std::vector<ChunkRef>> returning_;
   std::deque<double> return_gaps_;
   std::deque<bool> return_on_gpu_;  // of the same returns: its whole last prompt was on the GPU
-  bool prefetching_ = false;                // one promotion at a time
+  bool prefetching_ = false;        // one promotion at a time
   std::vector<ChunkRef> prefetch_chunks_;  // the promotion under way
 };
 
@@ -861,7 +861,8 @@ void Simulation::PlanPrefetch(double now) {
       it->target = target;
       it->pinned = false;
     }
-    if (target > 0 && !it->pinned && !prefetching_ && !StartPrefetch(*it, now, it->finished + mean)) {
+    if (target > 0 && !it->pinned && !prefetching_ &&
+        !StartPrefetch(*it, now, it->finished + mean)) {
       // Too late: its budget goes to the ones after it from the next plan on.
       it->late = true;
     }
@@ -891,8 +892,8 @@ bool Simulation::StartPrefetch(Expected& e, double now, double back) {
   double ready = now;
   for (size_t t = 1; t < tiers_.size(); ++t) {
     if (bytes[t] == 0) continue;
-    ready = std::max(ready, std::max(now, tiers_[t].busy_until) +
-                                bytes[t] / tiers_[t].spec().read_bytes_per_s);
+    ready = std::max(
+        ready, std::max(now, tiers_[t].busy_until) + bytes[t] / tiers_[t].spec().read_bytes_per_s);
   }
   if (ready > back) {
     prefetch_chunks_.clear();
