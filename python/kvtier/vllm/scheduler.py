@@ -23,6 +23,10 @@ vLLM's asynchronous scheduling (the default from 0.26) does not survive that. Th
 releases the pins once the step that copies them has run: vLLM has at most
 max_concurrent_batches steps in flight, so the step RELEASE_AFTER_STEPS builds after it is done.
 Prefixes that go on into the file tier, or that cannot all be pinned, load asynchronously.
+
+With kvtier.prefetch on, finished requests and new ones feed the prefetch (prefetch.py), which
+keeps the conversations expected back pinned in L1; a returning request's layer-wise load takes
+those pins over.
 """
 
 from __future__ import annotations
