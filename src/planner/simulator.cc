@@ -482,11 +482,13 @@ class Simulation {
 // The prefetch's rule (python/kvtier/vllm/prefetch.py keeps the same constants): returns are
 // predicted from the last kGapWindow finish-to-return gaps, once there are kMinReturns of them
 // and their coefficient of variation is at most kMaxGapCv (users who come back at a steady
-// pace); a conversation not back within kHorizonGaps mean gaps is given up.
+// pace); a conversation not back within kHorizonGaps mean gaps is given up (its pins released),
+// but remembered for kMaxAgeS, so that its return still teaches the gap.
 constexpr size_t kGapWindow = 32;
 constexpr size_t kMinReturns = 8;
 constexpr double kMaxGapCv = 0.5;
 constexpr double kHorizonGaps = 2.0;
+constexpr double kMaxAgeS = 3600;
 // Nor does it run while more than this share of those returns found their last prompt whole on
 // the GPU (its prefix cache holds the rotation: reads would be wasted).
 constexpr double kMaxGpuReturns = 0.5;
@@ -841,17 +843,16 @@ void Simulation::PlanPrefetch(double now) {
   size_t used = 0;
   for (auto& [conv, pins] : returning_) used += pins.size();
   size_t room = steady && used < budget ? budget - used : 0;
+  while (!expected_.empty() && now - expected_.front().finished > kMaxAgeS) {
+    Unpin(&expected_.front().pins);
+    expected_.pop_front();
+  }
   bool shared_counted = false;
-  for (auto it = expected_.begin(); it != expected_.end();) {
-    if (now - it->finished > kHorizonGaps * mean) {
-      Unpin(&it->pins);
-      it = expected_.erase(it);
-      continue;
-    }
+  for (auto it = expected_.begin(); it != expected_.end(); ++it) {
     // The shared system prompt's chunks are counted once.
     const size_t counted = shared_counted ? std::min(shared_chunks_, it->chunks) : 0;
     size_t target = 0;
-    if (room > 0 && !it->late) {
+    if (room > 0 && !it->late && now - it->finished <= kHorizonGaps * mean) {
       target = std::min(it->chunks, counted + room);
       room -= target - counted;
       shared_counted = true;
@@ -866,7 +867,6 @@ void Simulation::PlanPrefetch(double now) {
       // Too late: its budget goes to the ones after it from the next plan on.
       it->late = true;
     }
-    ++it;
   }
 }
 

@@ -27,12 +27,15 @@ logger = logging.getLogger("vllm.kvtier")
 GAP_WINDOW = 32  # finish-to-return gaps the prediction is made from
 MIN_RETURNS = 8  # returns seen before anything is prefetched
 MAX_GAP_CV = 0.5  # gaps' standard deviation over their mean, at most, for a predictable order
-HORIZON_GAPS = 2.0  # a conversation not back within this many mean gaps is given up
+# A conversation not back within this many mean gaps is given up: its pins are released. It is
+# still remembered (for MAX_AGE_S) so that its return, if it comes, still teaches the gap: gaps
+# learned under another load (a burst) must not hide every return of the next.
+HORIZON_GAPS = 2.0
 # Nor does it run while more than this share of those returns found their last prompt whole in
 # vLLM's own GPU cache (it holds the rotation: reads would be wasted).
 MAX_GPU_RETURNS = 0.5
-# Before the gaps are known, conversations are remembered this long, and at most this many.
-MAX_AGE_UNKNOWN_S = 3600.0
+# Conversations are remembered this long, and at most this many.
+MAX_AGE_S = 3600.0
 MAX_EXPECTED = 4096
 # A promotion that got fewer chunks than asked (the pool full of chunks not yet written below,
 # or a chunk in no tier) is tried again this much later.
@@ -85,6 +88,7 @@ class Prefetcher:
         self._busy = False  # a promotion is under way
         self._budget: int | None = None  # pins the kept set may hold, all ranks together
         self._planned = 0.0  # when plan() last ran
+        self._targeted: dict[bytes, _Expected] = {}  # by anchor: those with a target > 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
 
     # --- what the scheduler tells it -------------------------------------------------------
@@ -155,41 +159,67 @@ class Prefetcher:
     # --- each step -------------------------------------------------------------------------
 
     def plan(self, now: float) -> None:
-        """Gives up conversations past the horizon, sets each expected conversation's target,
-        and starts the next promotion. Never waits on the store."""
+        """Sets the target of each conversation within the horizon, releases those of the ones
+        past it, and starts the next promotion. Never waits on the store, and walks only the
+        conversations within the horizon (the kept set is among them)."""
         with self._lock:
             if now - self._planned < PLAN_EVERY_S:
                 return
             self._planned = now
+            while self._expected:  # forgotten: the oldest first
+                oldest = next(iter(self._expected.values()))
+                if now - oldest.finished <= MAX_AGE_S:
+                    break
+                self._release(oldest.pins)
+                del self._expected[oldest.anchor]
             steady = len(self._gaps) >= MIN_RETURNS
             mean = statistics.fmean(self._gaps) if self._gaps else 0.0
             if steady:
                 steady = (statistics.pstdev(self._gaps) <= MAX_GAP_CV * mean and
                           sum(self._on_gpu) <= MAX_GPU_RETURNS * len(self._on_gpu))
-            horizon = HORIZON_GAPS * mean if len(self._gaps) >= MIN_RETURNS else MAX_AGE_UNKNOWN_S
-            budget = self._slots() if steady else 0
+            # The expected conversations within the horizon, oldest finish first.
+            live: list[_Expected] = []
+            if steady:
+                for anchor in reversed(self._expected):
+                    e = self._expected[anchor]
+                    if now - e.finished > HORIZON_GAPS * mean:
+                        break
+                    live.append(e)
+                live.reverse()
             used = sum(len(slots) for _, pins in self._returning.values() for _, slots in pins)
-            room = max(0, budget - used)
-            ranks = 0
+            room = max(0, (self._slots() if live else 0) - used)
+            ranks = max(1, len(self._clients())) if live else 1
             shared: set[bytes] = set()  # keys counted already (a shared system prompt)
-            start = None
-            for key, e in list(self._expected.items()):
-                if now - e.finished > horizon:
-                    self._release(e.pins)
-                    del self._expected[key]
+            targets = {}
+            for e in live:
+                if room <= 0:
+                    break
+                if e.late:
                     continue
-                ranks = ranks or max(1, len(self._clients()))
-                target = 0
-                if room > 0 and not e.late:
-                    counted = 0
-                    while counted < len(e.keys) and e.keys[counted] in shared:
-                        counted += 1
-                    target = min(len(e.keys), counted + room // ranks)
-                    room -= (target - counted) * ranks
-                    shared.update(e.keys[counted:target])
+                counted = 0
+                while counted < len(e.keys) and e.keys[counted] in shared:
+                    counted += 1
+                target = min(len(e.keys), counted + room // ranks)
+                room -= (target - counted) * ranks
+                shared.update(e.keys[counted:target])
+                targets[e.anchor] = target
+            # Those that held a target and no longer do (past the horizon, or out of the
+            # budget) give their pins back; a promotion under way finishes first.
+            for anchor, e in list(self._targeted.items()):
+                if self._expected.get(anchor) is not e:
+                    del self._targeted[anchor]  # came back, or finished again
+                elif anchor not in targets and not e.busy:
+                    self._release(e.pins)
+                    e.pins, e.target, e.pinned = [], 0, False
+                    del self._targeted[anchor]
+            start = None
+            for e in live:
+                target = targets.get(e.anchor, 0)
                 if target != e.target and not e.busy:
                     self._release(e.pins)
                     e.pins, e.target, e.pinned = [], target, False
+                if e.target > 0:
+                    self._targeted[e.anchor] = e
                 if (start is None and e.target > 0 and not e.pinned and not self._busy
                         and now >= e.retry_at):
                     start = e
