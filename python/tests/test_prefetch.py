@@ -27,10 +27,11 @@ def served(tmp_path, ns):
     client = kvtier.connect(ns, socket_path=server.socket, client_name="pytest-prefetch")
     counts = {}
     rate = [0.0]  # the file tier's read rate the connector would give it; 0: unknown
+    pays = [True]  # what the cost model would say of a return: recomputed (True) or read
     prefetch = Prefetcher(lambda: [client], 0.25,
                           lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v),
-                          lambda: rate[0], chunk_tokens=16)
-    prefetch.rate = rate
+                          lambda: rate[0], chunk_tokens=16, pays=lambda c, r: pays[0])
+    prefetch.rate, prefetch.pays = rate, pays
     yield server, client, prefetch, counts
     prefetch.close()
     client.close()
@@ -214,3 +215,16 @@ def test_returns_slower_than_the_gaps_learned_before_are_still_learned(served, n
     settle(prefetch, now)
     flood(client, ns, client.num_slots, seed=9)
     assert client.lookup(convs[0])[1] == CONV  # pinned: it is expected back next
+
+
+def test_nothing_is_read_ahead_for_returns_that_read_the_file_tier_anyway(served, ns):
+    """Where the cost model would load a return from the file tier (it is faster than
+    recomputing), a prefetch would only add its reads to the load's: nothing is promoted."""
+    server, client, prefetch, counts = served
+    convs = on_file_tier_only(client, ns, 2, seed=600)
+    prefetch.pays[0] = False
+    now = converse(prefetch, convs, 0.0, gap=30.0)
+    settle(prefetch, now)
+    assert counts.get("prefetches_unneeded", 0) >= 1
+    assert counts.get("tokens_prefetched_from_file", 0) == 0
+    assert all(client.lookup(k)[1] == 0 for k in convs)

@@ -468,7 +468,9 @@ class Simulation {
     size_t chunks = 0;
     size_t target = 0;    // leading chunks it may hold
     bool pinned = false;  // promoted up to its target (as far as the tiers held it) and pinned
-    bool late = false;    // its promotion would have ended after its predicted return
+    // Not prefetched: its read would end after its predicted return, or its return loads it
+    // from below anyway.
+    bool skip = false;
     std::vector<ChunkRef> pins;
   };
   std::deque<Expected> expected_;
@@ -852,7 +854,7 @@ void Simulation::PlanPrefetch(double now) {
     // The shared system prompt's chunks are counted once.
     const size_t counted = shared_counted ? std::min(shared_chunks_, it->chunks) : 0;
     size_t target = 0;
-    if (room > 0 && !it->late && now - it->finished <= kHorizonGaps * mean) {
+    if (room > 0 && !it->skip && now - it->finished <= kHorizonGaps * mean) {
       target = std::min(it->chunks, counted + room);
       room -= target - counted;
       shared_counted = true;
@@ -864,16 +866,32 @@ void Simulation::PlanPrefetch(double now) {
     }
     if (target > 0 && !it->pinned && !prefetching_ &&
         !StartPrefetch(*it, now, it->finished + mean)) {
-      // Too late: its budget goes to the ones after it from the next plan on.
-      it->late = true;
+      // Its budget goes to the ones after it from the next plan on.
+      it->skip = true;
     }
   }
 }
 
 // Pins the leading chunks of `e` up to its target that L1 holds, and reads those only a tier
 // below holds (up to the first no tier holds): they are promoted and pinned when the read is done.
-// Does nothing and returns false when the reads would end after `back`, its predicted return.
+// Does nothing and returns false when its return would load it from below anyway (the
+// cost-aware lookup takes the tier's chunks: prefetching would only add reads), or when the reads
+// would end after `back`, its predicted return.
 bool Simulation::StartPrefetch(Expected& e, double now, double back) {
+  if (o_.cost_aware) {
+    std::vector<int> tier_of;
+    for (size_t i = 0; i < e.chunks; ++i) {
+      int found = -1;
+      for (size_t t = 0; t < tiers_.size() && found < 0; ++t) {
+        if (tiers_[t].Has(ChunkOwner(e.conv, i), i)) found = static_cast<int>(t);
+      }
+      if (found < 0) break;
+      tier_of.push_back(found);
+    }
+    const bool below = std::any_of(tier_of.begin(), tier_of.end(), [](int t) { return t > 0; });
+    const uint64_t prompt = w_.PromptTokens(convs_[e.conv].rounds_sent);
+    if (below && CostAwareHits(prompt, 0, tier_of) == tier_of.size()) return false;
+  }
   prefetch_chunks_.clear();
   std::vector<double> bytes(tiers_.size(), 0);
   std::vector<ChunkRef> resident;

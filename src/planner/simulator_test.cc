@@ -157,6 +157,19 @@ TEST(SimulatorTest, PrefetchTurnsReturnsFromASlowTierIntoMemoryHits) {
   auto more = Simulate(on);
   ASSERT_TRUE(more.ok());
   EXPECT_GT(more->tokens_by_source[1], with->tokens_by_source[1]);
+  // A second tier faster than recomputing is read at every return anyway: a prefetch would only
+  // add its reads to the loads', so nothing is prefetched and nothing changes.
+  SimOptions fast = Options(16384, 0.3, CpuNfs(8.0 * (1ull << 30), 20e9, 20e9));
+  fast.workload.rounds = 20;
+  fast.workload.duration_s = 600;
+  SimOptions fast_on = fast;
+  fast_on.prefetch = true;
+  auto f_off = Simulate(fast);
+  auto f_on = Simulate(fast_on);
+  ASSERT_TRUE(f_off.ok() && f_on.ok());
+  EXPECT_GT(f_off->bytes_read[1], 0);
+  EXPECT_DOUBLE_EQ(f_on->bytes_read[1], f_off->bytes_read[1]);
+  EXPECT_DOUBLE_EQ(f_on->mean_ttft_s, f_off->mean_ttft_s);
   // Below the eviction onset nothing is evicted, so nothing is read: prefetch changes nothing.
   SimOptions fits = Options(4096, 1.0, CpuNfs(8.0 * (1ull << 30), 0.8e9, 1e9));
   SimOptions fits_on = fits;

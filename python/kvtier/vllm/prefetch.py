@@ -61,19 +61,26 @@ class _Expected:
     pinned: bool = False  # a promotion to `target` is done (or under way: `busy`)
     busy: bool = False
     retry_at: float = 0.0
-    late: bool = False  # its promotion would end after its predicted return: never tried
+    # Not prefetched: its read would end after its predicted return, or its return loads it
+    # from the file tier anyway. Its share of L1 goes to the ones after it.
+    skip: bool = False
     pins: list[_Pins] = field(default_factory=list)  # per rank
 
 
 class Prefetcher:
     """`clients()` gives one client per rank (None while a rank's server is unreachable);
-    `read_rate()` the file tier's read rate in bytes/s (0: unknown); `count(name, value)` adds
-    to the connector's stats."""
+    `read_rate()` the file tier's read rate in bytes/s (0: unknown); `pays(chunks, resident)`
+    whether a conversation of `chunks` chunks, the first `resident` in L1, would be recomputed
+    rather than read from the file tier at its return (the cost model's choice): only then does
+    a prefetch save anything, since a load that reads the file tier anyway would only be joined
+    by the prefetch's own reads; `count(name, value)` adds to the connector's stats."""
 
     def __init__(self, clients: Callable[[], list], fraction: float,
                  count: Callable[[str, int], None], read_rate: Callable[[], float] = lambda: 0.0,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0,
+                 pays: Callable[[int, int], bool] = lambda chunks, resident: True):
         self._clients = clients
+        self._pays = pays
         self._chunk_tokens = chunk_tokens
         self._read_rate = read_rate
         self._fraction = fraction
@@ -194,7 +201,7 @@ class Prefetcher:
             for e in live:
                 if room <= 0:
                     break
-                if e.late:
+                if e.skip:
                     continue
                 counted = 0
                 while counted < len(e.keys) and e.keys[counted] in shared:
@@ -239,21 +246,27 @@ class Prefetcher:
     def _promote(self, e: _Expected, keys: list[bytes], now: float, back: float) -> None:
         """Runs on the prefetch thread: every rank's slots of `keys`, promoted and pinned. The
         pins of an earlier, shorter promotion of `e` are released once these are taken. Not if
-        reading what L1 lacks at the file tier's rate would end after `back`, its predicted
-        return: that conversation is marked late, and its share goes to the ones after it."""
+        its return would read the file tier anyway (`pays`), nor if reading what L1 lacks at the
+        file tier's rate would end after `back`, its predicted return: that conversation is
+        skipped, and its share goes to the ones after it."""
         rate = self._read_rate()
         clients = self._clients()
         resident = len(keys)  # leading chunks already in L1 (rank 0)
         if clients and clients[0] is not None:
             try:
-                resident = clients[0].lookup(keys)[1]
+                resident = min(clients[0].lookup(e.keys)[1], len(keys))
             except kvtier.KvtierError:
                 pass
-            if rate > 0 and now + (len(keys) - resident) * clients[0].chunk_bytes / rate > back:
+            skip = None
+            if resident < len(keys) and not self._pays(len(e.keys), resident):
+                skip = "prefetches_unneeded"
+            elif rate > 0 and now + (len(keys) - resident) * clients[0].chunk_bytes / rate > back:
+                skip = "prefetches_late"
+            if skip is not None:
                 with self._lock:
                     self._busy = e.busy = False
-                    e.late, e.pinned, self._planned = True, False, 0.0
-                    self._count("prefetches_late", 1)
+                    e.skip, e.pinned, self._planned = True, False, 0.0
+                    self._count(skip, 1)
                 return
         pins: list[_Pins] = []
         for client in clients:

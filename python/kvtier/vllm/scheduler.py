@@ -177,7 +177,7 @@ class SchedulerSide:
             self._prefetch = Prefetcher(
                 lambda: [s.get() for s in self._servers], cfg.prefetch_fraction, self._count,
                 lambda: self._cost.file_rate.bytes_per_s() if self._cost is not None else 0.0,
-                cfg.chunk_tokens)
+                cfg.chunk_tokens, self._prefetch_pays)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -191,6 +191,17 @@ class SchedulerSide:
             self._cost = CostModel(prefill, cfg.chunk_tokens, chunk_bytes,  # one rank's share
                                    cfg.min_file_read_gbps * 1e9, cfg.file_read_gbps * 1e9)
         return self._cost
+
+    def _prefetch_pays(self, chunks: int, resident: int) -> bool:
+        """Whether the return of a conversation of `chunks` chunks, `resident` of them in L1,
+        would recompute what only the file tier holds (the cost model declines it): a prefetch
+        turns that into a memory hit. Where the load would read it anyway, prefetching only
+        adds reads. Without a cost model (cost_aware off) there is no telling: prefetch, as
+        asked."""
+        cost = self._cost
+        if cost is None:
+            return True
+        return cost.choose((chunks + 1) * self.cfg.chunk_tokens, 0, resident, chunks).chunks < chunks
 
     def _lookup(self, req_id: str, keys: list[bytes], first: int, n_tokens: int,
                 local: int) -> _Answer:

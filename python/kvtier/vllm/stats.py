@@ -43,6 +43,7 @@ HELP = {
     "chunks_prefetched": "Chunks the prefetch promoted into (or kept in) L1 and pinned",
     "prefetched_returns": "Conversations that came back to a prefix the prefetch held in L1",
     "prefetches_late": "Conversations not prefetched: their read would end after their return",
+    "prefetches_unneeded": "Conversations not prefetched: their return reads the file tier anyway",
     "tokens_prefetched_from_file": "Tokens the prefetch read from the file tier into L1",
 }
 COUNTERS = tuple(HELP)  # the names, in the order vLLM's log line shows them
