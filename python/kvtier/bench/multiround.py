@@ -96,12 +96,15 @@ SETTINGS = {
     "max_model_len": 40960, "enforce_eager": True, "dtype": "bfloat16",
     "prefill_lengths": "1024,4096,8192,16384,32768", "idle_repeats": 3,
     "engine_table": "per-arm", "vllm_args": "", "kvtier_extra": "",
+    # kvtier's file tier with its reads capped (its "read_limit_gbps"): a stand-in for a storage
+    # slower than recompute, where the machine's own disk is faster. 0: not capped.
+    "disk_read_limit_gbps": 0.0,
 }
 FULL_CONTEXTS = "8k,16k,24k,28k"
 # What a shortened run states it changed, against the full experiment.
 SHORTENING = ("users", "rounds", "system_prompt", "answer_tokens", "stage_time",
               "capacity_max_stages", "time", "kv_cache_bytes", "cpu_gb", "tiering_cpu_gb",
-              "idle_repeats")
+              "idle_repeats", "disk_read_limit_gbps")
 
 
 def free_port() -> int:
@@ -489,6 +492,10 @@ class Harness:
         shutil.rmtree(probe, ignore_errors=True)
         if on_gpu:
             measured["cpu_GBps"] = bw / 1e9
+        limit = self.cfg["disk_read_limit_gbps"]
+        if limit > 0:  # kvtier's file tier reads no faster than its cap: what a user sets
+            measured["disk_read_GBps"] = min(measured["disk_read_GBps"], limit)
+            measured["disk_read_limit_GBps"] = limit
         measured.update(on_gpu=on_gpu, cpu_source="host->GPU copy" if on_gpu else
                         "kvtier bench engine", vllm=version, device=device,
                         native_offload_supported={"True": True, "False": False}.get(offload_ok))
@@ -906,7 +913,9 @@ def settings(args, state: State, parser) -> dict:
         if stored is not None and given is not None and given != stored.get(k):
             parser.error(f"--{k.replace('_', '-')} {given}: the state in {state.root} was "
                          f"started with {stored.get(k)}; give a new --state to change it")
-        cfg[k] = stored[k] if stored is not None else (given if given is not None else default)
+        # A setting newer than the state is the default it ran with.
+        cfg[k] = stored.get(k, default) if stored is not None else (
+            given if given is not None else default)
     if stored is None:
         write_json(path, cfg)
     return cfg

@@ -313,8 +313,7 @@ class Serve:
                     # long prompt for a layer-wise load (the default limit is half the pool)
                     "--max-client-slots",
                     str(int(args.cpu_gb * 2**30 * 3 / 4 // chunk_bytes)),
-                    "--l2", json.dumps({"type": "fs", "path": str(directory),
-                                        "max_size_gb": args.disk_gb})]
+                    "--l2", json.dumps(file_tier(args, directory))]
         self.proc = None
         self.restarted_at: float | None = None
         self.start()
@@ -440,6 +439,16 @@ def copy_bandwidth() -> float | None:
 
 # --- the run -----------------------------------------------------------------------------------
 
+def file_tier(args, directory: Path) -> dict:
+    """kvtier's file tier in `directory`: --disk-gb of it, reads capped at
+    args.disk_read_limit_gbps where a caller has one (0: not capped)."""
+    tier = {"type": "fs", "path": str(directory), "max_size_gb": args.disk_gb}
+    limit = getattr(args, "disk_read_limit_gbps", 0) or 0
+    if limit > 0:
+        tier["read_limit_gbps"] = limit
+    return tier
+
+
 def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier: bool = False,
                     kvtier_http_port: int = -1, kvtier_keys: dict | None = None) -> dict | None:
     """vLLM's --kv-transfer-config of an arm (None: no connector). Every directory an arm keeps
@@ -476,7 +485,7 @@ def transfer_config(args, arm: str, disk: Path, socket: str, *, kvtier_file_tier
             l2 = disk / "kvtier-inproc-l2"
             shutil.rmtree(l2, ignore_errors=True)
             l2.mkdir(parents=True)
-            settings["kvtier.l2"] = {"type": "fs", "path": str(l2), "max_size_gb": args.disk_gb}
+            settings["kvtier.l2"] = file_tier(args, l2)
         if kvtier_http_port >= 0:
             settings["kvtier.http_port"] = kvtier_http_port
         return dict(kvtier, kv_connector_extra_config={**settings, **extra})

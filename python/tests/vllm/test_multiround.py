@@ -17,6 +17,7 @@ import time
 import pytest
 
 from kvtier.bench import multiround as mr
+from kvtier.bench import vllm_ttft
 
 from conftest import MODEL_DIR, VLLM_PYTHON
 
@@ -178,6 +179,17 @@ def test_settings_are_kept_and_a_rerun_may_not_change_them(tmp_path):
         "rounds 20 -> 6", "contexts 8k,16k,24k,28k -> 16k",
         "arms none,native,tiering,kvtier,server -> none,server"]
     assert mr.shortened(dict(mr.SETTINGS), mr.FULL_CONTEXTS.split(","), list(mr.ARMS)) == []
+    # A state from before a setting existed resumes with that setting's default.
+    old = json.loads((tmp_path / "config.json").read_text())
+    del old["disk_read_limit_gbps"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert mr.settings(given(), state, parser)["disk_read_limit_gbps"] == 0.0
+    # A capped file tier is a change from the experiment, and reaches kvtier's file tier.
+    capped = dict(cfg, disk_read_limit_gbps=0.05)
+    assert "disk-read-limit-gbps 0.0 -> 0.05" in mr.shortened(capped, ["16k"], list(mr.ARMS))
+    tier = vllm_ttft.file_tier(argparse.Namespace(**capped), tmp_path / "l2")
+    assert tier["read_limit_gbps"] == 0.05 and tier["type"] == "fs"
+    assert "read_limit_gbps" not in vllm_ttft.file_tier(argparse.Namespace(**cfg), tmp_path)
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(MODEL_DIR, "tokenizer.json")),
