@@ -30,7 +30,8 @@ def served(tmp_path, ns):
     pays = [True]  # what the cost model would say of a return: recomputed (True) or read
     prefetch = Prefetcher(lambda: [client], 0.25,
                           lambda name, v: counts.__setitem__(name, counts.get(name, 0) + v),
-                          lambda: rate[0], chunk_tokens=16, pays=lambda c, r: pays[0])
+                          lambda: rate[0], chunk_tokens=16, pays=lambda c, r: pays[0],
+                          autoplan=False)
     prefetch.rate, prefetch.pays = rate, pays
     yield server, client, prefetch, counts
     prefetch.close()
@@ -86,7 +87,8 @@ def converse(prefetch, convs, t0, gap, jitter=0.0, gpu_chunks=0, plan=True,
     """Conversation i finishes first at t0 + i, then, `returns` times over, comes back `gap`
     after it finished (odd ones `jitter` later, even ones `jitter` sooner) and finishes half a
     second later; the last finishes are left expected. With `plan`, the prefetch plans every
-    second in between, as the connector does every step. Returns the time of the last finish."""
+    second in between, as the connector's planning thread does. Returns the time of the last
+    finish."""
     events = []  # (time, conversation, arrival?)
     for i in range(len(convs)):
         finish = t0 + i

@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -78,7 +79,8 @@ class Prefetcher:
     def __init__(self, clients: Callable[[], list], fraction: float,
                  count: Callable[[str, int], None], read_rate: Callable[[], float] = lambda: 0.0,
                  chunk_tokens: int = 0,
-                 pays: Callable[[int, int], bool] = lambda chunks, resident: True):
+                 pays: Callable[[int, int], bool] = lambda chunks, resident: True,
+                 autoplan: bool = True):
         self._clients = clients
         self._pays = pays
         self._chunk_tokens = chunk_tokens
@@ -97,6 +99,13 @@ class Prefetcher:
         self._planned = 0.0  # when plan() last ran
         self._targeted: dict[bytes, _Expected] = {}  # by anchor: those with a target > 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        # plan() runs on a thread of its own every PLAN_EVERY_S: an idle engine takes no steps,
+        # and its idle time is when reading ahead costs nothing. (Tests drive plan() with a
+        # clock of their own instead: autoplan False.)
+        self._closed = threading.Event()
+        if autoplan:
+            threading.Thread(target=self._plan_loop, name="kvtier-prefetch-plan",
+                             daemon=True).start()
 
     # --- what the scheduler tells it -------------------------------------------------------
 
@@ -163,7 +172,7 @@ class Prefetcher:
         if back is not None:
             self._release(back[1])
 
-    # --- each step -------------------------------------------------------------------------
+    # --- planning ---------------------------------------------------------------------------
 
     def plan(self, now: float) -> None:
         """Sets the target of each conversation within the horizon, releases those of the ones
@@ -234,6 +243,15 @@ class Prefetcher:
                 start.busy = start.pinned = self._busy = True
                 self._pool.submit(self._promote, start, start.keys[:start.target], now,
                                   start.finished + mean)
+
+    def _plan_loop(self) -> None:
+        while not self._closed.wait(PLAN_EVERY_S):
+            try:
+                self.plan(time.time())
+            except Exception:  # never let a bug here stop the engine; say it once a minute
+                if time.monotonic() - getattr(self, "_logged", -60.0) >= 60.0:
+                    self._logged = time.monotonic()
+                    logger.exception("kvtier: the prefetch's plan failed")
 
     def _slots(self) -> int:
         if self._budget is None:
@@ -323,4 +341,5 @@ class Prefetcher:
             return self._busy
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -463,8 +463,6 @@ class SchedulerSide:
         while self._held and self._held[0][0] <= done:
             self._release(self._held.pop(0)[2])
         self._tables.update(scheduler_output)
-        if self._prefetch is not None:
-            self._prefetch.plan(time.time())
         meta.preempted_req_ids = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted_req_ids:
             st = self._requests.get(req_id)
