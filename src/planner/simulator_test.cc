@@ -135,50 +135,49 @@ TEST(SimulatorTest, CostAwareLookupsLoadOnlyWhatPays) {
   EXPECT_DOUBLE_EQ(f1->mean_ttft_s, f2->mean_ttft_s);
 }
 
-TEST(SimulatorTest, PrefetchTurnsReturnsFromASlowTierIntoMemoryHits) {
-  // The same shape as above with a second tier slower than recomputing (0.8 GB/s): without
-  // prefetch every return is recomputed (the L1 always evicts the user asked next); with it the
-  // users expected back soonest are read into the L1 between their turns and hit there.
-  SimOptions off = Options(16384, 0.3, CpuNfs(8.0 * (1ull << 30), 0.8e9, 1e9));
+// 20-round conversations at `context` tokens and `qps`, with the second tier reading at
+// `tier_read` bytes/s, simulated with the connector's prefetch off and on.
+struct PrefetchPair {
+  SimOptions on;
+  SimResult without, with;
+};
+PrefetchPair WithoutAndWithPrefetch(uint64_t context, double qps, double tier_read) {
+  SimOptions off = Options(context, qps, CpuNfs(8.0 * (1ull << 30), tier_read, 1e9));
   off.workload.rounds = 20;
   off.workload.duration_s = 600;
   SimOptions on = off;
   on.prefetch = true;
   auto without = Simulate(off);
   auto with = Simulate(on);
-  ASSERT_TRUE(without.ok() && with.ok());
-  EXPECT_LT(without->tokens_by_source[1], 0.01 * without->prompt_tokens);
-  EXPECT_GT(with->tokens_by_source[1], 0.3 * with->prompt_tokens);
-  EXPECT_GT(with->bytes_read[1], 0);
-  EXPECT_LT(with->mean_ttft_s, 0.8 * without->mean_ttft_s);
-  CheckInvariants(on, *with);
+  EXPECT_TRUE(without.ok() && with.ok());
+  return {on, without.ok() ? *without : SimResult{}, with.ok() ? *with : SimResult{}};
+}
+
+TEST(SimulatorTest, PrefetchTurnsReturnsFromASlowTierIntoMemoryHits) {
+  // The same shape as above with a second tier slower than recomputing (0.8 GB/s): without
+  // prefetch every return is recomputed (the L1 always evicts the user asked next); with it the
+  // users expected back soonest are read into the L1 between their turns and hit there.
+  auto slow = WithoutAndWithPrefetch(16384, 0.3, 0.8e9);
+  EXPECT_LT(slow.without.tokens_by_source[1], 0.01 * slow.without.prompt_tokens);
+  EXPECT_GT(slow.with.tokens_by_source[1], 0.3 * slow.with.prompt_tokens);
+  EXPECT_GT(slow.with.bytes_read[1], 0);
+  EXPECT_LT(slow.with.mean_ttft_s, 0.8 * slow.without.mean_ttft_s);
+  CheckInvariants(slow.on, slow.with);
   // A bigger share of the L1 keeps more users.
-  on.prefetch_fraction = 0.75;
-  auto more = Simulate(on);
+  slow.on.prefetch_fraction = 0.75;
+  auto more = Simulate(slow.on);
   ASSERT_TRUE(more.ok());
-  EXPECT_GT(more->tokens_by_source[1], with->tokens_by_source[1]);
+  EXPECT_GT(more->tokens_by_source[1], slow.with.tokens_by_source[1]);
   // A second tier faster than recomputing is read at every return anyway: a prefetch would only
   // add its reads to the loads', so nothing is prefetched and nothing changes.
-  SimOptions fast = Options(16384, 0.3, CpuNfs(8.0 * (1ull << 30), 20e9, 20e9));
-  fast.workload.rounds = 20;
-  fast.workload.duration_s = 600;
-  SimOptions fast_on = fast;
-  fast_on.prefetch = true;
-  auto f_off = Simulate(fast);
-  auto f_on = Simulate(fast_on);
-  ASSERT_TRUE(f_off.ok() && f_on.ok());
-  EXPECT_GT(f_off->bytes_read[1], 0);
-  EXPECT_DOUBLE_EQ(f_on->bytes_read[1], f_off->bytes_read[1]);
-  EXPECT_DOUBLE_EQ(f_on->mean_ttft_s, f_off->mean_ttft_s);
+  auto fast = WithoutAndWithPrefetch(16384, 0.3, 20e9);
+  EXPECT_GT(fast.without.bytes_read[1], 0);
+  EXPECT_DOUBLE_EQ(fast.with.bytes_read[1], fast.without.bytes_read[1]);
+  EXPECT_DOUBLE_EQ(fast.with.mean_ttft_s, fast.without.mean_ttft_s);
   // Below the eviction onset nothing is evicted, so nothing is read: prefetch changes nothing.
-  SimOptions fits = Options(4096, 1.0, CpuNfs(8.0 * (1ull << 30), 0.8e9, 1e9));
-  SimOptions fits_on = fits;
-  fits_on.prefetch = true;
-  auto a = Simulate(fits);
-  auto b = Simulate(fits_on);
-  ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_EQ(b->bytes_read[1], 0);
-  EXPECT_DOUBLE_EQ(a->mean_ttft_s, b->mean_ttft_s);
+  auto fits = WithoutAndWithPrefetch(4096, 1.0, 0.8e9);
+  EXPECT_EQ(fits.with.bytes_read[1], 0);
+  EXPECT_DOUBLE_EQ(fits.without.mean_ttft_s, fits.with.mean_ttft_s);
 }
 
 TEST(SimulatorTest, WriteTrafficCompetesWithReads) {
