@@ -4,7 +4,6 @@ Python threads run."""
 
 import ctypes
 import gc
-import os
 import subprocess
 import sys
 import textwrap

@@ -7,8 +7,6 @@ inputs refused.
 """
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -16,7 +14,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import kvtier  # noqa: E402
 from kvtier.bench import ttft  # noqa: E402
 from kvtier.bench.model import DecoderModel, ModelConfig, PagedKvCache  # noqa: E402
 
