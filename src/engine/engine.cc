@@ -538,6 +538,10 @@ void Engine::Impl::FlusherLoop() {
       f.kicked = false;
     }
     FlushPass();
+    // Deferred write-throughs are retried as writes complete; one deferred while the last write
+    // was completing has no completion left to retry it, and would stay dirty (not in L2) until
+    // the next store.
+    ResubmitDeferred();
   }
 }
 

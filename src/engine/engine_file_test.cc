@@ -416,6 +416,32 @@ TEST(EngineFileTest, WriteThroughBurstSkipsNothing) {
   EXPECT_EQ(st.memory_detail.pinned, 0u);
 }
 
+// The same burst, and then nothing: no further store, no drain. Every deferred write-through
+// reaches L2 by itself, including one deferred while the last write in flight was completing
+// (no completion is left to retry it: the flusher's periodic pass does).
+TEST(EngineFileTest, WriteThroughBurstReachesL2WithNothingAfterIt) {
+  for (int round = 0; round < 5; ++round) {
+    testing::TempDir dir;
+    EngineOptions o = Options(dir.path(), 256, WritePolicy::kWriteThrough);
+    o.file->write_threads = 1;
+    o.file->max_queued_writes = 4;
+    o.file->sync_data = false;
+    auto engine = OpenEngine(o);
+    ASSERT_TRUE(engine);
+    auto keys = Keys(200, 8 + round);
+    Chunks in(200, 8 + round);
+    ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+    // A few milliseconds of writes; the deadline only bounds a failure.
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (engine->Stats().memory_detail.dirty > 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(5ms);
+    }
+    EngineStats st = engine->Stats();
+    EXPECT_EQ(st.memory_detail.dirty, 0u) << "round " << round;
+    EXPECT_EQ(st.file_detail.chunks, 200u) << "round " << round;
+  }
+}
+
 // Write-through keeps every store it acknowledges. With the file tier's storage hung, L1 fills
 // with chunks the tier has not taken; the next store, by Store or by the server's ReserveSlots,
 // is refused (retryable, counted) instead of evicting one of them. A burst of 3x L1: after the

@@ -484,12 +484,14 @@ class Simulation {
 // The prefetch's rule (python/kvtier/vllm/prefetch.py keeps the same constants): returns are
 // predicted from the last kGapWindow finish-to-return gaps, once there are kMinReturns of them
 // and their coefficient of variation is at most kMaxGapCv (users who come back at a steady
-// pace); a conversation not back within kHorizonGaps mean gaps is given up (its pins released),
-// but remembered for kMaxAgeS, so that its return still teaches the gap.
+// pace); a conversation not back within the mean gap plus kHorizonSds standard deviations (at
+// least kHorizonSlack of the mean) is given up (its pins released), but remembered for kMaxAgeS,
+// so that its return still teaches the gap.
 constexpr size_t kGapWindow = 32;
 constexpr size_t kMinReturns = 8;
 constexpr double kMaxGapCv = 0.5;
-constexpr double kHorizonGaps = 2.0;
+constexpr double kHorizonSds = 3.0;
+constexpr double kHorizonSlack = 0.25;
 constexpr double kMaxAgeS = 3600;
 // Nor does it run while more than this share of those returns found their last prompt whole on
 // the GPU (its prefix cache holds the rotation: reads would be wasted).
@@ -839,6 +841,7 @@ void Simulation::PlanPrefetch(double now) {
   for (double g : return_gaps_) var += (g - mean) * (g - mean);
   var /= static_cast<double>(return_gaps_.size());
   const auto on_gpu = std::count(return_on_gpu_.begin(), return_on_gpu_.end(), true);
+  const double horizon = mean + std::max(kHorizonSds * std::sqrt(var), kHorizonSlack * mean);
   const bool steady = std::sqrt(var) <= kMaxGapCv * mean &&
                       static_cast<double>(on_gpu) <= kMaxGpuReturns * return_gaps_.size();
   const auto budget = static_cast<size_t>(o_.prefetch_fraction * tiers_[0].slots());
@@ -854,7 +857,7 @@ void Simulation::PlanPrefetch(double now) {
     // The shared system prompt's chunks are counted once.
     const size_t counted = shared_counted ? std::min(shared_chunks_, it->chunks) : 0;
     size_t target = 0;
-    if (room > 0 && !it->skip && now - it->finished <= kHorizonGaps * mean) {
+    if (room > 0 && !it->skip && now - it->finished <= horizon) {
       target = std::min(it->chunks, counted + room);
       room -= target - counted;
       shared_counted = true;

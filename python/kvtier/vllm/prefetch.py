@@ -28,10 +28,14 @@ logger = logging.getLogger("vllm.kvtier")
 GAP_WINDOW = 32  # finish-to-return gaps the prediction is made from
 MIN_RETURNS = 8  # returns seen before anything is prefetched
 MAX_GAP_CV = 0.5  # gaps' standard deviation over their mean, at most, for a predictable order
-# A conversation not back within this many mean gaps is given up: its pins are released. It is
-# still remembered (for MAX_AGE_S) so that its return, if it comes, still teaches the gap: gaps
-# learned under another load (a burst) must not hide every return of the next.
-HORIZON_GAPS = 2.0
+# A conversation not back within the mean gap plus HORIZON_SDS standard deviations (at least
+# HORIZON_SLACK of the mean) is given up: its pins are released. Users leave after their last
+# turn, and a departed conversation, the oldest of all, would otherwise hold the first share of
+# L1 until it expired. It is still remembered (for MAX_AGE_S) so that its return, if it comes,
+# still teaches the gap: gaps learned under another load (a burst) must not hide every return of
+# the next.
+HORIZON_SDS = 3.0
+HORIZON_SLACK = 0.25
 # Nor does it run while more than this share of those returns found their last prompt whole in
 # vLLM's own GPU cache (it holds the rotation: reads would be wasted).
 MAX_GPU_RETURNS = 0.5
@@ -42,6 +46,12 @@ MAX_EXPECTED = 4096
 # or a chunk in no tier) is tried again this much later.
 RETRY_S = 1.0
 PLAN_EVERY_S = 0.05  # plan() runs at most this often, unless a return or a promotion happened
+
+
+def horizon_s(gaps) -> float:
+    """How long after its finish an expected conversation is given up, from the gaps learned."""
+    mean = statistics.fmean(gaps)
+    return mean + max(HORIZON_SDS * statistics.pstdev(gaps), HORIZON_SLACK * mean)
 
 
 def _held(pins) -> bool:
@@ -196,9 +206,10 @@ class Prefetcher:
             # The expected conversations within the horizon, oldest finish first.
             live: list[_Expected] = []
             if steady:
+                horizon = horizon_s(self._gaps)
                 for anchor in reversed(self._expected):
                     e = self._expected[anchor]
-                    if now - e.finished > HORIZON_GAPS * mean:
+                    if now - e.finished > horizon:
                         break
                     live.append(e)
                 live.reverse()
