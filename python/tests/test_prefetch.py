@@ -8,7 +8,8 @@ import time
 import pytest
 
 import kvtier
-from kvtier.vllm.prefetch import GAP_WINDOW, MIN_RETURNS, PLAN_EVERY_S, Prefetcher, horizon_s
+from kvtier.vllm.prefetch import (GAP_WINDOW, MIN_RETURNS, PLAN_EVERY_S, Prefetcher, horizon_s,
+                                    predictable)
 
 from test_server import CHUNK, Serve, chunks, keys_for
 
@@ -86,7 +87,7 @@ def settle(prefetch, now, seconds=5.0):
 def converse(prefetch, convs, t0, gap, jitter=0.0, gpu_chunks=0, plan=True,
              returns=MIN_RETURNS):
     """Conversation i finishes first at t0 + i, then, `returns` times over, comes back `gap`
-    after it finished (odd ones `jitter` later, even ones `jitter` sooner) and finishes half a
+    after it finished (`jitter` later and sooner by turns) and finishes half a
     second later; the last finishes are left expected. With `plan`, the prefetch plans every
     second in between, as the connector's planning thread does. Returns the time of the last
     finish."""
@@ -94,8 +95,8 @@ def converse(prefetch, convs, t0, gap, jitter=0.0, gpu_chunks=0, plan=True,
     for i in range(len(convs)):
         finish = t0 + i
         events.append((finish, i, False))
-        for _ in range(returns // len(convs) + 1):
-            back = finish + gap + (jitter if i % 2 else -jitter)
+        for k in range(returns // len(convs) + 1):
+            back = finish + gap + (jitter if (i + k) % 2 else -jitter)
             finish = back + 0.5
             events += [(back, i, True), (finish, i, False)]
     events.sort()
@@ -238,3 +239,14 @@ def test_the_horizon_follows_the_spread_of_the_gaps():
     the horizon: steady gaps give it up soon after the mean, spread ones later."""
     assert horizon_s([30.0] * 8) == pytest.approx(30 * 1.25)  # no spread: a quarter's slack
     assert horizon_s([20.0, 40.0] * 4) == pytest.approx(30 + 3 * 10)
+
+
+def test_a_new_pace_is_taken_up_after_a_few_returns():
+    """The whole window speaks while it is steady; after a change of pace (a burst, then paced
+    users) the newest returns do, once there are enough of them and they agree."""
+    burst = [0.3, 0.1, 0.6, 0.2] * 6
+    assert predictable(burst + [30.0] * 4, [False] * 28) is None  # too few at the new pace
+    assert predictable(burst + [30.0] * 8, [False] * 32) == [30.0] * 8
+    assert predictable([30.0] * 32, [False] * 32) == [30.0] * 32
+    assert predictable([30.0] * 32, [True] * 32) is None  # vLLM's own cache held them
+    assert predictable([30.0] * 7, [False] * 7) is None

@@ -835,15 +835,26 @@ void Simulation::Returned(uint32_t conv, double now) {
 // tiers below run one at a time.
 void Simulation::PlanPrefetch(double now) {
   if (tiers_.empty() || return_gaps_.size() < kMinReturns) return;
+  // The gaps to predict from (prefetch.py, predictable): the whole window if its returns are
+  // steady and mostly missed the GPU's cache, else the newest kMinReturns if theirs are.
   double mean = 0, var = 0;
-  for (double g : return_gaps_) mean += g;
-  mean /= static_cast<double>(return_gaps_.size());
-  for (double g : return_gaps_) var += (g - mean) * (g - mean);
-  var /= static_cast<double>(return_gaps_.size());
-  const auto on_gpu = std::count(return_on_gpu_.begin(), return_on_gpu_.end(), true);
+  bool steady = false;
+  for (size_t n : {return_gaps_.size(), kMinReturns}) {
+    const size_t first = return_gaps_.size() - n;
+    mean = var = 0;
+    for (size_t i = first; i < return_gaps_.size(); ++i) mean += return_gaps_[i];
+    mean /= static_cast<double>(n);
+    for (size_t i = first; i < return_gaps_.size(); ++i) {
+      var += (return_gaps_[i] - mean) * (return_gaps_[i] - mean);
+    }
+    var /= static_cast<double>(n);
+    const auto on_gpu = std::count(return_on_gpu_.begin() + static_cast<std::ptrdiff_t>(first),
+                                   return_on_gpu_.end(), true);
+    steady = std::sqrt(var) <= kMaxGapCv * mean &&
+             static_cast<double>(on_gpu) <= kMaxGpuReturns * static_cast<double>(n);
+    if (steady) break;
+  }
   const double horizon = mean + std::max(kHorizonSds * std::sqrt(var), kHorizonSlack * mean);
-  const bool steady = std::sqrt(var) <= kMaxGapCv * mean &&
-                      static_cast<double>(on_gpu) <= kMaxGpuReturns * return_gaps_.size();
   const auto budget = static_cast<size_t>(o_.prefetch_fraction * tiers_[0].slots());
   size_t used = 0;
   for (auto& [conv, pins] : returning_) used += pins.size();

@@ -48,6 +48,21 @@ RETRY_S = 1.0
 PLAN_EVERY_S = 0.05  # plan() runs at most this often, unless a return or a promotion happened
 
 
+def predictable(gaps: list[float], on_gpu: list[bool]) -> list[float] | None:
+    """The gaps to predict returns from: the whole window if its returns are steady and mostly
+    missed vLLM's cache, else the newest MIN_RETURNS if theirs are (the pace changed, as from a
+    burst to a paced run: the window would take GAP_WINDOW returns to forget it), else None."""
+    for n in (len(gaps), MIN_RETURNS):
+        if n < MIN_RETURNS:
+            return None
+        g = gaps[-n:]
+        mean = statistics.fmean(g)
+        if (statistics.pstdev(g) <= MAX_GAP_CV * mean and
+                sum(on_gpu[-n:]) <= MAX_GPU_RETURNS * n):
+            return g
+    return None
+
+
 def horizon_s(gaps) -> float:
     """How long after its finish an expected conversation is given up, from the gaps learned."""
     mean = statistics.fmean(gaps)
@@ -198,15 +213,12 @@ class Prefetcher:
                     break
                 self._release(oldest.pins)
                 del self._expected[oldest.anchor]
-            steady = len(self._gaps) >= MIN_RETURNS
-            mean = statistics.fmean(self._gaps) if self._gaps else 0.0
-            if steady:
-                steady = (statistics.pstdev(self._gaps) <= MAX_GAP_CV * mean and
-                          sum(self._on_gpu) <= MAX_GPU_RETURNS * len(self._on_gpu))
+            gaps = predictable(list(self._gaps), list(self._on_gpu))
+            mean = statistics.fmean(gaps) if gaps else 0.0
             # The expected conversations within the horizon, oldest finish first.
             live: list[_Expected] = []
-            if steady:
-                horizon = horizon_s(self._gaps)
+            if gaps:
+                horizon = horizon_s(gaps)
                 for anchor in reversed(self._expected):
                     e = self._expected[anchor]
                     if now - e.finished > horizon:
