@@ -1,13 +1,13 @@
 """Prefetch into L1 of conversations expected back (docs/prefetch.md).
 
-Scheduler side. Finished requests are remembered by the chunk keys they saved; a later request
+Scheduler side. Finished requests are remembered by the chunk keys they saved. A later request
 whose keys pass through the last key of the finished one's prompt is that conversation's return
 (the next turn's prompt repeats the last one's, while its answer may come back tokenized
-differently), and the gap between the
-two is learned. Once returns come at a steady pace, the conversations expected back soonest
-(oldest finish first) are kept pinned in L1 up to a share of the pool, promoted from the file
-tier by `prepare_load` on a thread of their own, one at a time. The simulator of `kvtier plan`
-(src/planner/simulator.cc, PlanPrefetch) follows the same rule and constants.
+differently), and the gap between the two is learned. Once returns come at a steady pace, the
+conversations expected back soonest (oldest finish first) are kept pinned in L1 up to a share of
+the pool, promoted from the file tier by `prepare_load` on a thread of their own, one at a time.
+The simulator of `kvtier plan` (src/planner/simulator.cc, PlanPrefetch) follows the same rule and
+constants.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ MAX_GAP_CV = 0.5  # gaps' standard deviation over their mean, at most, for a pre
 # the next.
 HORIZON_SDS = 3.0
 HORIZON_SLACK = 0.25
-# Nor does it run while more than this share of those returns found their last prompt whole in
-# vLLM's own GPU cache (it holds the rotation: reads would be wasted).
+# Nor while more than this share of the returns found their last prompt whole in vLLM's own
+# GPU cache (it holds the rotation: reads would be wasted).
 MAX_GPU_RETURNS = 0.5
 # Conversations are remembered this long, and at most this many.
 MAX_AGE_S = 3600.0
