@@ -409,6 +409,20 @@ class Simulation {
   uint32_t ChunkOwner(uint32_t conv, size_t chunk) const {
     return chunk < shared_chunks_ ? kShared : conv;
   }
+  // The first tier holding each of the conversation's leading chunks, up to `limit` or the first
+  // chunk no tier holds.
+  std::vector<int> LeadingTiers(uint32_t conv, size_t limit) const {
+    std::vector<int> tier_of;
+    for (size_t i = 0; i < limit; ++i) {
+      int found = -1;
+      for (size_t t = 0; t < tiers_.size() && found < 0; ++t) {
+        if (tiers_[t].Has(ChunkOwner(conv, i), i)) found = static_cast<int>(t);
+      }
+      if (found < 0) break;
+      tier_of.push_back(found);
+    }
+    return tier_of;
+  }
   bool InAnyTier(uint32_t owner, size_t chunk) const {
     for (const TierState& t : tiers_) {
       if (t.Has(owner, chunk)) return true;
@@ -599,20 +613,9 @@ bool Simulation::TryAdmit(Request& r, double now) {
     // The connector's lookup: the leading chunks some tier holds, from the first (a lookup
     // touches nothing). It loads those past the GPU hit; it saves from the end of that run on.
     const size_t chunk = e_.chunk_tokens;
-    const size_t usable = (r.prompt - 1) / chunk;  // full chunks before the last token
-    size_t hits = 0;
-    std::vector<int> tier_of;  // of each chunk in [0, hits)
-    for (; hits < usable; ++hits) {
-      int found = -1;
-      for (size_t t = 0; t < tiers_.size(); ++t) {
-        if (tiers_[t].Has(ChunkOwner(r.conv, hits), hits)) {
-          found = static_cast<int>(t);
-          break;
-        }
-      }
-      if (found < 0) break;
-      tier_of.push_back(found);
-    }
+    const size_t usable = (r.prompt - 1) / chunk;             // full chunks before the last token
+    std::vector<int> tier_of = LeadingTiers(r.conv, usable);  // of each chunk in [0, hits)
+    size_t hits = tier_of.size();
     const size_t first_chunk = gpu_hit / chunk;
     if (o_.cost_aware) {
       const size_t found = hits;
@@ -892,16 +895,8 @@ void Simulation::PlanPrefetch(double now) {
 // cost-aware lookup takes the tier's chunks: prefetching would only add reads), or when the reads
 // would end after `back`, its predicted return.
 bool Simulation::StartPrefetch(Expected& e, double now, double back) {
+  const std::vector<int> tier_of = LeadingTiers(e.conv, e.chunks);
   if (o_.cost_aware) {
-    std::vector<int> tier_of;
-    for (size_t i = 0; i < e.chunks; ++i) {
-      int found = -1;
-      for (size_t t = 0; t < tiers_.size() && found < 0; ++t) {
-        if (tiers_[t].Has(ChunkOwner(e.conv, i), i)) found = static_cast<int>(t);
-      }
-      if (found < 0) break;
-      tier_of.push_back(found);
-    }
     const bool below = std::any_of(tier_of.begin(), tier_of.end(), [](int t) { return t > 0; });
     const uint64_t prompt = w_.PromptTokens(convs_[e.conv].rounds_sent);
     if (below && CostAwareHits(prompt, 0, tier_of) == tier_of.size()) return false;
@@ -909,17 +904,14 @@ bool Simulation::StartPrefetch(Expected& e, double now, double back) {
   prefetch_chunks_.clear();
   std::vector<double> bytes(tiers_.size(), 0);
   std::vector<ChunkRef> resident;
-  for (size_t i = 0; i < e.target; ++i) {
-    const uint32_t owner = ChunkOwner(e.conv, i);
-    if (tiers_[0].Has(owner, i)) {
-      resident.emplace_back(owner, i);
+  for (size_t i = 0; i < std::min(e.target, tier_of.size()); ++i) {
+    const ChunkRef chunk{ChunkOwner(e.conv, i), i};
+    if (tier_of[i] == 0) {
+      resident.push_back(chunk);
       continue;
     }
-    size_t t = 1;
-    while (t < tiers_.size() && !tiers_[t].Has(owner, i)) ++t;
-    if (t == tiers_.size()) break;
-    bytes[t] += chunk_bytes_;
-    prefetch_chunks_.emplace_back(owner, i);
+    bytes[tier_of[i]] += chunk_bytes_;
+    prefetch_chunks_.push_back(chunk);
   }
   double ready = now;
   for (size_t t = 1; t < tiers_.size(); ++t) {
