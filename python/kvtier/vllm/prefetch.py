@@ -45,7 +45,7 @@ MAX_EXPECTED = 4096
 # A promotion that got fewer chunks than asked (the pool full of chunks not yet written below,
 # or a chunk in no tier) is tried again this much later.
 RETRY_S = 1.0
-PLAN_EVERY_S = 0.05  # plan() runs at most this often, unless a return or a promotion happened
+PLAN_EVERY_S = 0.05  # how often the planning thread plans
 
 
 def predictable(gaps: list[float], on_gpu: list[bool]) -> list[float] | None:
@@ -121,7 +121,6 @@ class Prefetcher:
         self._on_gpu: collections.deque[bool] = collections.deque(maxlen=GAP_WINDOW)
         self._busy = False  # a promotion is under way
         self._budget: int | None = None  # pins the kept set may hold, all ranks together
-        self._planned = 0.0  # when plan() last ran
         self._targeted: dict[bytes, _Expected] = {}  # by anchor: those with a target > 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         # plan() runs on a thread of its own every PLAN_EVERY_S: an idle engine takes no steps,
@@ -145,7 +144,6 @@ class Prefetcher:
             if old is not None:
                 self._release(old.pins)
             self._expected[keys[anchor]] = _Expected(list(keys), keys[anchor], now)
-            self._planned = 0.0
             while len(self._expected) > MAX_EXPECTED:
                 self._release(self._expected.popitem(last=False)[1].pins)
 
@@ -170,7 +168,6 @@ class Prefetcher:
             if _held(e.pins) or e.busy:  # a promotion under way hands its pins over too
                 self._returning[req_id] = (e.keys, e.pins)
             e.pins = []
-            self._planned = 0.0
 
     def take_pins(self, req_id: str, clients: list, first: int, end: int
                   ) -> list[list[int]] | None:
@@ -204,9 +201,6 @@ class Prefetcher:
         past it, and starts the next promotion. Never waits on the store, and walks only the
         conversations within the horizon (the kept set is among them)."""
         with self._lock:
-            if now - self._planned < PLAN_EVERY_S:
-                return
-            self._planned = now
             while self._expected:  # forgotten: the oldest first
                 oldest = next(iter(self._expected.values()))
                 if now - oldest.finished <= MAX_AGE_S:
@@ -306,7 +300,7 @@ class Prefetcher:
             if skip is not None:
                 with self._lock:
                     self._busy = e.busy = False
-                    e.skip, e.pinned, self._planned = True, False, 0.0
+                    e.skip, e.pinned = True, False
                     self._count(skip, 1)
                 return
         pins: list[_Pins] = []
@@ -324,7 +318,6 @@ class Prefetcher:
                         max(0, len(pins[0][1]) - resident) * self._chunk_tokens)
         with self._lock:
             self._busy = e.busy = False
-            self._planned = 0.0
             if self._expected.get(e.anchor) is e:
                 if e.target == len(keys):
                     old, e.pins = e.pins, pins
