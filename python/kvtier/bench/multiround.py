@@ -605,7 +605,7 @@ class ArmRunner:
                 "native_offload_supported"] is False:
             raise ArmFailed("vLLM's OffloadingConnector needs a CUDA-alike or XPU device "
                             f"(vLLM's own check); this is {h.state.get('tiers')['device']}")
-        if self.arm in ("server", "prefetch") and self.serve is None:
+        if TRANSFER_ARM[self.arm] == "server" and self.serve is None:
             self.restart_serve(connected=False)
         self.kvtier_port = free_port() if self.arm == "kvtier" else -1
         h.disk.mkdir(parents=True, exist_ok=True)
@@ -691,7 +691,7 @@ class ArmRunner:
 
     def cache_dir(self) -> Path | None:
         return {"tiering": self.h.disk / "tiering-fs", "kvtier": self.h.disk / "kvtier-inproc-l2",
-                "server": self.serve_dir, "prefetch": self.serve_dir}.get(self.arm)
+                "server": self.serve_dir}.get(TRANSFER_ARM[self.arm])
 
     # --- phases -------------------------------------------------------------------------------
 
