@@ -99,4 +99,8 @@ for bad in "--l2 $T/missing" "--write-policy write_back" "--l2 $T/l2 --write-pol
   fi
   grep -q "error" "$T/bad.txt" || fail "bench server $bad: no error message"
 done
+# A stream that cannot be written (a full disk under a redirected log): exit code 1, not an abort.
+rc=0
+"$KVTIER" bench engine --chunk-mib 1 --chunks 2 --repeats 1 2>/dev/full >/dev/null || rc=$?
+[ "$rc" -eq 1 ] || fail "bench engine with stderr on a full device exited $rc, not 1"
 echo "bench_cli_test: all passed"

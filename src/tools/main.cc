@@ -1,5 +1,9 @@
 // The `kvtier` command line: server, benchmarks, planner and cache-directory tools.
 #include <fmt/format.h>
+
+#include <cstdio>
+#include <system_error>
+
 #include "common/logging.h"
 #include "tools/command.h"
 
@@ -15,6 +19,14 @@ int main(int argc, char** argv) {
   });
   kvtier::tools::AddAllCommands(app, ctx);
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    CLI11_PARSE(app, argc, argv);
+  } catch (const std::system_error& e) {
+    // fmt::print throws when its stream cannot be written (a full disk under a redirected
+    // stdout or log): an error and exit code 1, not std::terminate's abort. The message goes
+    // wherever still takes it: stderr may be the file that is full.
+    std::fprintf(stderr, "kvtier: %s\n", e.what());
+    return 1;
+  }
   return ctx.exit_code;
 }
