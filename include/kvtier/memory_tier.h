@@ -127,7 +127,8 @@ class MemoryTier {
     SlotId slot = kNoSlot;
   };
   // Starts cleaning `key`: pins its slot (without touching its recency) for the writer to read.
-  // kNotFound if it is absent, clean, or being cleaned already.
+  // kNotFound if it is absent or clean; kRejected if another writer is cleaning it now (whose
+  // write may yet fail: the chunk is then dirty again).
   Result<SlotId> BeginClean(const ChunkKey& key);
   // The flusher's work: while fewer than `headroom` slots are free or being cleaned, the dirty
   // chunks among the next `headroom - free - cleaning` evictable chunks in eviction order, at

@@ -53,11 +53,11 @@ def store(client, keys, seed):
 
 def flood(client, ns, n, seed):
     """Saves `n` new chunks: everything unpinned in L1 gives way (the file tier keeps it). Returns
-    once the file tier has taken nearly all of them, so that L1 has clean chunks to give up for
-    promotions. (Not all: about one burst in ten leaves a chunk dirty until the next store.)"""
+    once the file tier has taken all of them, so that L1 has clean chunks to give up for
+    promotions."""
     store(client, keys_for(ns, n, seed=seed), seed)
     deadline = time.monotonic() + 30
-    while client.stats()["pool"]["dirty"] > 8:
+    while client.stats()["pool"]["dirty"] > 0:
         assert time.monotonic() < deadline, "the file tier never took the flood"
         time.sleep(0.02)
 

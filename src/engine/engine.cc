@@ -269,9 +269,18 @@ struct Engine::Impl {
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
                              std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);
-  Status StartWriteThrough(const ChunkKey& key);
+  // What StartWriteThrough did with a chunk.
+  enum class WriteStart {
+    kStarted,   // its write is under way
+    kNothing,   // nothing to write: L1 holds it no longer, or L2 has it already
+    kBusy,      // another writer (the flusher, FlushDirty) has it now, and may yet fail
+    kNoRoom,    // enough write-throughs in flight, or L2's write queue full
+    kShutDown,  // the file tier is shutting down
+  };
+  WriteStart StartWriteThrough(const ChunkKey& key);
   void DeferWriteThrough(const ChunkKey& key);
   void ResubmitDeferred();
+  void RetryFailedWriteThroughs();
   // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
   void StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
                       const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
@@ -299,10 +308,15 @@ struct Engine::Impl {
   std::atomic<uint64_t> stores{0}, loads{0}, rejected_ops{0};
   std::atomic<uint64_t> promotions{0}, deadline_misses{0};
 
-  // Write-through chunks the file tier's write queue refused, retried as writes complete. Bounded
-  // (a chunk that does not fit stays dirty in L1: written back on eviction or at shutdown).
+  // Under write-through, a dirty chunk is always being written or waiting in one of these lists:
+  // nothing else comes back to it (stores never evict it, and the flusher looks only at the
+  // chunks next in eviction order). `deferred`: chunks refused for want of room (the file tier's
+  // write queue full, or enough writes in flight) or held by another writer, retried as writes
+  // complete. `failed`: chunks whose write failed, retried a few at a time on the flusher's
+  // rounds. Bounded (a chunk past the bound stays dirty in L1, counted in
+  // write_through_dropped).
   std::mutex deferred_mu;
-  std::deque<ChunkKey> deferred;
+  std::deque<ChunkKey> deferred, failed;
   size_t max_deferred = 0;
   // Write-through writes in flight pin their L1 slots; a quarter of L1 at most, so that a slow
   // L2 leaves stores room to evict (the rest wait in `deferred`).
@@ -542,6 +556,7 @@ void Engine::Impl::FlusherLoop() {
     // was completing has no completion left to retry it, and would stay dirty (not in L2) until
     // the next store.
     ResubmitDeferred();
+    RetryFailedWriteThroughs();
   }
 }
 
@@ -551,6 +566,7 @@ size_t Engine::Impl::FlushPass() {
   const size_t in_flight = f->in_flight.load();
   if (in_flight >= max_flushing) return 0;
   auto taken = l1->TakeFlushCandidates(headroom, max_flushing - in_flight);
+  if (!taken.empty()) TEST_SYNC_POINT_CALLBACK("Engine::FlushPass:Taken", &taken);
   MemoryTier* tier = l1.get();  // outlives abandoned writes (see ~Engine)
   size_t started = 0;
   for (; started < taken.size(); ++started) {
@@ -572,34 +588,49 @@ size_t Engine::Impl::FlushPass() {
 }
 
 // Write-through: the chunk goes to L2 in the background, from its L1 slot, pinned meanwhile.
-// It stays dirty until L2 has it, so if this write is refused or fails, eviction retries it.
-// A refused write (queue full under a burst) is deferred and retried as earlier writes complete,
-// never skipped in silence. Failures are counted by the file tier.
+// It stays dirty until L2 has it, and nothing evicts it meanwhile, so until then it is this
+// path's to write: a refused write (queue full under a burst) is deferred and retried as earlier
+// writes complete, a failed one (counted by the file tier) is retried on the flusher's rounds,
+// never skipped in silence.
 void Engine::Impl::WriteThrough(const ChunkKey& key) {
-  if (StartWriteThrough(key).IsRejected()) DeferWriteThrough(key);
+  const WriteStart started = StartWriteThrough(key);
+  if (started == WriteStart::kNoRoom || started == WriteStart::kBusy) DeferWriteThrough(key);
 }
 
-Status Engine::Impl::StartWriteThrough(const ChunkKey& key) {
+Engine::Impl::WriteStart Engine::Impl::StartWriteThrough(const ChunkKey& key) {
   if (write_through_in_flight.fetch_add(1) >= max_write_through) {
     write_through_in_flight--;
-    return Status::Rejected("write-through: enough L1 slots pinned by writes in flight");
+    return WriteStart::kNoRoom;  // enough L1 slots pinned by writes in flight
   }
   auto slot = l1->BeginClean(key);
-  if (!slot.ok()) {  // gone, or the flusher is writing it already
+  if (!slot.ok()) {
     write_through_in_flight--;
-    return Status::Ok();
+    // A chunk another writer holds (the flusher, keeping the chunks next in eviction order
+    // clean, or FlushDirty) is not in L2 yet: that write may be refused (the queue full, as in
+    // the burst that deferred this one) or fail, and the flusher comes back only to the chunks
+    // next in eviction order. So the caller keeps it, to look again once that writer is done.
+    return slot.status().IsRejected() ? WriteStart::kBusy : WriteStart::kNothing;
   }
   SlotId pinned = *slot;
-  Status s = l2->WriteAsync(key, l1->SlotData(pinned), [this, pinned](Status st) {
+  Status s = l2->WriteAsync(key, l1->SlotData(pinned), [this, key, pinned](Status st) {
     l1->EndClean(pinned, st.ok());
     write_through_in_flight--;
+    if (!st.ok()) {
+      // Retried later, not by the completions below: storage that fails every write would
+      // otherwise be retried in a loop as fast as it fails.
+      std::lock_guard lock(deferred_mu);
+      if (failed.size() < max_deferred) {
+        failed.push_back(key);
+      } else {
+        write_through_dropped++;
+      }
+    }
     ResubmitDeferred();
   });
-  if (!s.ok()) {
-    l1->EndClean(pinned, false);
-    write_through_in_flight--;
-  }
-  return s;
+  if (s.ok()) return WriteStart::kStarted;
+  l1->EndClean(pinned, false);
+  write_through_in_flight--;
+  return s.IsRejected() ? WriteStart::kNoRoom : WriteStart::kShutDown;
 }
 
 void Engine::Impl::DeferWriteThrough(const ChunkKey& key) {
@@ -636,11 +667,39 @@ void Engine::Impl::ResubmitDeferred() {
       key = deferred.front();
       deferred.pop_front();
     }
-    Status s = StartWriteThrough(key);
-    if (s.IsRejected()) {
+    const WriteStart started = StartWriteThrough(key);
+    if (started == WriteStart::kNoRoom) {
       std::lock_guard lock(deferred_mu);
       deferred.push_front(key);  // still full: the next completion retries
       return;
+    }
+    if (started == WriteStart::kBusy) {
+      // Another writer has it. Dropped here, it stayed dirty for good whenever that write was
+      // refused: the flusher gives up a chunk whose write the queue refuses, and comes back to
+      // it only while it is next in eviction order (a chunk read since is not). Kept, it is
+      // looked at again after the chunks behind it.
+      std::lock_guard lock(deferred_mu);
+      deferred.push_back(key);
+    }
+  }
+}
+
+// On the flusher's rounds: a few write-throughs whose write failed are tried again (a failed
+// chunk is dirty for good otherwise, under write-through).
+void Engine::Impl::RetryFailedWriteThroughs() {
+  for (int i = 0; i < 8; ++i) {
+    ChunkKey key;
+    {
+      std::lock_guard lock(deferred_mu);
+      if (failed.empty()) return;
+      key = failed.front();
+      failed.pop_front();
+    }
+    const WriteStart started = StartWriteThrough(key);
+    if (started == WriteStart::kNoRoom || started == WriteStart::kBusy) {
+      std::lock_guard lock(deferred_mu);
+      failed.push_back(key);  // the next round tries again
+      if (started == WriteStart::kNoRoom) return;
     }
   }
 }
@@ -1070,7 +1129,9 @@ Status Engine::FlushDirty() {
         if (gave_up) break;
       }
       auto slot = impl_->l1->BeginClean(key);
-      if (!slot.ok()) continue;  // evicted, or being written by the flusher (Drain waits)
+      // Evicted or clean; or another writer's now, whose write Drain waits for, and retries if
+      // it was refused (the flusher's, in Drain's own flush pass; a write-through's, deferred).
+      if (!slot.ok()) continue;
       const SlotId pinned = *slot;
       int64_t refusals = 0;
       for (;;) {
@@ -1130,6 +1191,7 @@ const EngineOptions& Engine::options() const { return impl_->options; }
 
 MemoryTier& EngineInternals::memory(Engine& e) { return *e.impl_->l1; }
 FileTier* EngineInternals::file(Engine& e) { return e.impl_->l2.get(); }
+void EngineInternals::ResubmitDeferred(Engine& e) { e.impl_->ResubmitDeferred(); }
 
 EngineStats Engine::Stats() const {
   EngineStats st;

@@ -442,6 +442,87 @@ TEST(EngineFileTest, WriteThroughBurstReachesL2WithNothingAfterIt) {
   }
 }
 
+// The race that could leave a write-through chunk dirty for good after a burst. The flusher takes
+// a dirty chunk next in eviction order just as a deferred write-through of it is retried: the
+// retry finds the chunk being written and gives it up, and then the flusher's write is refused
+// (L2's write queue is full). The chunk had no write left to come: the flusher retries only the
+// chunks next in eviction order, and this one was read meanwhile. A sync point makes the retry
+// run while the flusher holds the chunk; the chunk must still reach L2, with nothing stored after.
+TEST(EngineFileTest, WriteThroughChunkWhoseFlusherWriteIsRefusedStillReachesL2) {
+  testing::TempDir dir;
+  static FaultInjectionEnv* env = new FaultInjectionEnv(Env::Default(), {});  // outlives writes
+  constexpr uint32_t kSlots = 8;
+  EngineOptions o = Options(dir.path(), kSlots, WritePolicy::kWriteThrough);
+  o.memory.eviction = EvictionPolicyKind::kLru;
+  o.file->env = env;
+  o.file->write_threads = 1;
+  o.file->max_queued_writes = 1;
+  o.file->sync_data = false;
+  o.file->stall_timeout = 0ms;  // the stalled write below holds its thread until released
+  auto keys = Keys(kSlots, 41);
+  Chunks in(kSlots, 41);
+  auto blockers = Keys(2, 42);
+  Chunks blocker_data(2, 42);
+  SyncPointScope sync;
+  std::atomic<bool> raced{false};
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  struct Release {
+    ~Release() { env->ReleaseStalls(); }
+  } release;  // before the engine goes, whatever fails
+  MemoryTier& l1 = EngineInternals::memory(*engine);
+  FileTier& l2 = *EngineInternals::file(*engine);
+  // L2's write queue held full by writes of the test's own: one stuck in the kernel, one queued.
+  // Every write-through is refused (deferred), and so is every flusher write.
+  env->StallOpens(l2.ChunkPath(blockers[0]));
+  ASSERT_TRUE(l2.WriteAsync(blockers[0], blocker_data.In()[0], nullptr).ok());
+  ASSERT_EQ(env->WaitForStalls(1, 30000ms), 1u);
+  ASSERT_TRUE(l2.WriteAsync(blockers[1], blocker_data.In()[1], nullptr).ok());
+  // L1 full of dirty chunks: the flusher takes the coldest, keys[0], to keep one slot clean.
+  SyncPoint::Get().SetCallBack("Engine::FlushPass:Taken", [&](void* arg) {
+    auto* taken = static_cast<std::vector<MemoryTier::Dirty>*>(arg);
+    if (raced || taken->size() != 1 || taken->front().key != keys[0]) return;
+    // A completing write retries the deferred write-throughs now, keys[0]'s first.
+    EngineInternals::ResubmitDeferred(*engine);
+    // keys[0] is read: no longer next in eviction order, so the flusher will not come back to it.
+    auto pinned = l1.Pin(keys[0]);
+    ASSERT_TRUE(pinned.ok());
+    l1.Unpin(*pinned);
+    raced = true;
+  });  // ... and the flusher's write of keys[0] is refused.
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  ASSERT_TRUE(testing::WaitUntil([&] { return raced.load(); })) << "the flusher never took it";
+  // The queue empties; nothing is stored or flushed after this.
+  env->ReleaseStalls();
+  ASSERT_TRUE(testing::WaitUntil([&] { return l2.LookupPrefix(std::span(keys).subspan(1)) == 7; }))
+      << "the other chunks never reached L2";
+  EXPECT_TRUE(testing::WaitUntil([&] { return l1.Stats().dirty == 0; }, 10000ms))
+      << l1.Stats().dirty << " chunk(s) left dirty in L1, with no write to come";
+  EXPECT_EQ(l2.LookupPrefix(std::span(keys).first(1)), 1u);
+  EXPECT_EQ(engine->Stats().dirty_evictions, 0u);
+}
+
+// A write-through whose write failed (the storage, not the queue, said no) is tried again until
+// L2 has it, with nothing stored or flushed after it. Under write-through nothing evicts a chunk
+// L2 does not have, and the flusher, which retries its own failed writes, looks only at the
+// chunks next in eviction order: here none (L1 has room).
+TEST(EngineFileTest, FailedWriteThroughIsRetriedUntilL2HasIt) {
+  testing::TempDir dir;
+  FaultInjectionOptions f;
+  f.write_error = 1;
+  FaultInjectionEnv env(Env::Default(), f);
+  auto engine = OpenEngineThenFault(Options(dir.path(), 8, WritePolicy::kWriteThrough), env);
+  ASSERT_TRUE(engine);
+  auto keys = Keys(2, 43);
+  Chunks in(2, 43);
+  ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
+  ASSERT_TRUE(testing::WaitUntil([&] { return engine->Stats().file.errors >= 2; }));
+  env.SetEnabled(false);  // the storage recovers
+  EXPECT_TRUE(testing::WaitUntil([&] { return engine->Stats().memory_detail.dirty == 0; }, 10000ms))
+      << engine->Stats().memory_detail.dirty << " chunk(s) left dirty in L1";
+  EXPECT_EQ(engine->Stats().file_detail.chunks, 2u);
+}
+
 // Write-through keeps every store it acknowledges. With the file tier's storage hung, L1 fills
 // with chunks the tier has not taken; the next store, by Store or by the server's ReserveSlots,
 // is refused (retryable, counted) instead of evicting one of them. A burst of 3x L1: after the
@@ -554,7 +635,8 @@ TEST(EngineFileTest, LoadLargerThanTheReadQueueDeliversEverything) {
 }
 
 // One failed L2 write is one error in the engine's stats (it was two: the tier's and the
-// engine's).
+// engine's). The write is retried (FailedWriteThroughIsRetriedUntilL2HasIt), each attempt
+// failing once, until the storage recovers.
 TEST(EngineFileTest, FailedWriteIsCountedOnce) {
   testing::TempDir dir;
   FaultInjectionOptions f;
@@ -567,9 +649,12 @@ TEST(EngineFileTest, FailedWriteIsCountedOnce) {
   ASSERT_TRUE(engine->Store(keys, in.In())->Wait().status.ok());
   EXPECT_TRUE(engine->Drain());
   env.SetEnabled(false);
+  EXPECT_TRUE(engine->Drain());  // a retry that failed before the recovery has been counted
   EngineStats st = engine->Stats();
-  EXPECT_EQ(st.file.errors, 1u);
-  EXPECT_EQ(st.file_detail.errors, 1u);
+  const uint64_t failed_writes = env.counters().write_errors;
+  EXPECT_GE(failed_writes, 1u);
+  EXPECT_EQ(st.file.errors, failed_writes);
+  EXPECT_EQ(st.file_detail.errors, failed_writes);
   EXPECT_EQ(st.file.rejections, 0u);
 }
 

@@ -1,4 +1,4 @@
-// Tests' access to an Engine's tiers, which the public API does not expose.
+// Tests' access to an Engine's tiers and internal steps, which the public API does not expose.
 #pragma once
 
 #include "kvtier/engine.h"
@@ -10,6 +10,8 @@ namespace kvtier {
 struct EngineInternals {
   static MemoryTier& memory(Engine& engine);
   static FileTier* file(Engine& engine);  // null without L2
+  // One retry of the write-throughs deferred for want of room, as a completing write runs it.
+  static void ResubmitDeferred(Engine& engine);
 };
 
 }  // namespace kvtier

@@ -382,9 +382,8 @@ Result<SlotId> MemoryTier::Table::BeginClean(const ChunkKey& key) {
   auto it = index_.find(key);
   if (it == index_.end()) return Status::NotFound("not in the memory tier");
   Slot& s = slots_[it->second];
-  if (s.state != SlotState::kResident || !s.dirty || s.cleaning) {
-    return Status::NotFound("nothing to clean");
-  }
+  if (s.state != SlotState::kResident || !s.dirty) return Status::NotFound("nothing to clean");
+  if (s.cleaning) return Status::Rejected("another writer is cleaning it");
   s.cleaning = true;
   ++cleaning_;
   if (s.pins++ == 0) ++pinned_;

@@ -183,7 +183,7 @@ TEST(MemoryTierTest, FlushCandidatesFollowEvictionOrderWithinTheHeadroom) {
   EXPECT_EQ(t->SlotData(taken[0].slot)[0], 0);
   // Being cleaned: pinned (not evictable), not taken twice, not begun again.
   EXPECT_TRUE(t->TakeFlushCandidates(3, 10).empty());
-  EXPECT_FALSE(t->BeginClean(Key(0)).ok());
+  EXPECT_EQ(t->BeginClean(Key(0)).status().code(), StatusCode::kRejected);  // another writer's
   EXPECT_EQ(t->Stats().cleaning, 2u);
   EXPECT_EQ(t->Remove(Key(0)).code(), StatusCode::kRejected);
   t->EndClean(taken[0].slot, /*stored=*/true);
@@ -207,7 +207,7 @@ TEST(MemoryTierTest, FlushCandidatesFollowEvictionOrderWithinTheHeadroom) {
   ASSERT_TRUE(slot.ok());
   t->EndClean(*slot, true);
   EXPECT_EQ(t->Stats().dirty, 0u);
-  EXPECT_FALSE(t->BeginClean(Key(3)).ok());  // clean: nothing to do
+  EXPECT_EQ(t->BeginClean(Key(3)).status().code(), StatusCode::kNotFound);  // clean: nothing to do
 }
 
 // Under the prefix-aware policy, leaves pinned by writes to a lower tier (slow or hung storage)
