@@ -3,6 +3,7 @@ with a file tier: what it keeps in L1 and in which order, that what it keeps sur
 saves, the hand-over of its pins to a returning request's load, the gates (too few returns,
 irregular returns, the horizon), and a server that dies under it."""
 
+import logging
 import time
 
 import pytest
@@ -21,10 +22,11 @@ def ns():
     return kvtier.KeyNamespace("test/prefetch-model", 7, chunk_tokens=16)
 
 
-@pytest.fixture
-def served(tmp_path, ns):
+def serving(tmp_path, ns, client_slots=900):
+    """A server with a file tier, a client of it and a Prefetcher keeping a quarter of the pool
+    over that client: (server, client, prefetch, counts)."""
     server = Serve("--l2", f'{{"type":"fs","path":"{tmp_path / "l2"}"}}',
-                   "--write-policy", "write_through", "--max-client-slots", "900")
+                   "--write-policy", "write_through", "--max-client-slots", str(client_slots))
     client = kvtier.connect(ns, socket_path=server.socket, client_name="pytest-prefetch")
     counts = {}
     rate = [0.0]  # the file tier's read rate the connector would give it; 0: unknown
@@ -34,10 +36,20 @@ def served(tmp_path, ns):
                           lambda: rate[0], chunk_tokens=16, pays=lambda c, r: pays[0],
                           autoplan=False)
     prefetch.rate, prefetch.pays = rate, pays
-    yield server, client, prefetch, counts
+    return server, client, prefetch, counts
+
+
+def close(server, client, prefetch, counts):
     prefetch.close()
     client.close()
     server.stop()
+
+
+@pytest.fixture
+def served(tmp_path, ns):
+    parts = serving(tmp_path, ns)
+    yield parts
+    close(*parts)
 
 
 def store(client, keys, seed):
@@ -232,6 +244,25 @@ def test_nothing_is_read_ahead_for_returns_that_read_the_file_tier_anyway(served
     assert counts.get("prefetches_unneeded", 0) >= 1
     assert counts.get("tokens_prefetched_from_file", 0) == 0
     assert all(client.lookup(k)[1] == 0 for k in convs)
+
+
+def test_a_server_limit_below_the_prefetch_share_is_reported_with_the_fix(tmp_path, ns, caplog):
+    """The server lets one client hold 150 slots, less than the prefetch's quarter of the pool
+    (two conversations): the first is kept, the rest refused, and the log says which setting to
+    raise, once (not on every refusal)."""
+    parts = serving(tmp_path, ns, client_slots=150)
+    server, client, prefetch, counts = parts
+    try:
+        convs = on_file_tier_only(client, ns, 3, seed=700)
+        with caplog.at_level(logging.WARNING, logger="vllm.kvtier"):
+            now = converse(prefetch, convs, 0.0, gap=30.0)
+            settle(prefetch, now)
+        told = [r.getMessage() for r in caplog.records if "--max-client-slots" in r.getMessage()]
+        assert len(told) == 1, told
+        assert "kvtier.prefetch_fraction" in told[0] and "0.50 of the pool" in told[0]
+        assert client.lookup(convs[0])[1] == CONV  # within the limit: kept
+    finally:
+        close(*parts)
 
 
 def test_the_horizon_follows_the_spread_of_the_gaps():

@@ -121,6 +121,7 @@ class Prefetcher:
         self._on_gpu: collections.deque[bool] = collections.deque(maxlen=GAP_WINDOW)
         self._busy = False  # a promotion is under way
         self._budget: int | None = None  # pins the kept set may hold, all ranks together
+        self._quota_warned = -60.0  # when the server's per-client limit was last reported
         self._targeted: dict[bytes, _Expected] = {}  # by anchor: those with a target > 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         # plan() runs on a thread of its own every PLAN_EVERY_S: an idle engine takes no steps,
@@ -308,9 +309,12 @@ class Prefetcher:
             slots: list[int] = []
             if client is not None:
                 try:
-                    slots = list(client.prepare_load(keys).wait().slots)
+                    result = client.prepare_load(keys).wait()
+                    slots = list(result.slots)
+                    if not result.ok:
+                        self._failed(len(keys), result.message)
                 except kvtier.KvtierError as err:
-                    logger.debug("kvtier: prefetching %d chunks failed: %s", len(keys), err)
+                    self._failed(len(keys), str(err))
             pins.append((client, slots))
         self._count("chunks_prefetched", min((len(s) for _, s in pins), default=0))
         if pins:  # what came up from the file tier: not a file-tier hit of any request
@@ -332,6 +336,23 @@ class Prefetcher:
                         self._returning[req_id] = (back_keys, pins)  # it came back meanwhile
                         return
         self._unpin(pins)
+
+    def _failed(self, n: int, err: str) -> None:
+        """A promotion the server refused, or cut short. Its per-client limit is the one a user
+        sets too low for a prefetch (the scheduler's pins count against it): said once a minute,
+        with the fix. Anything else (a server gone, chunks no longer stored) is the prefetch's
+        ordinary loss."""
+        if "--max-client-slots" not in err:
+            logger.debug("kvtier: prefetching %d chunks failed: %s", n, err)
+            return
+        if time.monotonic() - self._quota_warned >= 60.0:
+            self._quota_warned = time.monotonic()
+            logger.warning(
+                "kvtier: the server refused the prefetch's pins of %d chunks: %s. The prefetch's "
+                "share of the pool (kvtier.prefetch_fraction, %.2f) and the layer-wise loads' "
+                "pins count against it: start kvtier serve with --max-client-slots of at least "
+                "%.2f of the pool's slots, or lower kvtier.prefetch_fraction", n, err,
+                self._fraction, min(1.0, self._fraction + 0.25))
 
     def _release(self, pins: list[_Pins]) -> None:
         if _held(pins):
