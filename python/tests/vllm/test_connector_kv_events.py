@@ -69,21 +69,27 @@ def test_descriptor_of_the_worked_example(sha256_hashing, monkeypatch):
     assert all(_hex_is(k, want) for k, want in zip(keys, KVTIER_KEYS))
 
     request = _request(sha256_hashing, TOKENS)
+    # The hashes as this vLLM's events publish them, from its own block hasher: what a
+    # descriptor must carry on every version. The worked example's figures are vLLM 0.31's and
+    # later (whose block-hash inputs changed with the tagged extra keys): checked there.
+    hashing = compat.event_hashing()
+    published = [hashing.convert(h) for h in request.block_hashes]
+    if hashing.to_event_extra_keys is not None:
+        assert published == EVENT_HASHES
     d0, d1 = _descriptors(request, keys)
     assert d0 == {"index": 0, "block_size": 16, "group_idx": 0,
-                  "block_hashes": EVENT_HASHES[:2], "parent_block_hash": None,
+                  "block_hashes": published[:2], "parent_block_hash": None,
                   "token_ids": struct.pack("<32I", *TOKENS[:32]), "lora_id": None,
                   "lora_name": None}
     assert d1 == {"index": 1, "block_size": 16, "group_idx": 0,
-                  "block_hashes": EVENT_HASHES[2:], "parent_block_hash": EVENT_HASHES[1],
+                  "block_hashes": published[2:], "parent_block_hash": published[1],
                   "token_ids": struct.pack("<32I", *TOKENS[32:]), "lora_id": None,
                   "lora_name": None}
     # The whole chunk as one 32-token block (a coarser KV cache group over 16-token hashes):
     # its hash is the chunk's last 16-token block's, its parent the previous chunk's last.
-    hashing = compat.event_hashing()
     (c1,) = chunk_hashes(hashing, request, keys[1:], 1, 32, 32, 16)
     d = msgspec.msgpack.decode(encode_descriptor(hashing, c1, 32, 0))
-    assert d["block_hashes"] == EVENT_HASHES[3:] and d["parent_block_hash"] == EVENT_HASHES[1]
+    assert d["block_hashes"] == published[3:] and d["parent_block_hash"] == published[1]
 
     # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the digests themselves, whose low 64 bits are the
     # int form.
@@ -91,9 +97,10 @@ def test_descriptor_of_the_worked_example(sha256_hashing, monkeypatch):
     _, d1 = _descriptors(request, keys)
     digests = d1["block_hashes"]
     assert all(isinstance(h, bytes) and len(h) == 32 for h in digests)
-    assert _hex_is(digests[0], DIGEST_2)
-    assert [int.from_bytes(h[-8:], "big") for h in digests] == EVENT_HASHES[2:]
-    assert int.from_bytes(d1["parent_block_hash"][-8:], "big") == EVENT_HASHES[1]
+    if hashing.to_event_extra_keys is not None:
+        assert _hex_is(digests[0], DIGEST_2)
+    assert [int.from_bytes(h[-8:], "big") for h in digests] == published[2:]
+    assert int.from_bytes(d1["parent_block_hash"][-8:], "big") == published[1]
 
 
 def test_descriptor_matches_vllms_block_pool_with_salt_and_lora(sha256_hashing):
@@ -135,7 +142,8 @@ def test_event_hashing_before_and_after_to_event_extra_keys():
     assert h.resolve([b"x"], 16, 16) == [b"x"]
     with pytest.raises(compat.UnsupportedVllmError):
         h.resolve([b"x"], 16, 32)
-    assert compat.detect_event_hashing(utils).to_event_extra_keys is utils.to_event_extra_keys
+    assert (compat.detect_event_hashing(utils).to_event_extra_keys
+            is getattr(utils, "to_event_extra_keys", None))
     with pytest.raises(compat.UnsupportedVllmError, match="maybe_convert_block_hash"):
         compat.detect_event_hashing(types.SimpleNamespace())
 
