@@ -49,6 +49,8 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from . import compat
+
 GPU_BLOCK_TOKENS = 16
 
 
@@ -60,11 +62,11 @@ def offloading_config(extra_config: dict[str, Any], *, bytes_per_token: int,
     block_size = int(extra_config.get("block_size", GPU_BLOCK_TOKENS))
     if block_size % GPU_BLOCK_TOKENS:
         raise ValueError(f"block_size must be a multiple of {GPU_BLOCK_TOKENS}")
+    group = OffloadingGroupConfig(**compat.known_fields(  # group_id: from vLLM 0.32
+        OffloadingGroupConfig, tokens_per_block=GPU_BLOCK_TOKENS, group_id=0,
+        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(num_layers))))
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(
-            tokens_per_block=GPU_BLOCK_TOKENS,
-            layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(num_layers)),
-            group_id=0),),
+        groups=(group,),
         worker_kv_bytes_per_block=bytes_per_token * GPU_BLOCK_TOKENS,
         enable_kv_cache_events=False,
         extra_config=extra_config,
@@ -215,10 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for j in range(args.jobs):
             lo = j * args.chunks_per_job
-            out.append(TransferJob(
-                job_id=job_id, keys=keys[lo:lo + args.chunks_per_job],
-                chunk_ids=np.arange(lo, lo + args.chunks_per_job, dtype=np.int64) + chunk_offset,
-                is_promotion=is_promotion, req_context=ReqContext(req_id=f"r{j}")))
+            ids = np.arange(lo, lo + args.chunks_per_job, dtype=np.int64) + chunk_offset
+            out.append(TransferJob(**compat.known_fields(  # chunk_ids: block_ids before 0.32
+                TransferJob, job_id=job_id, keys=keys[lo:lo + args.chunks_per_job],
+                chunk_ids=ids, block_ids=ids, is_promotion=is_promotion,
+                req_context=ReqContext(req_id=f"r{j}"))))
             job_id += 1
         return out
 

@@ -21,7 +21,11 @@ What differs, as read from vLLM's own sources (docs/vllm.md, "Supported vLLM ver
 * `skip_reading_prefix_cache` is applied to connector hits by vLLM's scheduler in some versions
   only (0.31 to 0.33); `skip_reading_external_kv` from 0.34. The connector checks both itself.
 * The tiering interface of vLLM's native offloading (`kvtier.vllm.tiering`): an out-of-tree
-  secondary tier named by module path from 0.28; before, tiers are vLLM's own only.
+  secondary tier named by module path from 0.28; before, tiers are vLLM's own only. Fields and
+  arguments added since 0.28 (`JobResult.transfer_bytes`, `SecondaryTierManager`'s
+  `backpressure_detector`, `OffloadingEvent.locality`, `OffloadingGroupConfig.group_id`) are
+  passed only where the installed vLLM takes them (`known_fields`); a job's and a spec's
+  `chunk_ids` were `block_ids` before 0.32 (`chunk_ids`), and `block_size_bytes` came in 0.32.
 * KV-cache events (`event_hashing`): `to_event_extra_keys` (0.31 and later) turns the tagged
   extra keys of block hashes (`("lora", name, path)`, ...) into the bare ones events publish;
   before, events publish `generate_block_hash_extra_keys`' keys as they are (already bare).
@@ -38,6 +42,25 @@ from typing import Any
 
 # The versions whose interface the connector was read against and tested on (docs/vllm.md).
 TESTED_RANGE = ("0.26", "0.34")
+
+
+def known_fields(target: Any, **values: Any) -> dict[str, Any]:
+    """`values` less those `target` (a dataclass, or a callable) has no field or parameter for:
+    what to pass to a vLLM class whose fields grew across versions. Only what an older vLLM
+    neither reads nor passes goes this way (reporting fields, an argument it never gives)."""
+    if dataclasses.is_dataclass(target):
+        names = {f.name for f in dataclasses.fields(target)}
+    else:
+        import inspect
+        names = set(inspect.signature(target).parameters)
+    return {k: v for k, v in values.items() if k in names}
+
+
+def chunk_ids(job_or_spec: Any) -> Any:
+    """The primary tier's chunk ids of a tiering TransferJob or a CPU load/store spec:
+    `chunk_ids` from vLLM 0.32, `block_ids` before (the same ids, renamed)."""
+    ids = getattr(job_or_spec, "chunk_ids", None)
+    return job_or_spec.block_ids if ids is None else ids
 
 
 class UnsupportedVllmError(ImportError):

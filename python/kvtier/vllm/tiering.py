@@ -191,7 +191,9 @@ class KvtierTier(SecondaryTierManager):
         enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
     ):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        super().__init__(offloading_spec, primary_kv_view, tier_type,
+                         **compat.known_fields(SecondaryTierManager.__init__,
+                                               backpressure_detector=backpressure_detector))
         self.locality = Locality(locality) if locality is not None else None
         settings = _l2_settings(l2)
         chunk_bytes = self.block_size_bytes
@@ -233,6 +235,12 @@ class KvtierTier(SecondaryTierManager):
             f"{stats['capacity_bytes'] / 2**30:.1f} GiB" if stats["capacity_bytes"]
             else "unlimited", "on" if sync_data else "off")
 
+    @property
+    def block_size_bytes(self) -> int:
+        """Bytes of one chunk in the primary tier's view (vLLM's own property from 0.32, the
+        same stride; absent in 0.28)."""
+        return self._primary_kv_view.strides[0]
+
     def kvtier_key(self, key: OffloadKey) -> bytes:
         """kvtier's 32-byte key of a vLLM offload key (block hash and group): bound to this
         tier's namespace, the same in every process and on every host."""
@@ -253,7 +261,7 @@ class KvtierTier(SecondaryTierManager):
 
     def _offsets(self, job: TransferJob) -> list[int]:
         n = self._chunk_bytes
-        return [int(c) * n for c in job.chunk_ids]
+        return [int(c) * n for c in compat.chunk_ids(job)]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -280,14 +288,13 @@ class KvtierTier(SecondaryTierManager):
                     logger.warning("kvtier tier: %d of %d chunks not stored: %s",
                                    len(store_keys) - chunks, len(store_keys), error)
                 elif self.events is not None and store_keys:
-                    self.events.append(OffloadingEvent(keys=store_keys, medium=self.medium,
-                                                       removed=False, locality=self.locality))
-                results.append(JobResult(job_id=job_id, success=ok, transfer_time=seconds,
-                                         transfer_bytes=chunks * self._chunk_bytes))
+                    self.events.append(OffloadingEvent(**compat.known_fields(
+                        OffloadingEvent, keys=store_keys, medium=self.medium, removed=False,
+                        locality=self.locality)))
+                results.append(self._result(job_id, ok, seconds, chunks))
                 continue
             if ok:
-                results.append(JobResult(job_id=job_id, success=True, transfer_time=seconds,
-                                         transfer_bytes=chunks * self._chunk_bytes))
+                results.append(self._result(job_id, True, seconds, chunks))
                 continue
             # The leading `chunks` were read and verified; the rest are misses from now on, so
             # vLLM does not promote them again, and recomputes.
@@ -296,11 +303,16 @@ class KvtierTier(SecondaryTierManager):
                            "(%s)", len(load_keys), chunks, error)
             for key in load_keys[chunks:]:
                 self._remember_failed(self.kvtier_key(key))
-            results.append(JobResult(
-                job_id=job_id, success=False,
-                successful_keys=tuple(load_keys[:chunks]) if chunks else None,
-                transfer_time=seconds, transfer_bytes=chunks * self._chunk_bytes))
+            results.append(self._result(job_id, False, seconds, chunks,
+                                        tuple(load_keys[:chunks]) if chunks else None))
         return results
+
+    def _result(self, job_id: JobId, ok: bool, seconds: float, chunks: int,
+                successful_keys=None) -> JobResult:
+        # transfer_bytes (vLLM's tiering metrics) is a field from 0.32 on.
+        return JobResult(**compat.known_fields(
+            JobResult, job_id=job_id, success=ok, successful_keys=successful_keys,
+            transfer_time=seconds, transfer_bytes=chunks * self._chunk_bytes))
 
     def _remember_failed(self, key: bytes) -> None:
         self._failed[key] = None

@@ -144,3 +144,27 @@ def test_full_cuda_graphs_turn_layerwise_loads_off():
     assert KvtierConnector.requires_piecewise_for_cudagraph({})
     assert KvtierConnector.requires_piecewise_for_cudagraph({"kvtier.load_mode": "layerwise"})
     assert not KvtierConnector.requires_piecewise_for_cudagraph({"kvtier.load_mode": "async"})
+
+
+def test_tiering_fields_that_came_later_are_passed_only_where_vllm_takes_them():
+    """vLLM 0.28's tiering classes lack fields 0.32 added (JobResult.transfer_bytes, the
+    manager's backpressure_detector) and name a job's chunk ids block_ids: what the installed
+    vLLM takes is what is passed, whichever it is."""
+    @dataclasses.dataclass
+    class OldJobResult:  # 0.28's shape
+        job_id: int
+        success: bool
+        transfer_time: float | None = None
+
+    kept = compat.known_fields(OldJobResult, job_id=1, success=True, transfer_time=0.5,
+                               transfer_bytes=4096)
+    assert OldJobResult(**kept) == OldJobResult(1, True, 0.5)
+
+    def old_init(self, spec, view, tier_type):  # 0.28's SecondaryTierManager.__init__
+        pass
+
+    assert compat.known_fields(old_init, backpressure_detector=None) == {}
+    assert compat.known_fields(lambda a, backpressure_detector=None: a,
+                               backpressure_detector=7) == {"backpressure_detector": 7}
+    assert compat.chunk_ids(types.SimpleNamespace(block_ids=[3, 4])) == [3, 4]
+    assert compat.chunk_ids(types.SimpleNamespace(chunk_ids=[5])) == [5]

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
+from kvtier.vllm import compat  # noqa: E402
 from kvtier.vllm.bench_tiering import offload_keys, offloading_config  # noqa: E402
 from kvtier.vllm.tiering import KvtierTier, KvtierTierMetrics  # noqa: E402
 
@@ -68,7 +69,7 @@ class Driver:
         ctx = self.request()
         out = self.manager.prepare_store(keys, ctx)
         assert list(out.keys_to_store) == list(keys)
-        for slot, chunk in zip(out.store_spec.chunk_ids, chunks):
+        for slot, chunk in zip(compat.chunk_ids(out.store_spec), chunks):
             self.primary[slot] = chunk
         self.manager.complete_store(keys, ctx)
         self.manager.on_request_finished(ctx)
@@ -89,7 +90,7 @@ class Driver:
         data = None
         if hits:
             spec = self.manager.prepare_load(keys[:hits], ctx)
-            data = self.primary[np.asarray(spec.chunk_ids)].copy()
+            data = self.primary[np.asarray(compat.chunk_ids(spec))].copy()
             self.manager.complete_load(keys[:hits], ctx)
         self.manager.on_request_finished(ctx)
         return results, data
@@ -235,7 +236,7 @@ def test_shutdown_waits_for_jobs_in_flight(driver):
     keys = offload_keys("shutdown", 8)
     ctx = d.request()
     out = d.manager.prepare_store(keys, ctx)
-    for slot, chunk in zip(out.store_spec.chunk_ids, random_chunks(8, 4)):
+    for slot, chunk in zip(compat.chunk_ids(out.store_spec), random_chunks(8, 4)):
         d.primary[slot] = chunk
     d.manager.complete_store(keys, ctx)  # cascades: 8 writes now in flight
     tier = d.tier
