@@ -22,10 +22,10 @@ What differs, as read from vLLM's own sources (docs/vllm.md, "Supported vLLM ver
   only (0.31 to 0.33); `skip_reading_external_kv` from 0.34. The connector checks both itself.
 * The tiering interface of vLLM's native offloading (`kvtier.vllm.tiering`): an out-of-tree
   secondary tier named by module path from 0.28; before, tiers are vLLM's own only. Fields and
-  arguments added since 0.28 (`JobResult.transfer_bytes`, `SecondaryTierManager`'s
-  `backpressure_detector`, `OffloadingEvent.locality`, `OffloadingGroupConfig.group_id`) are
-  passed only where the installed vLLM takes them (`known_fields`); a job's and a spec's
-  `chunk_ids` were `block_ids` before 0.32 (`chunk_ids`), and `block_size_bytes` came in 0.32.
+  arguments that came in 0.32 (`JobResult.transfer_bytes`, `SecondaryTierManager`'s
+  `backpressure_detector`, `OffloadingGroupConfig.group_id`) are passed only where the installed
+  vLLM takes them (`known_fields`); a job's and a CPU spec's ids, `chunk_ids` from 0.32, were
+  `block_ids` before (read through `chunk_ids()`); `block_size_bytes` came in 0.32 too.
 * KV-cache events (`event_hashing`): `to_event_extra_keys` (0.31 and later) turns the tagged
   extra keys of block hashes (`("lora", name, path)`, ...) into the bare ones events publish;
   before, events publish `generate_block_hash_extra_keys`' keys as they are (already bare).
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any
 
 # The versions whose interface the connector was read against and tested on (docs/vllm.md).
@@ -51,7 +52,6 @@ def known_fields(target: Any, **values: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(target):
         names = {f.name for f in dataclasses.fields(target)}
     else:
-        import inspect
         names = set(inspect.signature(target).parameters)
     return {k: v for k, v in values.items() if k in names}
 

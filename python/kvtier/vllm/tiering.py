@@ -288,9 +288,8 @@ class KvtierTier(SecondaryTierManager):
                     logger.warning("kvtier tier: %d of %d chunks not stored: %s",
                                    len(store_keys) - chunks, len(store_keys), error)
                 elif self.events is not None and store_keys:
-                    self.events.append(OffloadingEvent(**compat.known_fields(
-                        OffloadingEvent, keys=store_keys, medium=self.medium, removed=False,
-                        locality=self.locality)))
+                    self.events.append(OffloadingEvent(keys=store_keys, medium=self.medium,
+                                                       removed=False, locality=self.locality))
                 results.append(self._result(job_id, ok, seconds, chunks))
                 continue
             if ok:
