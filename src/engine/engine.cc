@@ -279,8 +279,9 @@ struct Engine::Impl {
   };
   WriteStart StartWriteThrough(const ChunkKey& key);
   void DeferWriteThrough(const ChunkKey& key);
-  void ResubmitDeferred();
-  void RetryFailedWriteThroughs();
+  void ResubmitDeferred() { RetryWriteThroughs(deferred); }
+  // Up to 8 chunks of `list` (deferred or failed) tried again.
+  void RetryWriteThroughs(std::deque<ChunkKey>& list);
   // Starts the L2 reads of the given chunks of a load, each into a reserved L1 slot.
   void StartFileReads(std::shared_ptr<OpHandle::State> state, std::span<const ChunkKey> keys,
                       const std::vector<size_t>& chunks, std::span<const std::span<uint8_t>> dst);
@@ -556,7 +557,10 @@ void Engine::Impl::FlusherLoop() {
     // was completing has no completion left to retry it, and would stay dirty (not in L2) until
     // the next store.
     ResubmitDeferred();
-    RetryFailedWriteThroughs();
+    // Failed write-throughs, a few a round (never from completions: storage that fails every
+    // write would otherwise be retried as fast as it fails); a failed chunk is dirty for good
+    // otherwise, under write-through.
+    RetryWriteThroughs(failed);
   }
 }
 
@@ -657,20 +661,21 @@ void Engine::Impl::DeferWriteThrough(const ChunkKey& key) {
   }
 }
 
-// Called as writes complete: refills the file tier's write queue from the deferred list.
-void Engine::Impl::ResubmitDeferred() {
+// As writes complete (the deferred list: refills the file tier's write queue) and on the
+// flusher's rounds (both lists).
+void Engine::Impl::RetryWriteThroughs(std::deque<ChunkKey>& list) {
   for (int i = 0; i < 8; ++i) {
     ChunkKey key;
     {
       std::lock_guard lock(deferred_mu);
-      if (deferred.empty()) return;
-      key = deferred.front();
-      deferred.pop_front();
+      if (list.empty()) return;
+      key = list.front();
+      list.pop_front();
     }
     const WriteStart started = StartWriteThrough(key);
     if (started == WriteStart::kNoRoom) {
       std::lock_guard lock(deferred_mu);
-      deferred.push_front(key);  // still full: the next completion retries
+      list.push_front(key);  // still full: the next completion or flusher round retries
       return;
     }
     if (started == WriteStart::kBusy) {
@@ -679,27 +684,7 @@ void Engine::Impl::ResubmitDeferred() {
       // it only while it is next in eviction order (a chunk read since is not). Kept, it is
       // looked at again after the chunks behind it.
       std::lock_guard lock(deferred_mu);
-      deferred.push_back(key);
-    }
-  }
-}
-
-// On the flusher's rounds: a few write-throughs whose write failed are tried again (a failed
-// chunk is dirty for good otherwise, under write-through).
-void Engine::Impl::RetryFailedWriteThroughs() {
-  for (int i = 0; i < 8; ++i) {
-    ChunkKey key;
-    {
-      std::lock_guard lock(deferred_mu);
-      if (failed.empty()) return;
-      key = failed.front();
-      failed.pop_front();
-    }
-    const WriteStart started = StartWriteThrough(key);
-    if (started == WriteStart::kNoRoom || started == WriteStart::kBusy) {
-      std::lock_guard lock(deferred_mu);
-      failed.push_back(key);  // the next round tries again
-      if (started == WriteStart::kNoRoom) return;
+      list.push_back(key);
     }
   }
 }
