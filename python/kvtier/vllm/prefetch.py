@@ -46,6 +46,7 @@ MAX_EXPECTED = 4096
 # or a chunk in no tier) is tried again this much later.
 RETRY_S = 1.0
 PLAN_EVERY_S = 0.05  # how often the planning thread plans
+LOG_EVERY_S = 60.0  # a kind of trouble (a failing plan, a refusing server) is logged this seldom
 
 
 def predictable(gaps: list[float], on_gpu: list[bool]) -> list[float] | None:
@@ -121,7 +122,7 @@ class Prefetcher:
         self._on_gpu: collections.deque[bool] = collections.deque(maxlen=GAP_WINDOW)
         self._busy = False  # a promotion is under way
         self._budget: int | None = None  # pins the kept set may hold, all ranks together
-        self._quota_warned = -60.0  # when the server's per-client limit was last reported
+        self._said: dict[str, float] = {}  # when each kind of trouble was last logged
         self._targeted: dict[bytes, _Expected] = {}  # by anchor: those with a target > 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         # plan() runs on a thread of its own every PLAN_EVERY_S: an idle engine takes no steps,
@@ -267,9 +268,16 @@ class Prefetcher:
             try:
                 self.plan(time.time())
             except Exception:  # never let a bug here stop the engine; say it once a minute
-                if time.monotonic() - getattr(self, "_logged", -60.0) >= 60.0:
-                    self._logged = time.monotonic()
+                if self._may_say("plan"):
                     logger.exception("kvtier: the prefetch's plan failed")
+
+    def _may_say(self, what: str) -> bool:
+        """Whether trouble of kind `what` may be logged now: once a minute at most."""
+        now = time.monotonic()
+        if now - self._said.get(what, -LOG_EVERY_S) < LOG_EVERY_S:
+            return False
+        self._said[what] = now
+        return True
 
     def _slots(self) -> int:
         if self._budget is None:
@@ -345,8 +353,7 @@ class Prefetcher:
         if "--max-client-slots" not in err:
             logger.debug("kvtier: prefetching %d chunks failed: %s", n, err)
             return
-        if time.monotonic() - self._quota_warned >= 60.0:
-            self._quota_warned = time.monotonic()
+        if self._may_say("quota"):
             logger.warning(
                 "kvtier: the server refused the prefetch's pins of %d chunks: %s. The prefetch's "
                 "share of the pool (kvtier.prefetch_fraction, %.2f) and the layer-wise loads' "
