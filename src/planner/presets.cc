@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -16,6 +17,8 @@ constexpr GpuSpec kGpus[] = {
     {"h200", 143771.0 * 1048576, 989e12, 4.8e12},
     {"h100", 81559.0 * 1048576, 989e12, 3.35e12},
     {"a100-80g", 81251.0 * 1048576, 312e12, 2.039e12},
+    // The published multi-round experiment's GPU (SXM4, HBM2).
+    {"a100-40g", 40354.0 * 1048576, 312e12, 1.555e12},
     {"l40s", 46068.0 * 1048576, 362e12, 0.864e12},
 };
 
@@ -154,7 +157,11 @@ Result<ModelSpec> LoadModel(std::string_view name_or_path, uint32_t tensor_paral
 std::vector<std::string> ModelPresetNames() { return kvtier::ModelPresetNames(); }
 
 Result<GpuSpec> LoadGpu(std::string_view name) {
-  std::string_view n = name;
+  // Names as people write them: "H100", "A100-40GB", "nvidia-h200".
+  std::string n(name);
+  for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n.starts_with("nvidia-")) n.erase(0, 7);
+  if (n.ends_with("gb")) n.pop_back();
   if (n == "h100-sxm") n = "h100";
   if (n == "a100") n = "a100-80g";
   for (const GpuSpec& g : kGpus) {

@@ -60,7 +60,8 @@ struct GpuSpec {
   double hbm_bytes_per_s = 0;  // per GPU
 };
 
-// "h200", "h100", "a100-80g", "l40s" (also "h100-sxm", "a100"). Fails on an unknown name.
+// "h200", "h100", "a100-80g", "a100-40g", "l40s" (also "h100-sxm", "a100", any case, an "nvidia-"
+// prefix, "gb" for "g"). Fails on an unknown name.
 Result<GpuSpec> LoadGpu(std::string_view name);
 std::vector<std::string> GpuPresetNames();
 

@@ -73,6 +73,11 @@ TEST(PresetsTest, UnknownNamesAreRefused) {
   EXPECT_FALSE(LoadGpu("voodoo2").ok());
   EXPECT_TRUE(LoadGpu("h200").ok());
   EXPECT_NEAR(LoadGpu("h100")->peak_flops, 989e12, 1e12);
+  // The published experiment's A100-40GB, spelled as people write it.
+  ASSERT_TRUE(LoadGpu("A100-40GB").ok());
+  EXPECT_EQ(LoadGpu("A100-40GB")->name, "a100-40g");
+  EXPECT_LT(LoadGpu("nvidia-a100-40gb")->memory_bytes, 42.5e9);
+  EXPECT_EQ(LoadGpu("H200")->name, "h200");
 }
 
 TEST(PresetsTest, PrefillFlopsAreAdditive) {
