@@ -37,19 +37,26 @@ from typing import Any
 
 import numpy as np
 
+from . import compat
+
+try:  # before vLLM 0.28: its message, and from the command line no traceback
+    compat.require_secondary_tier()
+except compat.UnsupportedVllmError as e:
+    if __name__ == "__main__":
+        sys.exit(f"bench_tiering: {e}")
+    raise
+
 # vLLM's own classes; nothing here stands in for them.
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.base import TransferJob
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-from . import compat
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 GPU_BLOCK_TOKENS = 16
 

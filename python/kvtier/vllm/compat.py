@@ -116,6 +116,19 @@ def require(module: str, *names: str) -> Any:
     return mod
 
 
+def require_secondary_tier() -> None:
+    """vLLM takes an out-of-tree secondary tier (by module path) and passes it TransferJobs from
+    0.28; 0.26 and 0.27 have only their own tiers and another job interface (JobMetadata).
+    Raises an UnsupportedVllmError that says so, for KvtierTier and its benchmark."""
+    try:
+        require("vllm.v1.kv_offload.tiering.base", "TransferJob", "SecondaryTierManager")
+    except UnsupportedVllmError as e:
+        raise UnsupportedVllmError(
+            f"{e} kvtier.vllm.tiering.KvtierTier needs vLLM 0.28 or later (earlier versions take "
+            "no out-of-tree secondary tier); with this vLLM use kvtier's own connector "
+            "(kv_connector_module_path: kvtier.vllm)") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Features:
     """What the installed vLLM's connector interface has. Built by `detect` from the modules

@@ -33,15 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import compat
 
-# vLLM takes an out-of-tree secondary tier (by module path) and passes it TransferJobs from 0.28;
-# 0.26 and 0.27 have only their own tiers and another job interface (JobMetadata).
-try:
-    compat.require("vllm.v1.kv_offload.tiering.base", "TransferJob", "SecondaryTierManager")
-except compat.UnsupportedVllmError as e:
-    raise compat.UnsupportedVllmError(
-        f"{e} kvtier.vllm.tiering.KvtierTier needs vLLM 0.28 or later (earlier versions take no "
-        "out-of-tree secondary tier); with this vLLM use kvtier's own connector "
-        "(kv_connector_module_path: kvtier.vllm)") from None
+compat.require_secondary_tier()  # before vLLM 0.28: a message, not an ImportError
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
     OffloadingConnectorStats,

@@ -168,3 +168,28 @@ def test_tiering_fields_that_came_later_are_passed_only_where_vllm_takes_them():
                                backpressure_detector=7) == {"backpressure_detector": 7}
     assert compat.chunk_ids(types.SimpleNamespace(block_ids=[3, 4])) == [3, 4]
     assert compat.chunk_ids(types.SimpleNamespace(chunk_ids=[5])) == [5]
+
+
+def test_the_secondary_tier_needs_vllm_028_and_says_so_where_it_is_missing():
+    """KvtierTier and its benchmark on the installed vLLM: they import (0.28 and later), or they
+    stop with a message naming 0.28 and the connector to use instead, never an ImportError from
+    inside vLLM; the benchmark's command line prints it without a traceback."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    try:
+        compat.require_secondary_tier()
+    except compat.UnsupportedVllmError as e:
+        message = str(e)
+        assert "0.28 or later" in message and "kvtier.vllm" in message, message
+        for module in ("kvtier.vllm.tiering", "kvtier.vllm.bench_tiering"):
+            with pytest.raises(compat.UnsupportedVllmError, match="0.28 or later"):
+                __import__(module)
+        run = subprocess.run([sys.executable, "-m", "kvtier.vllm.bench_tiering", "--help"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and "0.28 or later" in run.stderr, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    else:
+        for module in ("kvtier.vllm.tiering", "kvtier.vllm.bench_tiering"):
+            __import__(module)

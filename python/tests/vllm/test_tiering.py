@@ -17,10 +17,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.vllm import compat  # noqa: E402
+
+try:
+    compat.require_secondary_tier()
+except compat.UnsupportedVllmError as e:  # test_compat checks the message on such versions
+    pytest.skip(f"no out-of-tree tier in this vLLM: {e}", allow_module_level=True)
+
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from kvtier.vllm import compat  # noqa: E402
 from kvtier.vllm.bench_tiering import offload_keys, offloading_config  # noqa: E402
 from kvtier.vllm.tiering import KvtierTier, KvtierTierMetrics  # noqa: E402
 
