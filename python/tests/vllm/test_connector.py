@@ -229,16 +229,19 @@ def test_in_process_mode_survives_restart(workdir: Path, expected, tmp_path):
 
 
 def test_preempted_requests_resume_from_kvtier(workdir: Path, baseline):
-    prompts = [random_prompt(300 + i, 1100) for i in range(6)]
-    want = [baseline.complete(p, max_tokens=200) for p in prompts]
+    # 48 blocks of 128 tokens. Every version admits all eight prompts (5 blocks each, 40 in
+    # all), and their answers then need twice that: decoding runs out of blocks whatever the
+    # step timing, so vLLM preempts. (Six 1,100-token prompts with 200-token answers were
+    # preempted once per run on vLLM 0.32, and not at all on 0.26.)
+    prompts = [random_prompt(300 + i, 600) for i in range(8)]
+    want = [baseline.complete(p, max_tokens=600) for p in prompts]
     server = KvtierServer(workdir, None, l1_size_gb=0.5)
-    # 48 blocks of 128 tokens: room for about four of the six requests at once.
     d = Vllm(workdir, "preempt", connector_config(**{"kvtier.socket": server.socket}),
              extra_args=["--num-gpu-blocks-override", "48", "--block-size", "128",
-                         "--max-num-seqs", "6"])
+                         "--max-num-seqs", "8"])
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: d.complete(p, max_tokens=200), prompts))
+            got = list(pool.map(lambda p: d.complete(p, max_tokens=600), prompts))
         log = d.log()
         preemptions = len(re.findall(r"preempt", log, re.IGNORECASE))
         resumed = re.findall(r"preempted request \S+ resumes with (\d+) tokens from kvtier", log)
