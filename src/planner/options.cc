@@ -35,7 +35,8 @@ const std::vector<FlagInfo>& Flags() {
       {"weight-dtype", "Weights dtype, for the memory they take; default: the model's",
        &F::weight_dtype},
       {"tp", "Tensor-parallel size (GPUs per engine instance)", &F::tp},
-      {"gpu", "GPU preset: h200, h100, a100-80g, a100-40g, l40s (memory, peak bf16 FLOP/s, HBM bandwidth)",
+      {"gpu",
+       "GPU preset: h200, h100, a100-80g, a100-40g, l40s (memory, peak bf16 FLOP/s, HBM bandwidth)",
        &F::gpu},
       {"gpu-kv-gb",
        "GPU memory free for KV after weights, per GPU, in GB (1e9 bytes) or with a unit "

@@ -1,13 +1,13 @@
 #include "planner/presets.h"
 
-#include "common/model_presets.h"
-
 #include <fmt/format.h>
 
 #include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "common/model_presets.h"
 
 namespace kvtier::planner {
 namespace {
