@@ -17,7 +17,8 @@ constexpr GpuSpec kGpus[] = {
     {"h200", 143771.0 * 1048576, 989e12, 4.8e12},
     {"h100", 81559.0 * 1048576, 989e12, 3.35e12},
     {"a100-80g", 81251.0 * 1048576, 312e12, 2.039e12},
-    // The published multi-round experiment's GPU (SXM4, HBM2).
+    // The published multi-round experiment's GPU (SXM4, HBM2); memory as PyTorch reports an
+    // A100-SXM4-40GB (42,314,825,728 bytes), not measured on one of ours.
     {"a100-40g", 40354.0 * 1048576, 312e12, 1.555e12},
     {"l40s", 46068.0 * 1048576, 362e12, 0.864e12},
 };
