@@ -1,6 +1,7 @@
 #include "planner/options.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,7 +19,7 @@ constexpr const char* kQwen3H200Table = "4096:0.135,8192:0.280,16384:0.652,24576
 
 struct FlagInfo {
   const char* name;  // without dashes
-  const char* help;
+  std::string help;  // the presets' lists from their tables, so they cannot drift
   std::string PlannerFlags::*text = nullptr;
   std::vector<std::string> PlannerFlags::*list = nullptr;
   bool PlannerFlags::*flag = nullptr;
@@ -28,15 +29,16 @@ const std::vector<FlagInfo>& Flags() {
   using F = PlannerFlags;
   static const std::vector<FlagInfo> flags = {
       {"model",
-       "Model: qwen3-8b, llama-3.1-8b, llama-3.1-70b, deepseek-v3 (MLA), or a path to a Hugging "
-       "Face config.json",
+       fmt::format("Model: {}, or a path to a Hugging Face config.json",
+                   fmt::join(ModelPresetNames(), ", ")),
        &F::model},
       {"dtype", "KV cache dtype (bfloat16, float16, fp8, ...); default: the model's", &F::dtype},
       {"weight-dtype", "Weights dtype, for the memory they take; default: the model's",
        &F::weight_dtype},
       {"tp", "Tensor-parallel size (GPUs per engine instance)", &F::tp},
       {"gpu",
-       "GPU preset: h200, h100, a100-80g, a100-40g, l40s (memory, peak bf16 FLOP/s, HBM bandwidth)",
+       fmt::format("GPU preset: {} (memory, peak bf16 FLOP/s, HBM bandwidth)",
+                   fmt::join(GpuPresetNames(), ", ")),
        &F::gpu},
       {"gpu-kv-gb",
        "GPU memory free for KV after weights, per GPU, in GB (1e9 bytes) or with a unit "
