@@ -1322,12 +1322,18 @@ TEST_F(ServerTest, SilentConnectionsCostNoThreadAndCannotLockClientsOut) {
   EXPECT_EQ(over.status().code(), StatusCode::kRejected) << over.status().ToString();
 }
 
-// Runs `kvtier serve` as the unprivileged user `nobody` (uid 65534): limits on threads do not
-// apply to root.
+// Runs `kvtier serve` as an unprivileged user: limits on threads do not apply to root.
 constexpr uid_t kNobody = 65534;
-void BecomeNobody() {
-  if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) _exit(126);
+void BecomeUser(uid_t uid) {
+  if (::setgroups(0, nullptr) != 0 || ::setgid(uid) != 0 || ::setuid(uid) != 0) _exit(126);
 }
+void BecomeNobody() { BecomeUser(kNobody); }
+
+// A user no other process has: this test process's own uid, which root may take without an
+// entry in /etc/passwd. RLIMIT_NPROC counts every task of a user, so a test that sizes that
+// limit from a count of the user's tasks must not share the user with tests running beside it
+// (with `nobody`, another test's servers were counted and the limit did not bite).
+uid_t PrivateUid() { return 1'000'000 + static_cast<uid_t>(::getpid()); }
 
 // Issue 13, item 3: out of threads.
 size_t TasksOf(uid_t uid) {
@@ -1353,6 +1359,7 @@ size_t TasksOf(uid_t uid) {
 TEST_F(ServerTest, AServerThatCannotStartItsThreadsSaysSoAndNeverAborts) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to run the server as another user";
   ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
+  const uid_t user = PrivateUid();
   int failed_with_a_message = 0;
   for (size_t spare : {1, 2, 3, 4, 5, 6, 8, 10, 12}) {
     SCOPED_TRACE(::testing::Message() << spare << " tasks to spare");
@@ -1360,18 +1367,18 @@ TEST_F(ServerTest, AServerThatCannotStartItsThreadsSaysSoAndNeverAborts) {
     ServerProcess server(dir_, {"--no-l2"}, sock);
     // Every server of the test appends to one log: this one's part is what comes after.
     const size_t log_start = server.Log().size();
-    server.InChild([spare] {
+    server.InChild([spare, user] {
       // LeakSanitizer's check at exit needs a thread of its own, which this limit denies (it
       // then aborts the sanitizer build's server after its clean exit): not what is tested here.
       const char* asan = std::getenv("ASAN_OPTIONS");
       ::setenv("ASAN_OPTIONS", (std::string(asan ? asan : "") + ":detect_leaks=0").c_str(), 1);
       // Counted before this process becomes one of the user's tasks: it takes one of `spare`.
-      const size_t tasks = TasksOf(kNobody);
+      const size_t tasks = TasksOf(user);
       struct rlimit lim {
         tasks + spare, tasks + spare
       };
       if (::setrlimit(RLIMIT_NPROC, &lim) != 0) _exit(125);
-      BecomeNobody();
+      BecomeUser(user);
     });
     server.Launch();
     ASSERT_GT(server.pid(), 0);
@@ -1398,33 +1405,34 @@ TEST_F(ServerTest, AServerThatCannotStartItsThreadsSaysSoAndNeverAborts) {
 TEST_F(ServerTest, OutOfThreadsRefusesAClientInsteadOfAbortingTheServer) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to run the server as another user";
   ASSERT_EQ(::chmod(dir_.path().c_str(), 0777), 0);
+  const uid_t user = PrivateUid();
   // Measure how many tasks the user has with a server and one client...
   size_t tasks;
   {
     ServerProcess probe(dir_, {"--no-l2"}, dir_.Sub("probe.sock"));
-    probe.InChild(BecomeNobody);
+    probe.InChild([user] { BecomeUser(user); });
     ASSERT_NO_FATAL_FAILURE(probe.Start());
     ClientOptions o = probe.Options();
-    o.server_uid = kNobody;
+    o.server_uid = user;
     auto c = Client::Connect(o);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     // Once every thread of startup runs (the HTTP workers start after the socket listens): a
     // count taken earlier leaves the server too few for its own startup, and it aborts.
     SettledThreadCount(probe.pid());
-    tasks = TasksOf(kNobody);
+    tasks = TasksOf(user);
   }
   // ... and run one that may have no more (RLIMIT_NPROC counts every task of the user).
   ServerProcess server(dir_, {"--no-l2"});
-  server.InChild([tasks] {
+  server.InChild([tasks, user] {
     struct rlimit lim {
       tasks, tasks
     };
     if (::setrlimit(RLIMIT_NPROC, &lim) != 0) _exit(125);
-    BecomeNobody();
+    BecomeUser(user);
   });
   ASSERT_NO_FATAL_FAILURE(server.Start());
   ClientOptions o = server.Options();
-  o.server_uid = kNobody;
+  o.server_uid = user;
   std::vector<std::unique_ptr<Client>> clients;
   int refused = 0;
   for (int i = 0; i < 4; ++i) {
