@@ -635,7 +635,12 @@ def main(argv=None) -> int:
                 vllm.reset_gpu_cache()
                 vllm.ttft(prefix + fresh(args.suffix))
             for rep in range(args.repeats):
-                for arm in list(arms):
+                # The cold requests' order turns by one arm each repeat: in a fixed order the
+                # third of three arms ran 1-9 ms slower than the second whatever its settings
+                # (an arm's cold request pays for the saves of the arm before it), which an
+                # arm's save overhead would inherit.
+                turn = rep % len(arms)
+                for arm in arms[turn:] + arms[:turn]:
                     with arm_guard(arm, arms, servers, results, context):
                         vllm = servers["server" if arm == "file" else arm]
                         samples[arm]["cold"].append(vllm.timed_ttft(
