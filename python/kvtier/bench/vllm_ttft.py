@@ -635,10 +635,10 @@ def main(argv=None) -> int:
                 vllm.reset_gpu_cache()
                 vllm.ttft(prefix + fresh(args.suffix))
             for rep in range(args.repeats):
-                # The cold requests' order turns by one arm each repeat: in a fixed order the
-                # third of three arms ran 1-9 ms slower than the second whatever its settings
-                # (an arm's cold request pays for the saves of the arm before it), which an
-                # arm's save overhead would inherit.
+                # The cold requests' order turns by one arm each repeat. In a fixed order the
+                # third of three arms ran 0-9 ms slower than the second whatever its settings
+                # (a cold request pays for what the arm before it left running, its saves),
+                # and that was billed as the arm's save overhead (docs/benchmarks.md, run N).
                 turn = rep % len(arms)
                 for arm in arms[turn:] + arms[:turn]:
                     with arm_guard(arm, arms, servers, results, context):
