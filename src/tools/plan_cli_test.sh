@@ -47,8 +47,9 @@ PY
 
 # The published experiment (docs/planner.md, "The published experiment, predicted from its own
 # inputs"): LMCache on an A100-40GB, 19 GB of KV, an 8 GB CPU tier and NFS at 3.55 GB/s, every
-# hit loaded, each arm at 65 % of its own capacity. It measured +8.9 % at 8k (written, never read) and -59 % at 24k;
-# the planner, given only those inputs, must land near both and in regimes 1 and 3.
+# hit loaded, each arm at 65 % of its own capacity. It measured +8.9 % at 8k (written, never
+# read) and -59 % at 24k; the planner, given only those inputs, must land near both and in
+# regimes 1 and 3.
 "$KVTIER" plan --gpu A100-40GB --gpu-kv-gb 19GB --users 8 --rounds 20 --context 8k,24k \
     --tier cpu:8GB:20GB/s --tier nfs:200GB:3.55GB/s --no-cost-aware --duration 20m --json \
     --no-sensitivity > "$T/published.json" 2> "$T/published.err" \

@@ -4,6 +4,8 @@ supported version as read from its sources (the shapes below are those versions'
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import types
 
 import pytest
@@ -174,9 +176,6 @@ def test_the_secondary_tier_needs_vllm_028_and_says_so_where_it_is_missing():
     """KvtierTier and its benchmark on the installed vLLM: they import (0.28 and later), or they
     stop with a message naming 0.28 and the connector to use instead, never an ImportError from
     inside vLLM; the benchmark's command line prints it without a traceback."""
-    import subprocess
-    import sys
-
     pytest.importorskip("vllm")
     try:
         compat.require_secondary_tier()
