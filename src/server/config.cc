@@ -362,6 +362,8 @@ Status ApplyConfigJson(std::string_view text, ServeConfig* c) {
       s = GetInt(v, key, &c->max_clients_per_process);
     } else if (key == "reservation_timeout_ms") {
       s = GetInt(v, key, &c->reservation_timeout_ms);
+    } else if (key == "load_deadline_ms") {
+      s = GetInt(v, key, &c->load_deadline_ms);
     } else if (key == "max_client_slots") {
       s = GetInt(v, key, &c->max_client_slots);
     } else if (key == "max_pending_handshakes") {
@@ -540,6 +542,10 @@ Result<ServerOptions> BuildServerOptions(const ServeConfig& c) {
     return Status::InvalidArgument("--worker-threads must be in [1, 256]");
   }
   o.engine.worker_threads = c.worker_threads;
+  if (c.load_deadline_ms > 600000) {
+    return Status::InvalidArgument("--load-deadline-ms must be in [0, 600000] (0: no deadline)");
+  }
+  o.engine.load_deadline = std::chrono::milliseconds(c.load_deadline_ms);
 
   std::vector<L2Spec> l2 = c.l2;
   if (c.no_l2) {

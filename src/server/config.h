@@ -90,9 +90,13 @@ struct ServeConfig {
   uint32_t max_clients = 256;
   uint32_t max_clients_per_process = 0;     // 0: a quarter of max_clients, 16 to all
   uint32_t reservation_timeout_ms = 30000;  // 0: reservations never expire
-  uint32_t max_client_slots = 0;  // slots one client process may hold reserved or pinned; 0 = half the pool
-  bool isolate_clients = false;   // private windows, server-side copies (ServerOptions)
-  uint32_t max_window_mb = 0;     // isolated clients' windows together; 0 = 4x L1
+  // Slots one client process may hold reserved or pinned; 0 = half the pool.
+  uint32_t max_client_slots = 0;
+  bool isolate_clients = false;  // private windows, server-side copies (ServerOptions)
+  uint32_t max_window_mb = 0;    // isolated clients' windows together; 0 = 4x L1
+  // A load still waiting on the file tier this long after it started reports the rest as
+  // missing (EngineOptions::load_deadline); 0: no deadline.
+  uint32_t load_deadline_ms = 2000;
   uint32_t max_pending_handshakes = 64;
   uint32_t hello_timeout_ms = 5000;
   bool huge_pages = false;

@@ -42,6 +42,11 @@ TEST(ServeConfigTest, JsonConfigAppliesEveryKeyAndRefusesUnknownOnes) {
   EXPECT_EQ(o->engine.write_policy, WritePolicy::kWriteThrough);
   EXPECT_EQ(o->http_port, 9100);
   EXPECT_EQ(o->token, "t");
+  EXPECT_EQ(o->engine.load_deadline, std::chrono::milliseconds(2000));  // the default
+  ASSERT_TRUE(ApplyConfigJson(R"({"load-deadline-ms": 0})", &c).ok());
+  EXPECT_EQ(BuildServerOptions(c)->engine.load_deadline.count(), 0);  // no deadline
+  ASSERT_TRUE(ApplyConfigJson(R"({"load_deadline_ms": 9000})", &c).ok());
+  EXPECT_EQ(BuildServerOptions(c)->engine.load_deadline, std::chrono::milliseconds(9000));
 
   Status unknown = ApplyConfigJson(R"({"l1_size": 2})", &c);
   EXPECT_NE(unknown.message().find("l1_size"), std::string::npos);
@@ -175,6 +180,7 @@ TEST(ServeConfigTest, BadValuesAreRefused) {
   EXPECT_TRUE(refused([](ServeConfig& c) { c.no_l2 = true, c.l2.push_back(DefaultL2()); }));
   EXPECT_TRUE(refused([](ServeConfig& c) { c.l2 = {DefaultL2(), DefaultL2()}; }));
   EXPECT_TRUE(refused([](ServeConfig& c) { c.token_file = "/nonexistent/token"; }));
+  EXPECT_TRUE(refused([](ServeConfig& c) { c.load_deadline_ms = 600001; }));
   EXPECT_FALSE(refused([](ServeConfig& c) { c.model = "Qwen/Qwen3-8B"; }));
   EXPECT_FALSE(refused([](ServeConfig& c) { c.eviction_policy = "LRU"; }));
 }

@@ -330,6 +330,14 @@ void AddServe(CLI::App& parent, CommandContext& ctx) {
                       "never)")
           ->capture_default_str(),
       [a](ServeConfig& c) { c.reservation_timeout_ms = a->flags.reservation_timeout_ms; });
+  add(cmd->add_option("--load-deadline-ms", f.load_deadline_ms,
+                      "A load still waiting on the file tier this long after it started "
+                      "reports the chunks not read by then as missing, which the client "
+                      "recomputes (0: no deadline). Keep it below the clients' RPC timeout "
+                      "(the vLLM connector's kvtier.rpc_timeout_ms, 5000): a reply later than "
+                      "that breaks the connection")
+          ->capture_default_str(),
+      [a](ServeConfig& c) { c.load_deadline_ms = a->flags.load_deadline_ms; });
   add(cmd->add_option("--max-client-slots", f.max_client_slots,
                       "Pool slots one client process may hold reserved or pinned at once, over "
                       "all its connections (0: half the pool)")

@@ -34,8 +34,14 @@ class ConnectorConfig:
     eviction_policy: str = "prefix-aware"
     worker_threads: int = 2
     http_port: int = -1  # Prometheus /metrics and /stats of the in-process engine; -1: none
+    # A load still waiting on the file tier this long after it started reports the chunks not
+    # read by then as missing (vLLM recomputes them); kvtier serve's --load-deadline-ms. Loads
+    # are asked for in batches of a quarter second of reading, so only a tier that stalls, or
+    # reads one chunk slower than this, runs into it. Below rpc_timeout_ms.
+    load_deadline_ms: int = 2000
     # Both modes.
-    # Longer than the server's load deadline: a load's reply waits for file-tier reads.
+    # Longer than the server's load deadline (kvtier serve --load-deadline-ms, 2000 by default;
+    # in process load_deadline_ms): a load's reply waits for file-tier reads.
     rpc_timeout_ms: int = 5000
     save_decode_tokens: bool = True  # also save chunks of generated tokens (preemption, next turns)
     # How a hit reaches the GPU. auto: layer by layer within the step when every chunk of the hit
@@ -87,7 +93,7 @@ class ConnectorConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _SERVER_ONLY = {"socket", "token"}
 _IN_PROCESS_ONLY = {"l1_size_gb", "l2", "write_policy", "eviction_policy", "worker_threads",
-                    "http_port"}
+                    "http_port", "load_deadline_ms"}
 
 
 class ConfigError(ValueError):
@@ -211,6 +217,10 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
                           "--kv-events publishes); in process give an object of kv_events keys, "
                           "such as {\"endpoint\": \"tcp://*:5560\"}, and the embedded engine "
                           "publishes")
+    if not config.server_mode and not 0 < config.load_deadline_ms < config.rpc_timeout_ms:
+        raise ConfigError(f"'{_PREFIX}load_deadline_ms' must be in (0, '{_PREFIX}rpc_timeout_ms' "
+                          f"= {config.rpc_timeout_ms}): a load's reply later than the RPC "
+                          f"timeout breaks the connection; got {config.load_deadline_ms}")
     if config.write_policy not in ("write_back", "write_through", "none"):
         raise ConfigError(f"'{_PREFIX}write_policy' must be write_back, write_through or none, "
                           f"got {config.write_policy!r}")

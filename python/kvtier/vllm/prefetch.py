@@ -23,6 +23,8 @@ from typing import Callable
 
 import kvtier
 
+from .prefix_loader import PrefixLoader
+
 logger = logging.getLogger("vllm.kvtier")
 
 GAP_WINDOW = 32  # finish-to-return gaps the prediction is made from
@@ -111,6 +113,7 @@ class Prefetcher:
         self._pays = pays
         self._chunk_tokens = chunk_tokens
         self._read_rate = read_rate
+        self._loader: PrefixLoader | None = None  # made at the first promotion
         self._fraction = fraction
         self._count = count
         self._lock = threading.Lock()
@@ -316,10 +319,14 @@ class Prefetcher:
         for client in clients:
             slots: list[int] = []
             if client is not None:
+                if self._loader is None:  # learns the rate itself: `rate` may be a prior
+                    self._loader = PrefixLoader(client.chunk_bytes)
                 try:
-                    result = client.prepare_load(keys).wait()
-                    slots = list(result.slots)
-                    if not result.ok:
+                    # In batches: one request for a long conversation would outlast the
+                    # server's load deadline on a slow tier, and lose its tail.
+                    result = self._loader.load(client, keys, len(keys) - resident,
+                                               lambda _, batch: slots.extend(batch))
+                    if result.chunks < len(keys):
                         self._failed(len(keys), result.message)
                 except kvtier.KvtierError as err:
                     self._failed(len(keys), str(err))

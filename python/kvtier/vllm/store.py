@@ -83,6 +83,7 @@ def start_in_process_server(cfg: ConnectorConfig, chunk_bytes: int, socket_path:
                 "l1_size_gb": cfg.l1_size_gb, "write_policy": cfg.write_policy,
                 "eviction_policy": cfg.eviction_policy, "worker_threads": cfg.worker_threads,
                 "socket": socket_path, "http_port": cfg.http_port,
+                "load_deadline_ms": cfg.load_deadline_ms,
                 # Its clients are this vLLM's scheduler and worker (one process, or two): the
                 # scheduler's pins of a layer-wise load may take up to three quarters of the
                 # pool (a whole long prompt), the rest stays for the worker's saves.

@@ -43,6 +43,7 @@ import kvtier
 from .config import ConnectorConfig
 from .layout import describe_group, supported_groups
 from .metadata import SKIP_BLOCK, ChunkJob, KvtierConnectorMetadata
+from .prefix_loader import PrefixLoader
 from .stats import KvtierConnectorStats
 from .store import (Namespaces, ServerConnection, engine_core_pid, in_process_socket,
                     start_in_process_server)
@@ -156,6 +157,7 @@ class WorkerSide:
         self._embedded_server = None  # in-process mode: the engine's server, in this process
         self._server: ServerConnection | None = None
         self._registered_pools: set[int] = set()
+        self._prefix_loader: PrefixLoader | None = None  # asynchronous loads, once registered
 
         self._lock = threading.Lock()
         self._saves_done = threading.Condition(self._lock)  # a request's pending saves fell
@@ -204,6 +206,7 @@ class WorkerSide:
             offset += self._part_bytes[-1]
             logger.info("kvtier: KV cache group %d: %s", g, copier.describe())
         self.chunk_bytes = offset
+        self._prefix_loader = PrefixLoader(self.chunk_bytes, self.cfg.file_read_gbps)
         if not self.cfg.server_mode:
             self._embedded_server = start_in_process_server(self.cfg, self.chunk_bytes,
                                                             self._socket)
@@ -550,23 +553,23 @@ class WorkerSide:
             if store is not None:
                 if ready is not None:
                     ready.synchronize()
-                read_start = time.monotonic()
-                result = store.prepare_load(job.keys).wait()
-                slots = list(result.slots)
-                # The file tier's part, as this load saw it (the cost model's read rate).
-                from_disk = len(slots) - (len(job.keys) - job.disk_chunks)
-                if job.disk_chunks and from_disk > 0:
-                    with self._lock:
-                        self._stats.add("file_read_bytes", from_disk * self.chunk_bytes)
-                        self._stats.add("file_read_us",
-                                        int((time.monotonic() - read_start) * 1e6))
-                try:
-                    for i, slot in enumerate(slots):
-                        self._copy(False, job.block_ids[i], store.slot_address(slot))
-                        loaded += 1
-                finally:
-                    if slots:
+
+                def scatter(first: int, slots: list[int]) -> None:
+                    nonlocal loaded
+                    try:
+                        for i, slot in enumerate(slots):
+                            self._copy(False, job.block_ids[first + i], store.slot_address(slot))
+                            loaded += 1
+                    finally:
                         store.unpin(slots)
+
+                # In batches sized to the file tier's rate: each ends within the server's load
+                # deadline, and each is copied while the next is read.
+                result = self._prefix_loader.load(store, job.keys, job.disk_chunks, scatter)
+                if result.file_bytes:  # the file tier's part, as this load saw it (cost.py)
+                    with self._lock:
+                        self._stats.add("file_read_bytes", result.file_bytes)
+                        self._stats.add("file_read_us", int(result.file_s * 1e6))
                 if loaded < len(job.keys):
                     logger.info("kvtier: %d of %d chunks of %s could not be loaded (%s); "
                                 "vLLM recomputes them", len(job.keys) - loaded, len(job.keys),

@@ -135,7 +135,7 @@ class KvtierServer:
     """`kvtier serve` with its own socket, HTTP port and file tier."""
 
     def __init__(self, workdir: Path, l2_dir: Path | None, l1_size_gb: float = 0.25,
-                 load_deadline_args: list[str] = (), l2_extra: dict | None = None):
+                 extra_args: list[str] = (), l2_extra: dict | None = None):
         binary = os.environ.get("KVTIER_BINARY") or shutil.which("kvtier")
         assert binary, "the kvtier CLI is not on PATH (pip install . puts it there)"
         self.socket = str(workdir / "kvtier.sock")
@@ -145,7 +145,7 @@ class KvtierServer:
         args = [binary, "serve", "--socket", self.socket, "--http-port", str(self.http_port),
                 "--l1-size-gb", str(l1_size_gb), "--model", str(workdir / "model" / "config.json"),
                 "--kv-dtype", "float32",
-                *load_deadline_args]
+                *extra_args]
         if l2_dir is None:
             args.append("--no-l2")
         else:

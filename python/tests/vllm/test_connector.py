@@ -73,7 +73,7 @@ def test_server_mode_two_instances_and_faults(workdir: Path, expected, tmp_path)
     l2 = workdir / "server-l2"
     events = kvtier_has_kv_events(tmp_path)
     ipc = f"ipc://{tmp_path}"
-    server = KvtierServer(workdir, l2, load_deadline_args=[
+    server = KvtierServer(workdir, l2, extra_args=[
         "--kv-events", "--kv-events-endpoint", f"{ipc}/kvtier", "--kv-events-replay-endpoint",
         f"{ipc}/kvtier-replay", "--kv-events-batch-ms", "5"] if events else [])
     # The later servers (restarts) run without --kv-events: they take descriptors and ignore them.
@@ -429,7 +429,9 @@ def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, ex
     at 8 MB/s ("read_limit_gbps"), which the estimate learned from the fast disk does not know:
     loaded, slowly, and measured; then, still capped, declined (recomputing ~2,000 tokens is
     predicted at 0.3 s, reading 7 MiB at the rate measured at about 0.5 s). One slow load
-    corrects the estimate; the answers are vLLM's own every time."""
+    corrects the estimate; the answers are vLLM's own every time. The capped servers' load
+    deadline (0.6 s) is shorter than the slow load's 0.9 s of reading: one request for the
+    prefix would lose its tail to it, the connector's batches (prefix_loader) lose nothing."""
     l2 = workdir / "l2-slowed"
     store_on_the_file_tier(workdir, l2, expected)
     server = KvtierServer(workdir, l2)
@@ -440,13 +442,16 @@ def test_cost_aware_lookups_learn_a_slowed_tier_and_decline_it(workdir: Path, ex
         for cap, loads in ((None, True), (0.008, True), (0.008, False)):
             if cap is not None:  # a new server on the same directory: an empty L1
                 server.stop()
-                server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": cap})
+                server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": cap},
+                                      extra_args=["--load-deadline-ms", "600"])
                 reconnect(c, server)
             c.reset_prefix_cache()
             assert c.complete(LONG) == expected["long"]
             if loads:
                 loaded += 1792
                 assert transfer_metric(c, "tokens_loaded", 30, at_least=loaded) >= loaded
+                assert transfer_metric(c, "load_errors", timeout=0) == 0
+                assert server.stats()["engine"]["deadline_misses"] == 0
             else:
                 declined += 1792
                 assert transfer_metric(c, "tokens_declined", 30, at_least=declined) >= declined

@@ -123,6 +123,8 @@ def test_config_keys():
     assert cfg.server_mode and cfg.chunk_tokens == 512
     cfg = parse_config({"kvtier.l2": '{"type": "fs", "path": "/x"}', "kvtier.l1_size_gb": 2})
     assert cfg.l2 == [{"type": "fs", "path": "/x"}] and cfg.write_policy == "write_through"
+    cfg = parse_config({"kvtier.load_deadline_ms": 9000, "kvtier.rpc_timeout_ms": 12000})
+    assert cfg.load_deadline_ms == 9000 and parse_config({}).load_deadline_ms == 2000
     for bad, match in [({"chunk_tokens": 1}, "unknown key 'chunk_tokens'"),
                        ({"kvtier.chunk_token": 1}, "known keys"),
                        ({"kvtier.chunk_tokens": "x"}, "kvtier.chunk_tokens"),
@@ -130,6 +132,11 @@ def test_config_keys():
                        ({"kvtier.token": "t"}, "in-process mode"),
                        ({"kvtier.write_policy": "sometimes"}, "write_policy"),
                        ({"kvtier.l2": "[1]"}, "kvtier.l2"),
-                       ({"kvtier.save_decode_tokens": "perhaps"}, "true or false")]:
+                       ({"kvtier.save_decode_tokens": "perhaps"}, "true or false"),
+                       # The load deadline is the in-process server's, and a reply must come
+                       # before the RPC timeout gives up on the connection.
+                       ({"kvtier.socket": "/s", "kvtier.load_deadline_ms": 1000}, "server mode"),
+                       ({"kvtier.load_deadline_ms": 5000}, "rpc_timeout_ms"),
+                       ({"kvtier.load_deadline_ms": 0}, "load_deadline_ms")]:
         with pytest.raises(ConfigError, match=match):
             parse_config(bad)

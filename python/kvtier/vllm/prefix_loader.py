@@ -1,0 +1,106 @@
+"""Pins a run of chunks through prepare_load in batches, two in flight, sized to the file
+tier's read rate.
+
+The server ends a prepare_load still waiting on its file tier at its load deadline (`kvtier
+serve --load-deadline-ms`, 2 s by default) and reports the chunks not read by then as missing.
+One prepare_load of a whole long prefix from a slow tier loses its tail that way: 64 chunks of
+36 MiB (a 16k-token Qwen3-8B prefix) read at 1 GB/s take 2.4 s, and 63 of them were reported
+failed and recomputed. Batches of about BATCH_S of reading each, at the rate this process has
+seen the tier read, end well within any deadline, whatever the prefix's length; two in flight
+keep the tier's readers busy, and the caller copies one batch while the next is read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+BATCH_S = 0.25  # reading time aimed at per batch: an eighth of the default load deadline
+FIRST_BATCH = 1  # chunks per batch until the tier's rate is known
+MAX_BATCH = 256  # the server's keys per request
+IN_FLIGHT = 2
+
+
+@dataclass
+class PrefixLoad:
+    chunks: int = 0  # leading chunks delivered
+    message: str = ""  # why the rest were not ("" if all were)
+    file_bytes: int = 0  # of the file tier's part: bytes delivered
+    file_s: float = 0.0  # and the time from its first request to its last reply
+
+
+class PrefixLoader:
+    """One per process side (worker, prefetch): the file tier's read rate it learns is kept
+    across loads (a moving average), so only the first load starts with small batches."""
+
+    def __init__(self, chunk_bytes: int, read_gbps: float = 0.0):
+        self._chunk_bytes = max(1, chunk_bytes)
+        self._lock = threading.Lock()
+        self._rate = read_gbps * 1e9  # bytes per second; 0: not known yet
+
+    @property
+    def rate_gbps(self) -> float:
+        with self._lock:
+            return self._rate / 1e9
+
+    def _batch(self, rate: float, previous: int) -> int:
+        if rate <= 0:
+            return FIRST_BATCH
+        size = max(1, min(MAX_BATCH, int(rate * BATCH_S / self._chunk_bytes)))
+        # Grows at most twofold a batch: a rate measured on a few chunks may flatter.
+        return min(size, 2 * previous) if previous else size
+
+    def load(self, client, keys: list[bytes], from_file: int,
+             deliver: Callable[[int, list[int]], None]) -> PrefixLoad:
+        """Pins `keys`' chunks in order through `client`. The last `from_file` are expected on
+        the file tier (they are batched by its rate; the ones before, in L1, go in one
+        request). deliver(start, slots) runs on this thread, in order, with each batch's
+        pinned slots (of keys[start:start + len(slots)]), which it then owns and must unpin. A
+        batch delivered short ends the load: the result's `chunks` is the prefix delivered.
+        Raises what prepare_load raises (a broken connection); the pins of batches not yet
+        delivered are given back (an AsyncOp not waited for releases them)."""
+        out = PrefixLoad()
+        in_memory = max(0, len(keys) - from_file)
+        with self._lock:
+            rate = self._rate
+        pending: list[tuple[int, int, object]] = []  # (start, count, op)
+        sent = batch = 0
+        file_start = None
+        try:
+            while True:
+                while sent < len(keys) and len(pending) < IN_FLIGHT:
+                    if sent < in_memory:
+                        count = in_memory - sent
+                    else:
+                        batch = self._batch(rate, batch)
+                        count = min(batch, len(keys) - sent)
+                    if sent >= in_memory and file_start is None:
+                        file_start = time.monotonic()
+                    pending.append((sent, count, client.prepare_load(keys[sent:sent + count])))
+                    sent += count
+                if not pending:
+                    break
+                start, count, op = pending.pop(0)
+                result = op.wait()
+                slots = list(result.slots)
+                if start >= in_memory and slots:
+                    out.file_bytes += len(slots) * self._chunk_bytes
+                    out.file_s = time.monotonic() - file_start
+                    rate = out.file_bytes / max(out.file_s, 1e-6)
+                if slots:
+                    deliver(start, slots)
+                    out.chunks += len(slots)
+                if len(slots) < count:
+                    out.message = result.message or "no longer stored"
+                    pending.clear()  # their pins go back with the ops
+                    break
+        except BaseException:
+            pending.clear()  # the pins of the batches in flight go back with their ops
+            raise
+        if out.file_bytes >= 2 * self._chunk_bytes:
+            with self._lock:
+                sample = out.file_bytes / max(out.file_s, 1e-6)
+                self._rate = sample if self._rate <= 0 else (self._rate + sample) / 2
+        return out
