@@ -5,9 +5,10 @@ The server ends a prepare_load still waiting on its file tier at its load deadli
 serve --load-deadline-ms`, 2 s by default) and reports the chunks not read by then as missing.
 One prepare_load of a whole long prefix from a slow tier loses its tail that way: 64 chunks of
 36 MiB (a 16k-token Qwen3-8B prefix) read at 1 GB/s take 2.4 s, and 63 of them were reported
-failed and recomputed. Batches of about BATCH_S of reading each, at the rate this process has
-seen the tier read, end well within any deadline, whatever the prefix's length; two in flight
-keep the tier's readers busy, and the caller copies one batch while the next is read.
+failed and recomputed. Batches of about BATCH_S of reading each, at the rate the tier has been
+seen to read (starting each load at one chunk), end well within any deadline whatever the
+prefix's length; two in flight keep the tier's readers busy, and the caller copies one batch
+while the next is read.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 BATCH_S = 0.25  # reading time aimed at per batch: an eighth of the default load deadline
-FIRST_BATCH = 1  # chunks per batch until the tier's rate is known
-MAX_BATCH = 256  # the server's keys per request
+FIRST_BATCH = 1  # chunks in a load's first batch
+MAX_BATCH = 256  # chunks (9 GiB of Qwen3-8B), well under the server's 4,096 keys per request
 IN_FLIGHT = 2
 
 
@@ -33,7 +34,8 @@ class PrefixLoad:
 
 class PrefixLoader:
     """One per process side (worker, prefetch): the file tier's read rate it learns is kept
-    across loads (a moving average), so only the first load starts with small batches."""
+    across loads (a moving average) and bounds each load's batches until that load has measured
+    its own."""
 
     def __init__(self, chunk_bytes: int, read_gbps: float = 0.0):
         self._chunk_bytes = max(1, chunk_bytes)
@@ -46,11 +48,14 @@ class PrefixLoader:
             return self._rate / 1e9
 
     def _batch(self, rate: float, previous: int) -> int:
-        if rate <= 0:
+        """Chunks for the next batch. Every load starts at FIRST_BATCH and at most doubles a
+        batch: the rate learned from earlier loads may no longer hold (a tier slowed since,
+        by others' reads), and the rate measured on this load's first batches takes over."""
+        if previous == 0:
             return FIRST_BATCH
-        size = max(1, min(MAX_BATCH, int(rate * BATCH_S / self._chunk_bytes)))
-        # Grows at most twofold a batch: a rate measured on a few chunks may flatter.
-        return min(size, 2 * previous) if previous else size
+        if rate <= 0:
+            return previous
+        return max(1, min(MAX_BATCH, 2 * previous, int(rate * BATCH_S / self._chunk_bytes)))
 
     def load(self, client, keys: list[bytes], from_file: int,
              deliver: Callable[[int, list[int]], None]) -> PrefixLoad:
