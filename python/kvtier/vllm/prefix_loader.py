@@ -70,23 +70,26 @@ class PrefixLoader:
         in_memory = max(0, len(keys) - from_file)
         with self._lock:
             rate = self._rate
-        pending: list[tuple[int, int, object]] = []  # (start, count, op)
+        pending: list[tuple[int, int, object]] = []  # (start, count, op), oldest first
         sent = batch = 0
-        file_start = None
-        try:
-            while True:
-                while sent < len(keys) and len(pending) < IN_FLIGHT:
-                    if sent < in_memory:
-                        count = in_memory - sent
-                    else:
-                        batch = self._batch(rate, batch)
-                        count = min(batch, len(keys) - sent)
-                    if sent >= in_memory and file_start is None:
+        file_start = 0.0
+
+        def ask() -> None:  # up to IN_FLIGHT batches
+            nonlocal sent, batch, file_start
+            while sent < len(keys) and len(pending) < IN_FLIGHT:
+                if sent < in_memory:
+                    count = in_memory - sent
+                else:
+                    batch = self._batch(rate, batch)
+                    count = min(batch, len(keys) - sent)
+                    if sent == in_memory:
                         file_start = time.monotonic()
-                    pending.append((sent, count, client.prepare_load(keys[sent:sent + count])))
-                    sent += count
-                if not pending:
-                    break
+                pending.append((sent, count, client.prepare_load(keys[sent:sent + count])))
+                sent += count
+
+        try:
+            ask()
+            while pending:
                 start, count, op = pending.pop(0)
                 result = op.wait()
                 slots = list(result.slots)
@@ -94,12 +97,16 @@ class PrefixLoader:
                     out.file_bytes += len(slots) * self._chunk_bytes
                     out.file_s = time.monotonic() - file_start
                     rate = out.file_bytes / max(out.file_s, 1e-6)
+                short = len(slots) < count
+                if short:
+                    out.message = result.message or "no longer stored"
+                    pending.clear()  # their pins go back with the ops
+                else:
+                    ask()  # the next batch is read while this one is delivered
                 if slots:
                     deliver(start, slots)
                     out.chunks += len(slots)
-                if len(slots) < count:
-                    out.message = result.message or "no longer stored"
-                    pending.clear()  # their pins go back with the ops
+                if short:
                     break
         except BaseException:
             pending.clear()  # the pins of the batches in flight go back with their ops
