@@ -586,7 +586,7 @@ class ArmRunner:
         elif phase.kind != "engine":  # cold again without a restart
             if self.serve is not None:
                 self.restart_serve()
-            pc.http(self.vllm.port, "/reset_prefix_cache", {})
+            pc.reset_prefix_cache(self.vllm.port)
         h.calibration(self.vllm.port)
         self.used = True
         if phase.kind == "engine":

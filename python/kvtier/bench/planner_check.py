@@ -70,6 +70,23 @@ def http(port: int, path: str, body=None, timeout=600) -> bytes:
     return urllib.request.urlopen(req, timeout=timeout).read()
 
 
+def reset_prefix_cache(port: int, timeout_s: float = 60.0) -> None:
+    """vLLM's /reset_prefix_cache, asked again until it says it worked. vLLM refuses while
+    blocks are held ({"success": false}), and a finished request's blocks are held until its
+    connector's saves end: a reset right after a request can fail, and the next "hit" would
+    then be vLLM's own prefix cache, not the tier measured. An answer without the field (older
+    vLLMs) is taken as done."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http(port, "/reset_prefix_cache", {}).decode().strip()
+        if not text or json.loads(text).get("success", True) is not False:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM on port {port} refused /reset_prefix_cache for "
+                               f"{timeout_s:.0f} s: its blocks are still held")
+        time.sleep(0.05)
+
+
 def prometheus(port: int, path: str = "/metrics") -> dict:
     """name{labels} -> value, summed over series with the same name and labels."""
     out = {}
@@ -127,7 +144,7 @@ class Vllm:
             time.sleep(1)
 
     def reset_cache(self) -> None:
-        http(self.port, "/reset_prefix_cache", {})
+        reset_prefix_cache(self.port)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

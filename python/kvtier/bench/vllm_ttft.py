@@ -284,7 +284,9 @@ class Vllm:
         return elapsed
 
     def reset_gpu_cache(self) -> None:
-        http(self.port, "/reset_prefix_cache", {})
+        from kvtier.bench.planner_check import reset_prefix_cache
+
+        reset_prefix_cache(self.port)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.planner_check import reset_prefix_cache
+
 VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", sys.executable)
 MODEL_DIR = os.environ.get("KVTIER_VLLM_MODEL", "/tmp/kvtier-tiny-model")
 START_TIMEOUT = float(os.environ.get("KVTIER_VLLM_START_TIMEOUT", "600"))
@@ -108,7 +110,7 @@ class Vllm:
                 for c in sorted(out["choices"], key=lambda c: c["index"])]
 
     def reset_prefix_cache(self) -> None:
-        http_json(self.url + "/reset_prefix_cache", {})
+        reset_prefix_cache(self.port)  # asked again while vLLM refuses (blocks still held)
 
     def log(self) -> str:
         self._log.flush()
