@@ -97,8 +97,7 @@ class PrefixLoader:
                     out.file_bytes += len(slots) * self._chunk_bytes
                     out.file_s = time.monotonic() - file_start
                     rate = out.file_bytes / max(out.file_s, 1e-6)
-                short = len(slots) < count
-                if short:
+                if len(slots) < count:  # the load ends here
                     out.message = result.message or "no longer stored"
                     pending.clear()  # their pins go back with the ops
                 else:
@@ -106,8 +105,6 @@ class PrefixLoader:
                 if slots:
                     deliver(start, slots)
                     out.chunks += len(slots)
-                if short:
-                    break
         except BaseException:
             pending.clear()  # the pins of the batches in flight go back with their ops
             raise
