@@ -13,9 +13,11 @@ tokens (whole chunks) and a new suffix of --suffix tokens, and per repeat and ar
 * ``cold``: a prompt of L new tokens (recompute; in an arm with a connector it also saves, so its
   cold TTFT against the ``gpu`` arm's is the save overhead at 0 % hits);
 * ``hit``: a new prefix is sent (1 token generated), the connector's saves are given time to land,
-  vLLM's GPU prefix cache is reset (/reset_prefix_cache), then prefix + suffix is sent: the
+  vLLM's GPU prefix cache is reset (/reset_prefix_cache, asked again until vLLM agrees: it
+  refuses while a request's blocks wait for its saves), then prefix + suffix is sent: the
   prefix comes back from the arm's offload tier. In the ``gpu`` arm the cache is not reset:
-  vLLM's own prefix-cache hit.
+  vLLM's own prefix-cache hit. On the arms `kvtier serve` serves, the chunks of a hit cut at
+  the server's load deadline are counted and printed (the hit is then partly a recompute).
 
 Arms: ``gpu`` (no connector), ``native`` (vLLM's OffloadingConnector, CPU tier of --cpu-gb),
 ``tiering`` (TieringOffloadingSpec, CPU tier of --tiering-cpu-gb and its ``fs`` tier in a fresh
@@ -677,8 +679,13 @@ def main(argv=None) -> int:
                             drop_page_cache()
                             serve.wait_reconnected([servers[a] for a in ("server", "costfile")
                                                     if a in servers], lambda: fresh(2 * ct))
+                        served = arm in ("server", "file", "costfile")
+                        missed = serve.stats()["engine"]["deadline_misses"] if served else 0
                         samples[arm]["hit"].append(
                             vllm.timed_ttft(prefix + suffix, samples[arm], "hit"))
+                        if served:  # chunks of the hit cut at the server's load deadline
+                            samples[arm].setdefault("deadline_misses", []).append(
+                                serve.stats()["engine"]["deadline_misses"] - missed)
                         if arm in ("file", "costfile"):  # what the hit read (a new server)
                             samples[arm].setdefault("disk_chunks", []).append(
                                 serve.stats()["tiers"]["file"]["detail"]["hits"])
@@ -863,6 +870,11 @@ def print_table(results: dict, arms: list[str]) -> None:
                 if read is not None:  # a file hit that read nothing from disk measured a miss
                     ratios.append(f"{a} hits read {'/'.join(map(str, read))} of "
                                   f"{row['prefix_chunks']} chunks from disk")
+        for a in arms:
+            missed = row["samples"].get(a, {}).get("deadline_misses", [])
+            if any(missed):  # the hit's time is then partly a recompute
+                ratios.append(f"{a} hits cut at the load deadline: "
+                              f"{'/'.join(map(str, missed))} chunks")
         for a in arms:  # where vLLM says the time went, on the arms that keep statistics
             if "hit_queue" in med.get(a, {}):
                 ratios.append(f"{a} queue+prefill (ms) cold " + "+".join(
