@@ -108,8 +108,7 @@ class PrefixLoader:
         except BaseException:
             pending.clear()  # the pins of the batches in flight go back with their ops
             raise
-        if out.file_bytes >= 2 * self._chunk_bytes:
+        if out.file_bytes >= 2 * self._chunk_bytes:  # `rate` is then this load's own
             with self._lock:
-                sample = out.file_bytes / max(out.file_s, 1e-6)
-                self._rate = sample if self._rate <= 0 else (self._rate + sample) / 2
+                self._rate = rate if self._rate <= 0 else (self._rate + rate) / 2
         return out
