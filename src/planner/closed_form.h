@@ -66,7 +66,9 @@ SingleRequestHit PredictSingleRequestHit(const EngineModel& engine, uint32_t lay
 // keeps min(1, capacity / working set) of its prefix in each level (GPU, then each tier in
 // order); round 0 recomputes all but the shared system prompt; a later round's request reads its
 // prefix from where it lies (tiers in parallel) and computes the rest. Mean TTFT is the
-// hit-rate-weighted mix over rounds, plus one engine step overhead. Queueing is ignored.
+// hit-rate-weighted mix over rounds, plus one engine step overhead. Queueing is ignored, and
+// with it engine.load_blocking: a request's own read is in its TTFT either way, and the wait a
+// blocking load puts on the other requests of its step is queueing.
 struct FastArm {
   double mean_ttft_s = 0, median_ttft_s = 0, p90_ttft_s = 0;
   std::vector<double> hit_rate;                // gpu, each tier, recompute (fractions of requests)

@@ -130,6 +130,12 @@ const std::vector<FlagInfo>& Flags() {
        "Fraction of that copy the engine step waits for: 1 = synchronous save, 0 = fully "
        "overlapped",
        &F::save_blocking},
+      {"load-blocking",
+       "Fraction of a load's read from the tiers that the engine step running the loaded request "
+       "waits for, so that every request in that step waits with it: 0 = asynchronous loads, as "
+       "kvtier's connector makes them; 1 = synchronous, as LMCache's default retrieval (before "
+       "the forward pass, async_loading off)",
+       &F::load_blocking},
       {"hit-suffix",
        "Tokens computed after a hit in the single-request table (each context's prefix, all but "
        "these, comes from a tier)",
@@ -246,6 +252,7 @@ const char* TypeName(std::string_view flag) {
       {"chunk-tokens", "TOKENS"},
       {"save-copy-bw", "BW"},
       {"save-blocking", "FRACTION"},
+      {"load-blocking", "FRACTION"},
       {"plot", "FILE"}};
   for (const auto& [name, type] : kTypes) {
     if (name == flag) return type;
@@ -426,6 +433,8 @@ Result<PlanInputs> BuildPlanInputs(const CLI::App& cmd, const PlannerFlags& f, b
   if (!(layer_us >= 0)) return Status::InvalidArgument("--layer-load-overhead-us must be >= 0");
   e.layer_load_overhead_s = layer_us / 1e6;
   if (e.save_blocking > 1) return Status::InvalidArgument("--save-blocking must be in [0, 1]");
+  KVTIER_ASSIGN_OR_RETURN(e.load_blocking, ParseNumber(f.load_blocking, "--load-blocking"));
+  if (e.load_blocking > 1) return Status::InvalidArgument("--load-blocking must be in [0, 1]");
 
   Workload& w = in.workload;
   KVTIER_ASSIGN_OR_RETURN(uint64_t users, ParseCount(f.users, "users", 1));

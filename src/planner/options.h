@@ -48,6 +48,7 @@ struct PlannerFlags {
   std::string chunk_tokens = "256";
   std::string save_copy_bw = "50GB/s";
   std::string save_blocking = "1";
+  std::string load_blocking = "0";
   std::string hit_suffix = "256";
   std::string layer_load_overhead_us = "0";
   bool no_sensitivity = false;

@@ -95,6 +95,23 @@ TEST(OptionsTest, BadInputIsRefusedClearly) {
             std::string::npos);
 }
 
+TEST(OptionsTest, LoadBlockingIsAFraction) {
+  Parsed defaults;
+  auto in = defaults.Build({});
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  EXPECT_EQ(in->engine.load_blocking, 0);  // kvtier's asynchronous loads
+  Parsed sync;
+  in = sync.Build({"--load-blocking", "1"});
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  EXPECT_EQ(in->engine.load_blocking, 1);
+  EXPECT_EQ(SimOptionsFor(*in, /*offload=*/true).engine.load_blocking, 1);
+  EXPECT_NE(ErrorOf({"--load-blocking", "1.5"}).find("--load-blocking must be in [0, 1]"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf({"--load-blocking", "-0.5"}).find("negative"), std::string::npos);
+  EXPECT_NE(ErrorOf({"--load-blocking", "half"}).find("--load-blocking"), std::string::npos);
+  EXPECT_NE(ErrorOf({"--load-blocking", "0.5s"}).find("not a plain number"), std::string::npos);
+}
+
 TEST(OptionsTest, DecodeStepIsOneFigureOrALineOverTheKvRead) {
   Parsed one;
   auto in = one.Build({"--decode-step-ms", "8", "--step-overhead-ms", "1"});

@@ -263,6 +263,7 @@ Result<PlanReport> Planner::Run() {
   rep.gpu_kv_bytes = e0.gpu_kv_bytes;
   rep.workload = in_.workload;
   rep.write_policy = in_.write_policy;
+  rep.load_blocking = e0.load_blocking;
   rep.fast = in_.fast;
   std::vector<uint64_t> contexts = in_.contexts;
   std::sort(contexts.begin(), contexts.end());
@@ -421,7 +422,11 @@ std::string FormatReport(const PlanReport& r) {
         fmt::format(" {} (read {}){}", r.tier_names[t], FormatBandwidth(r.tier_read_bytes_per_s[t]),
                     t + 1 < r.tier_names.size() ? "," : "");
   }
-  out += fmt::format("; write policy {}\n\n", WritePolicyName(r.write_policy));
+  out += fmt::format("; write policy {}", WritePolicyName(r.write_policy));
+  if (r.load_blocking > 0 && !r.tier_names.empty()) {
+    out += fmt::format("; loads stall the engine step for {:g} of their read", r.load_blocking);
+  }
+  out += "\n\n";
 
   out += "Thresholds\n";
   out += fmt::format(

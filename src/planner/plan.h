@@ -93,6 +93,7 @@ struct PlanReport {
   std::vector<double> tier_read_bytes_per_s;
   Workload workload;
   WritePolicy write_policy = WritePolicy::kWriteThrough;
+  double load_blocking = 0;  // EngineModel::load_blocking
   bool fast = false;
   double step_overhead_s = 0;
   bool calibrated = false;

@@ -352,6 +352,7 @@ struct Request {
   uint64_t step_chunk = 0;  // prefill tokens scheduled in the current step
   size_t saved_chunks = 0;  // leading chunks the tiers had or were sent (the connector's `saved`)
   size_t declined_end = 0;  // chunks below this were in a tier and not loaded: saved again
+  double load_ready = 0;    // when its load's reads end
   struct PinRef {
     uint32_t tier, owner, chunk;
   };
@@ -370,7 +371,9 @@ struct Conversation {
   uint64_t computed_before = 0;  // block-aligned tokens computed in earlier rounds
 };
 
-enum class EventType { kSend, kLoadDone, kStepEnd, kJoin, kPrefetchDone };
+// kLoadSchedulable: a request whose load blocks the engine (load_blocking) may be scheduled, the
+// step that runs it waiting for the rest of its read; kLoadDone: a load's reads are over.
+enum class EventType { kSend, kLoadSchedulable, kLoadDone, kStepEnd, kJoin, kPrefetchDone };
 struct Event {
   double t;
   uint64_t seq;
@@ -673,9 +676,20 @@ bool Simulation::TryAdmit(Request& r, double now) {
   r.computed = hit_end;
   r.log.recomputed_tokens = r.prompt - hit_end;
   if (c.computed_before > hit_end) res_.evicted_recompute_tokens += c.computed_before - hit_end;
+  r.load_ready = ready;
   if (ready > now) {
-    r.phase = Phase::kLoading;
-    Push(ready, EventType::kLoadDone, static_cast<uint32_t>(&r - requests_.data()));
+    const auto id = static_cast<uint32_t>(&r - requests_.data());
+    // The blocking part of the read is waited for by the step that runs the request
+    // (MaybeStartStep), so the request joins the schedule that much before the read ends: it
+    // waits for its read once, and the others in that step wait with it.
+    const double schedulable = ready - e_.load_blocking * (ready - now);
+    if (schedulable <= now) {
+      r.phase = Phase::kPrefill;
+    } else {
+      r.phase = Phase::kLoading;
+      if (schedulable < ready) Push(schedulable, EventType::kLoadSchedulable, id);
+    }
+    Push(ready, EventType::kLoadDone, id);
   } else {
     r.phase = Phase::kPrefill;
     ReleasePins(r);
@@ -994,6 +1008,7 @@ void Simulation::MaybeStartStep(double now) {
     duration += e_.decode_weights_s + kv_tokens * e_.decode_s_per_kv_token;
   }
   double saved_bytes = 0;
+  double load_wait = 0;
   for (uint32_t id : running_) {
     Request& r = requests_[id];
     r.step_chunk = 0;
@@ -1002,6 +1017,10 @@ void Simulation::MaybeStartStep(double now) {
     r.step_chunk = chunk;
     budget -= chunk;
     any = true;
+    // A request whose read has not ended (load_blocking) holds the whole step until it has, as
+    // LMCache's synchronous retrieval does before the forward pass. The tiers read side by side
+    // and each channel queues its reads, so the step waits for the last to end.
+    load_wait = std::max(load_wait, r.load_ready - now);
     duration += e_.prefill.Suffix(r.computed, chunk);
     if (!tiers_.empty() && o_.write_policy != WritePolicy::kNone) {
       // KV of the chunks this step completes and no tier holds yet is copied out at its end.
@@ -1013,6 +1032,8 @@ void Simulation::MaybeStartStep(double now) {
   }
   if (!any) return;
   duration += e_.save_blocking * saved_bytes / e_.save_copy_bytes_per_s;
+  duration += load_wait;
+  res_.load_wait_s += load_wait;
   engine_busy_ = true;
   step_started_ = now;
   ++res_.steps;
@@ -1091,6 +1112,9 @@ Result<SimResult> Simulation::Run() {
     return Status::InvalidArgument(
         "step and request overheads, save blocking and save bandwidth must be >= 0");
   }
+  if (!(e_.load_blocking >= 0 && e_.load_blocking <= 1)) {
+    return Status::InvalidArgument("load blocking must be in [0, 1]");
+  }
   if (!(e_.prefill.Full(1024) > 0)) return Status::InvalidArgument("prefill cost model is empty");
   for (const TierSpec& t : o_.tiers) {
     if (!(t.read_bytes_per_s > 0) || !(t.write_bytes_per_s > 0) || !(t.capacity_bytes >= 0)) {
@@ -1164,6 +1188,11 @@ Result<SimResult> Simulation::Run() {
       case EventType::kSend:
         Send(ev.id, now);
         break;
+      case EventType::kLoadSchedulable: {
+        Request& r = requests_[ev.id];
+        if (r.phase == Phase::kLoading) r.phase = Phase::kPrefill;
+        break;
+      }
       case EventType::kLoadDone: {
         Request& r = requests_[ev.id];
         if (r.phase == Phase::kLoading) r.phase = Phase::kPrefill;

@@ -25,7 +25,11 @@
 //    when the tier above evicts; none: never). The device-to-host copy of the saved KV stalls
 //    the engine step for save_blocking x bytes / save_copy_bw. Lookups walk chunks after the
 //    GPU hit and take each from the first tier that has it; loads are asynchronous (the engine
-//    keeps stepping) and promote chunks into the tiers above. Tier eviction is LRU over
+//    keeps stepping: kvtier's connector) and promote chunks into the tiers above. With
+//    load_blocking f > 0 the last f of a load's read is synchronous: the request joins the
+//    schedule that long before its read ends, and the step that runs its first chunk waits for
+//    the read, so every request in that step pays (LMCache's default retrieval, in the worker's
+//    start_load_kv before the forward pass, is f = 1). Tier eviction is LRU over
 //    conversations, tail-first within one (a head chunk is never dropped to keep a tail).
 // Single-threaded and deterministic; Simulate is thread-safe (no shared state).
 #pragma once
@@ -96,6 +100,10 @@ struct EngineModel {
   uint32_t chunk_tokens = 256;          // offload chunk
   double save_copy_bytes_per_s = 50e9;  // device->host copy of KV being saved
   double save_blocking = 1.0;           // fraction of that copy the engine waits for
+  // Fraction of a load's read (its time in the tiers, queueing included) that the engine step
+  // running the loaded request waits for: 0 = asynchronous (kvtier), 1 = synchronous (LMCache's
+  // default retrieval). The loaded request waits for its read once either way.
+  double load_blocking = 0.0;
   // Host time to start one layer's load from the host tier (copy calls, events) on the thread
   // that launches the model: it lengthens a launch-bound suffix by layers x this.
   double layer_load_overhead_s = 0;
@@ -163,6 +171,7 @@ struct SimResult {
   uint64_t admission_waits = 0;  // times the head request found no room
   uint64_t steps = 0;
   double engine_busy_s = 0;
+  double load_wait_s = 0;  // of engine_busy_s, steps waiting for loads (load_blocking > 0)
   double end_s = 0;
   double throughput_rps = 0;  // completed requests per second (saturate: over the probe window)
   double min_ttft_minus_transfer_s = 0;

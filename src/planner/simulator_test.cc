@@ -198,6 +198,75 @@ TEST(SimulatorTest, SavingKvThatIsNeverReadCostsTtft) {
   EXPECT_EQ(base->evicted_recompute_tokens, 0u);
 }
 
+// Mean TTFT of the requests that read nothing from a tier.
+double MeanTtftOfRequestsWithoutLoads(const SimResult& r) {
+  double sum = 0;
+  int n = 0;
+  for (const RequestLog& log : r.request_log) {
+    uint64_t tier = 0;
+    for (uint64_t t : log.tier_tokens) tier += t;
+    if (tier > 0) continue;
+    sum += log.ttft_s;
+    ++n;
+  }
+  return n > 0 ? sum / n : 0;
+}
+
+TEST(SimulatorTest, BlockingLoadsStallEveryRequestOfTheStep) {
+  // 16k contexts over an 8 GiB first tier: most returns read 2.4 GB or more from a
+  // 2 GB/s second tier.
+  // Asynchronous loads (kvtier's) cost only the loading request; synchronous ones (LMCache's
+  // default retrieval) stall the step that runs it, and so every request in that step: those
+  // that loaded nothing wait longer.
+  SimOptions o = Options(16384, 0.2, CpuNfs(8.0 * (1ull << 30), 2e9, 2e9));
+  o.cost_aware = false;
+  auto today = Simulate(o);  // the default: asynchronous
+  o.engine.load_blocking = 0;
+  auto async = Simulate(o);
+  o.engine.load_blocking = 0.5;
+  auto half = Simulate(o);
+  o.engine.load_blocking = 1;
+  auto sync = Simulate(o);
+  ASSERT_TRUE(today.ok() && async.ok() && half.ok() && sync.ok());
+  EXPECT_GT(sync->bytes_read[1], 0);
+  EXPECT_EQ(async->load_wait_s, 0);
+  EXPECT_DOUBLE_EQ(async->mean_ttft_s, today->mean_ttft_s);
+  EXPECT_EQ(async->steps, today->steps);
+  EXPECT_GT(half->load_wait_s, 0);
+  EXPECT_GT(sync->load_wait_s, 0);
+  const double others_async = MeanTtftOfRequestsWithoutLoads(*async);
+  const double others_sync = MeanTtftOfRequestsWithoutLoads(*sync);
+  EXPECT_GT(others_sync, others_async * 1.2) << others_async << " s against " << others_sync;
+  EXPECT_GT(sync->mean_ttft_s, async->mean_ttft_s);
+  CheckInvariants(o, *sync);
+  o.engine.load_blocking = 1.5;
+  EXPECT_FALSE(Simulate(o).ok());
+}
+
+TEST(SimulatorTest, ABlockingLoadIsWaitedForOnceByItsOwnRequest) {
+  // Two users taking turns far apart on a GPU that holds one conversation: every return reads
+  // its prefix from the second tier while nothing else runs. Whether the request waits for the
+  // read before its step or inside it, its first token comes out at the same time.
+  SimOptions o = Options(16384, 0.05, CpuNfs(1e9, 1e9, 1e9), WritePolicy::kWriteThrough, 4e9);
+  o.workload.users = 2;
+  o.cost_aware = false;
+  auto async = Simulate(o);
+  o.engine.load_blocking = 1;
+  auto sync = Simulate(o);
+  ASSERT_TRUE(async.ok() && sync.ok());
+  ASSERT_EQ(async->request_log.size(), sync->request_log.size());
+  int loaded = 0;
+  for (size_t i = 0; i < async->request_log.size(); ++i) {
+    const RequestLog& a = async->request_log[i];
+    const RequestLog& s = sync->request_log[i];
+    ASSERT_EQ(a.tier_tokens, s.tier_tokens);
+    if (a.tier_tokens[1] > 0) ++loaded;
+    EXPECT_NEAR(a.ttft_s, s.ttft_s, 1e-9) << "request " << i;
+  }
+  EXPECT_GT(loaded, 0);
+  EXPECT_GT(sync->load_wait_s, 0);
+}
+
 TEST(SimulatorTest, EvictionIsTailFirstSoPrefixesSurvivePartially) {
   // Just above the threshold some conversations lose only their tails: a later round finds a
   // GPU prefix longer than the shared system prompt but shorter than what it had computed.

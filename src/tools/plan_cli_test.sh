@@ -91,6 +91,10 @@ expect_refusal "is not above --request-overhead-ms" plan "${BASE[@]}" --context 
     --request-overhead-ms 200
 expect_refusal "must be >= 1 s" plan "${BASE[@]}" --context 2048 --capacity-stage-time 0.5s
 expect_refusal "must be > 0" simulate "${BASE[@]}" --context 2048 --decode-step-ms 0 --qps 1
+expect_refusal "--load-blocking must be in \[0, 1\]" simulate "${BASE[@]}" --context 2048 --qps 1 \
+    --load-blocking 2
+expect_refusal "--load-blocking 'sync' does not start with a number" plan "${BASE[@]}" \
+    --context 2048 --load-blocking sync
 expect_refusal "cannot write" simulate "${COMMON[@]}" --context 2048 --qps 1 \
     --requests-csv "$T/no/such/dir/x.csv"
 # --from-log: bench qa's CSV format (4 users, 3 rounds, 60 conversations), gzip'd, one line cut.
