@@ -519,8 +519,9 @@ class WorkerSide:
             skipped = len(job.keys) - len(slots)
             commit = list(slots)
             for i, slot in enumerate(slots):
-                if slot < 0:
-                    continue  # already stored
+                if slot < 0:  # already stored (in L1 or the file tier)
+                    skipped += 1
+                    continue
                 try:
                     self._copy(True, job.block_ids[i], store.slot_address(slot))
                     saved += 1
