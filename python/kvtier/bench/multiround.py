@@ -761,6 +761,10 @@ class ArmRunner:
         rows = list(csv.DictReader(open(h.state.logs / f"{name}.csv")))
         ttft = [float(r["ttft"]) for r in rows]
         prompt = sum(int(r["prompt_tokens"]) for r in rows)
+        # The time per token after the first: what every engine step costs, decodes included
+        # (an arm's step overhead shows here before it shows in TTFT).
+        decode = [float(r["generation_time"]) / (int(r["generation_tokens"]) - 1)
+                  for r in rows if int(r["generation_tokens"]) > 1]
         context_words, system_words = self.workload(context)
         args = h.args(port=self.vllm.port, system_prompt=system_words)
         shape = pc.prompt_shape(h.state.logs / f"{name}.csv", args)
@@ -772,11 +776,21 @@ class ArmRunner:
                     **token_shares(self.arm, prompt, vd, kd, h.bpt),
                     "storage_bytes": storage_bytes(self.arm, vd, kd),
                     "process_io": {k: io_after[k] - io_before[k] for k in io_after},
-                    "preemptions": pc.metric(vd, "vllm:num_preemptions_total")}
+                    "preemptions": pc.metric(vd, "vllm:num_preemptions_total"),
+                    "decode_s_per_token": statistics.median(decode) if decode else None,
+                    # The connector's saves, per request: about a turn's new tokens unless
+                    # chunks kvtier holds already are copied out of the GPU again.
+                    "saved_tokens_per_request": (
+                        pc.metric(vd, "vllm:kvtier_tokens_saved_total") / len(rows)
+                        if has_series(vd, "vllm:kvtier_tokens_saved_total") and rows else None)}
         s = measured["token_share"]
+        saved = measured["saved_tokens_per_request"]
         log(f"   mean TTFT {measured['mean_ttft_s'] * 1e3:.0f} ms, median "
             f"{measured['median_ttft_s'] * 1e3:.0f} ms over {len(rows)} requests; shares "
-            + " ".join(f"{k} {pct(v)}" for k, v in s.items()))
+            + " ".join(f"{k} {pct(v)}" for k, v in s.items())
+            + (f"; decode {measured['decode_s_per_token'] * 1e3:.1f} ms a token"
+               if decode else "")
+            + (f"; {saved:.0f} tokens saved a request" if saved is not None else ""))
         return {"measured": measured, "prompt_shape": shape,
                 "words": {"context": context_words, "system": system_words},
                 "bench_qa": run.get("summary")}
@@ -874,7 +888,7 @@ def errors(measured: dict, predictions: dict | None) -> dict | None:
 def print_table(result: dict) -> None:
     print(f"\n{'context':>8} {'arm':>8} {'cap r/s':>8} {'qps':>7} {'TTFT mean':>10} "
           f"{'median':>7} {'pred':>7} {'err':>6} {'gpu m/p':>9} {'cpu m/p':>9} {'disk m/p':>9} "
-          f"{'recomp m/p':>10} {'written':>9} {'read':>9}")
+          f"{'recomp m/p':>10} {'written':>9} {'read':>9} {'dec/tok':>8} {'saved/req':>9}")
     for r in result["rows"]:
         if "measured" not in r:
             print(f"{r['context_tokens']:>8} {r['arm']:>8} "
@@ -887,15 +901,22 @@ def print_table(result: dict) -> None:
         gb = lambda v: "n/m" if v is None else f"{v / 1e9:.2f}GB"  # noqa: E731
         pred = f"{p['mean_ttft_s'] * 1e3:.0f}ms" if "mean_ttft_s" in p else "-"
         err = f"{r['errors']['mean_ttft']:+.0%}" if r.get("errors") else "-"
+        # Rows measured before these two were recorded have neither.
+        dec = (f"{m['decode_s_per_token'] * 1e3:.1f}ms"
+               if m.get("decode_s_per_token") is not None else "-")
+        saved = (f"{m['saved_tokens_per_request']:.0f}"
+                 if m.get("saved_tokens_per_request") is not None else "-")
         print(f"{r['context_tokens']:>8} {r['arm']:>8} {m['service_rate_rps']:>8.3f} "
               f"{m['qps']:>7.3f} {m['mean_ttft_s'] * 1e3:>8.0f}ms "
               f"{m['median_ttft_s'] * 1e3:>5.0f}ms {pred:>7} {err:>6} {share('gpu'):>9} "
               f"{share('cpu'):>9} {share('disk'):>9} {share('recompute'):>10} "
-              f"{gb(m['storage_bytes']['written']):>9} {gb(m['storage_bytes']['read']):>9}")
+              f"{gb(m['storage_bytes']['written']):>9} {gb(m['storage_bytes']['read']):>9} "
+              f"{dec:>8} {saved:>9}")
     for arm, reason in result["skipped"].items():
         print(f"{arm}: skipped: {reason}")
     print("m/p: measured / predicted share of prompt tokens; n/m: not measured (this vLLM does "
-          "not tell); written/read: the arm's storage tier over the run")
+          "not tell); written/read: the arm's storage tier over the run; dec/tok: median time per "
+          "token after the first; saved/req: tokens the connector saved per request")
 
 
 # --- the command ---------------------------------------------------------------------------------
