@@ -154,9 +154,8 @@ class Engine {
   // Leading chunks of `keys` that a Load would find now. Never blocks on I/O.
   LookupResult Lookup(std::span<const ChunkKey> keys);
 
-  // Copies each src[i] (chunk_bytes long) into L1 under keys[i]. Keys already stored, in L1 or
-  // in L2, are skipped (stores are idempotent; a chunk only L2 holds is not brought back into
-  // L1 by a store). keys[i-1] is taken as keys[i]'s predecessor in the prefix.
+  // Copies each src[i] (chunk_bytes long) into L1 under keys[i]. Keys already present are
+  // skipped (stores are idempotent). keys[i-1] is taken as keys[i]'s predecessor in the prefix.
   // Returns kInvalidArgument for mismatched sizes and kRejected if the queue is full (nothing
   // was started); otherwise a handle.
   Result<OpHandle> Store(std::span<const ChunkKey> keys,
@@ -167,9 +166,9 @@ class Engine {
   // --- Zero-copy interface, for a server whose clients map the L1 arena themselves. ---
   //
   // Reserves one L1 slot per key for the caller to fill in place. slots[i] is kNoSlot when
-  // keys[i] is already stored, in L1 or in L2 (nothing to write). Stops at the first key that
-  // cannot get a slot: the returned vector is then shorter than keys (possibly empty) and the tier
-  // is full of pinned chunks. Never blocks on I/O.
+  // keys[i] is already stored (nothing to write). Stops at the first key that cannot get a slot:
+  // the returned vector is then shorter than keys (possibly empty) and the tier is full of
+  // pinned chunks. Never blocks on I/O.
   std::vector<SlotId> ReserveSlots(std::span<const ChunkKey> keys);
   // Publishes filled slots (kNoSlot entries are skipped) and applies the write policy to them.
   void CommitSlots(std::span<const ChunkKey> keys, std::span<const SlotId> slots);

@@ -107,7 +107,7 @@ struct FileTierOptions {
   bool shared_capacity = false;
   std::chrono::milliseconds shared_capacity_window{30000};
   std::chrono::seconds temp_grace{600};  // temporary files older than this are removed at Open
-  bool sync_data = true;  // fdatasync a chunk before publishing it (see file-format.md)
+  bool sync_data = true;        // fdatasync a chunk before publishing it (see file-format.md)
   // Caps the tier's chunk reads, all readers together, at this many bytes per second (0: no
   // cap): to leave a shared storage's bandwidth to others, or to see what a slower storage
   // does (the connector's cost-aware lookups are tested on a tier slowed so). A read returns no
@@ -178,8 +178,8 @@ struct FileTierStats {
   uint64_t stalled_reads = 0, stalled_writes = 0;  // running longer than stall_timeout now
   uint64_t replacement_threads = 0;  // threads started to replace stalled ones, so far
   // The numbers above are FileTierStatFields()' rows; the two below are written by name.
-  bool o_direct = false;  // every file so far was opened with O_DIRECT in effect
-  std::string io_engine;  // "io_uring", "threads", ...
+  bool o_direct = false;             // every file so far was opened with O_DIRECT in effect
+  std::string io_engine;             // "io_uring", "threads", ...
 };
 
 // The schema of FileTierStats' numbers, as the engine's counters have theirs (kvtier/engine.h):
@@ -211,9 +211,6 @@ class FileTier {
   // a chunk another host wrote is found by a later lookup.
   size_t LookupPrefix(std::span<const ChunkKey> keys);
   bool Contains(const ChunkKey& key);  // LookupPrefix of one key
-  // Whether the index holds `key`: no system call, and no probe queued for a miss (for a store
-  // deciding whether to write, where a miss is the rule and a probe would only cost a stat).
-  bool Indexed(const ChunkKey& key);
 
   // Lists the namespace now, on the calling thread, and brings the index up to date: chunks that
   // other processes or hosts published are added (and the negative cache forgets them), indexed

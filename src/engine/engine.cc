@@ -246,14 +246,6 @@ struct Engine::Impl {
   Result<MemoryTier::Reservation> ReserveInMemory(
       const ChunkKey& key, const ChunkKey* parent,
       MemoryTier::Victims victims = MemoryTier::Victims::kAny);
-  // A store of a chunk that L2 holds and L1 does not has nothing to do: the bytes are kept
-  // already. Taking an L1 slot for them would evict a chunk that may be L1's only copy, and the
-  // caller would copy them for nothing (vLLM saves a returning conversation's whole prefix from
-  // its GPU cache every turn: each turn would push others' chunks out of L1). A chunk in L1 is
-  // reserved as before, which refreshes its place there.
-  bool StoredBelow(const ChunkKey& key) const {
-    return l2 && !l1->Contains(key) && l2->Indexed(key);
-  }
   void PublishStored(SlotId slot, const ChunkKey& key);
   void FlusherLoop();
   void WatchDeadlines();     // the thread that ends loads at their deadline
@@ -735,10 +727,6 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
                      has_parent = i > 0, data = src[i]] {
-      if (impl_->StoredBelow(key)) {
-        state->ChunkDone(i, Status::Ok());
-        return;
-      }
       auto r = impl_->ReserveInMemory(key, has_parent ? &parent : nullptr);
       if (!r.ok()) {
         state->ChunkDone(i, r.status());
@@ -1031,10 +1019,6 @@ std::vector<SlotId> Engine::ReserveSlots(std::span<const ChunkKey> keys) {
   std::vector<SlotId> slots;
   slots.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (impl_->StoredBelow(keys[i])) {
-      slots.push_back(kNoSlot);
-      continue;
-    }
     auto r = impl_->ReserveInMemory(keys[i], i ? &keys[i - 1] : nullptr);
     if (!r.ok()) break;
     slots.push_back(r->already_present ? kNoSlot : r->slot);

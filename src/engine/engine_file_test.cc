@@ -142,48 +142,6 @@ TEST(EngineFileTest, WriteThroughWritesEveryStoreAndSurvivesRestart) {
   EXPECT_EQ(engine->Lookup(keys).memory, 3u);
 }
 
-// A store of chunks that only L2 holds (vLLM saving a returning conversation's prefix from its
-// GPU cache, evicted from L1 since the last turn) does nothing: no L1 slot taken, so nothing
-// that L1 holds is evicted for bytes kept already; chunks L1 holds and new ones are as before.
-TEST(EngineFileTest, StoresOfChunksOnlyL2HoldsTakeNoL1Slot) {
-  testing::TempDir dir;
-  auto engine = OpenEngine(Options(dir.path(), 2, WritePolicy::kWriteThrough));
-  ASSERT_TRUE(engine);
-  auto old_keys = Keys(2, 1), hot = Keys(2, 2), fresh = Keys(1, 3);
-  Chunks old_in(2, 1), hot_in(2, 2), fresh_in(1, 3);
-  ASSERT_TRUE(engine->Store(old_keys, old_in.In())->Wait().status.ok());
-  ASSERT_TRUE(engine->Drain());
-  ASSERT_TRUE(engine->Store(hot, hot_in.In())->Wait().status.ok());  // evicts old_keys from L1
-  ASSERT_TRUE(engine->Drain());
-  ASSERT_EQ(engine->Lookup(old_keys).memory, 0u);
-  ASSERT_EQ(engine->Lookup(old_keys).total, 2u);
-  ASSERT_EQ(engine->Lookup(hot).memory, 2u);
-  const uint64_t evictions = engine->Stats().memory_detail.evictions;
-
-  // The zero-copy path (a server's clients): nothing to write, for L2's chunks and L1's alike.
-  EXPECT_EQ(engine->ReserveSlots(old_keys), std::vector<SlotId>(2, kNoSlot));
-  EXPECT_EQ(engine->ReserveSlots(hot), std::vector<SlotId>(2, kNoSlot));
-  // The copying path.
-  ASSERT_TRUE(engine->Store(old_keys, old_in.In())->Wait().status.ok());
-  ASSERT_TRUE(engine->Drain());
-  EXPECT_EQ(engine->Lookup(hot).memory, 2u) << "a store of L2's chunks evicted L1's";
-  EXPECT_EQ(engine->Lookup(old_keys).memory, 0u);
-  EXPECT_EQ(engine->Stats().memory_detail.evictions, evictions);
-
-  // A chunk no tier holds still gets a slot, and is stored.
-  std::vector<SlotId> slots = engine->ReserveSlots(fresh);
-  ASSERT_EQ(slots.size(), 1u);
-  EXPECT_NE(slots[0], kNoSlot);
-  engine->AbortSlots(slots);
-  ASSERT_TRUE(engine->Store(fresh, fresh_in.In())->Wait().status.ok());
-  ASSERT_TRUE(engine->Drain());
-  EXPECT_EQ(engine->Lookup(fresh).memory, 1u);
-  // And L2's chunks still load, with their bytes.
-  Chunks out(2, 9);
-  ASSERT_TRUE(engine->Load(old_keys, out.Out())->Wait().status.ok());
-  EXPECT_EQ(out.data, old_in.data);
-}
-
 TEST(EngineFileTest, PolicyNoneNeverWrites) {
   testing::TempDir dir;
   auto engine = OpenEngine(Options(dir.path(), 1, WritePolicy::kNone));
@@ -611,8 +569,7 @@ TEST(EngineFileTest, WriteThroughRefusesAStoreRatherThanLoseAnAcknowledgedOne) {
       if (engine->Stats().memory_detail.dirty == 0) return true;
       static_cast<void>(engine->FlushDirty());  // a failed flush is retried next poll
       return false;
-    })) << engine->Stats().memory_detail.dirty
-        << " chunks still dirty";
+    })) << engine->Stats().memory_detail.dirty << " chunks still dirty";
     std::vector<SlotId> slots = engine->ReserveSlots(later);
     ASSERT_EQ(slots.size(), later.size());
     for (size_t j = 0; j < slots.size(); ++j) {

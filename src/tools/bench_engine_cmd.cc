@@ -189,8 +189,7 @@ Result<FileLookupFigures> MeasureFileLookup1000() {
   FileLookupFigures fig;
   {
     KVTIER_ASSIGN_OR_RETURN(auto engine, Engine::Open(o));  // indexes the 1,000 at open
-    // The first chunks brought into L1 by a load (promote_on_load); a store of chunks the file
-    // tier holds does nothing.
+    // The first chunks brought into L1 by a load (promote_on_load).
     std::vector<std::vector<uint8_t>> bufs(kInMemory, std::vector<uint8_t>(kChunk));
     std::vector<std::span<uint8_t>> dst(bufs.begin(), bufs.end());
     KVTIER_ASSIGN_OR_RETURN(OpHandle h,

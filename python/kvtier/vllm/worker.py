@@ -519,7 +519,7 @@ class WorkerSide:
             skipped = len(job.keys) - len(slots)
             commit = list(slots)
             for i, slot in enumerate(slots):
-                if slot < 0:  # already stored (in L1 or the file tier)
+                if slot < 0:  # already in L1
                     skipped += 1
                     continue
                 try:

@@ -149,10 +149,6 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
   }
 
   size_t LookupPrefix(std::span<const ChunkKey> keys);
-  bool Indexed(const ChunkKey& key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return index_.count(key) != 0;
-  }
   Status Rescan();
   Status Read(const ChunkKey& key, std::span<uint8_t> dst);
   Result<std::string> ReadDescriptor(const ChunkKey& key);
@@ -1518,8 +1514,6 @@ size_t FileTier::LookupPrefix(std::span<const ChunkKey> keys) { return impl_->Lo
 bool FileTier::Contains(const ChunkKey& key) {
   return impl_->LookupPrefix(std::span<const ChunkKey>(&key, 1)) == 1;
 }
-
-bool FileTier::Indexed(const ChunkKey& key) { return impl_->Indexed(key); }
 
 Status FileTier::Rescan() { return impl_->Rescan(); }
 
