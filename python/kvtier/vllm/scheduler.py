@@ -5,9 +5,13 @@ Runs in vLLM's scheduler loop, so nothing here touches storage: lookups go to th
 chained SHA-256 over token ids (docs/chunk-key.md), the same in every process and on every host.
 
 Bookkeeping per request: the keys of its full chunks so far, and how many leading chunks were
-handed to the workers to save (`saved`), so that no chunk is queued twice. Chunks found in kvtier
-are not counted as saved: a save job names them too, and the store answers "already stored" for
-each one it holds without a copy, so a chunk that failed to load and was recomputed is saved again.
+handed to the workers to save (`saved`), so that no chunk is queued twice. Chunks kvtier loads, or
+holds and the cost model declined to load, are not counted as saved: a save job names them too;
+the store answers "already stored" for each one L1 holds, and a chunk that failed to load, or that
+only the file tier held, is saved again (into L1, so that the next turn is a memory hit). The
+chunks of vLLM's own prefix hit that kvtier holds in any tier are counted as saved at lookup: vLLM
+hands a request's whole prefix to save, and saving those again would copy every returning
+conversation's prefix out of the GPU each turn once L1 had moved it to the file tier.
 
 The scheduler loop never waits on the store for long: a lookup runs on a background thread and,
 when its answer is not there within LOOKUP_WAIT_S, the request is answered "ask again next step"
@@ -72,6 +76,7 @@ class _Answer:
     rank's L1, and, for a layer-wise load, the pinned slots of chunks [first, hits) per rank."""
     hits: int = 0
     in_memory: int = 0
+    held: int = 0  # leading chunks every rank has in any tier, before the cost model's choice
     first: int = 0
     pins: list[list[int]] | None = None
     server_started: float = 0.0  # the server the pins belong to (store.server_started)
@@ -237,7 +242,7 @@ class SchedulerSide:
                 return _Answer()
             hits, in_memory = min(hits, total), min(in_memory, memory)
             clients.append((client, server.started))
-        answer = _Answer(hits, min(hits, in_memory), first)
+        answer = _Answer(hits, min(hits, in_memory), held=hits, first=first)
         cost = self._cost_model(clients[0][0].chunk_bytes)
         if cost is not None and answer.hits > answer.in_memory:
             choice = cost.choose(n_tokens, local, answer.in_memory, answer.hits)
@@ -369,9 +374,15 @@ class SchedulerSide:
                                   n_tokens, num_computed_tokens)
         if answer is None:
             return None, False
-        if answer.declined and not answer.counted:
+        if not answer.counted:
             answer.counted = True
-            self._count("tokens_declined", answer.declined * ct)
+            if answer.declined:
+                self._count("tokens_declined", answer.declined * ct)
+            # vLLM's own hit, as far as kvtier holds it: no saves (the module's docstring).
+            held_locally = min(answer.held, num_computed_tokens // ct)
+            if held_locally > st.saved:
+                self._count("saves_skipped", held_locally - st.saved)
+                st.saved = held_locally
         # vLLM must compute at least the last token itself.
         hit_tokens = min(answer.hits * ct, n_tokens - 1)
         st.in_memory_tokens = min(answer.in_memory * ct, hit_tokens)

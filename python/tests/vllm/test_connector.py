@@ -507,6 +507,53 @@ def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expect
         server.stop()
 
 
+def kvtier_counter(vllm: Vllm, name: str) -> float:
+    """A connector counter as vLLM's Prometheus /metrics has it now."""
+    metrics = urllib.request.urlopen(vllm.url + "/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^vllm:kvtier_{name}_total{{[^}}]*}} (\S+)$",
+                                            metrics, re.M))
+
+
+def wait_for_counter(vllm: Vllm, name: str, at_least: float, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while (value := kvtier_counter(vllm, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
+
+
+def test_vllms_own_prefix_hit_is_not_saved_again(workdir: Path, expected):
+    """vLLM hands the connector a request's whole prefix to save, its own cache's hit included.
+    Where kvtier holds that prefix, even on the file tier only (kvtier serve restarted: an empty
+    L1), nothing of it is copied out of vLLM again: a returning conversation saves only its new
+    chunks, and L1 is not filled with what the file tier has."""
+    l2 = workdir / "l2-own-hit"
+    server = KvtierServer(workdir, l2)
+    c = Vllm(workdir, "own-hit", connector_config(**{"kvtier.socket": server.socket}))
+    try:
+        assert c.complete(LONG) == expected["long"]
+        assert wait_for_counter(c, "chunks_saved", 1999 // 256) >= 1999 // 256
+        server.stop()  # write-back: L1 goes to the file tier
+        server = KvtierServer(workdir, l2)
+        reconnect(c, server)
+        time.sleep(2)  # the reconnecting requests' saves
+        saved, resident = kvtier_counter(c, "chunks_saved"), server.stats()["pool"]["resident"]
+        skipped = kvtier_counter(c, "saves_skipped")
+        # vLLM's own cache has LONG: kvtier's file tier has it too, nothing is saved.
+        assert c.complete(LONG) == expected["long"]
+        # The next turn: LONG and 300 new tokens, one new full chunk, saved; LONG's are not.
+        c.complete(LONG + random_prompt(13, 300), max_tokens=2)
+        assert wait_for_counter(c, "chunks_saved", saved + 1) >= saved + 1
+        time.sleep(2)
+        assert kvtier_counter(c, "chunks_saved") == saved + 1
+        assert server.stats()["pool"]["resident"] == resident + 1
+        assert kvtier_counter(c, "saves_skipped") >= skipped + 2 * (1999 // 256)
+        assert kvtier_hits(server) == 0  # vLLM's own hits: no loads
+        assert "Traceback" not in c.log()
+    finally:
+        c.stop()
+        server.stop()
+
+
 def test_without_a_table_the_models_shape_is_scaled_by_timed_prefills(workdir: Path, expected):
     """The defaults, no prefill table and no read rate: before the workers have timed a
     prefill, the prefill cost's scale is unknown and a hit on a tier capped at 8 MB/s is loaded
