@@ -782,18 +782,35 @@ class ArmRunner:
                     # chunks kvtier holds already are copied out of the GPU again.
                     "saved_tokens_per_request": (
                         pc.metric(vd, "vllm:kvtier_tokens_saved_total") / len(rows)
-                        if has_series(vd, "vllm:kvtier_tokens_saved_total") and rows else None)}
+                        if has_series(vd, "vllm:kvtier_tokens_saved_total") and rows else None),
+                    **lookup_costs(vd, len(rows))}
         s = measured["token_share"]
         saved = measured["saved_tokens_per_request"]
+        wait = measured["lookup_wait_s_per_request"]
         log(f"   mean TTFT {measured['mean_ttft_s'] * 1e3:.0f} ms, median "
             f"{measured['median_ttft_s'] * 1e3:.0f} ms over {len(rows)} requests; shares "
             + " ".join(f"{k} {pct(v)}" for k, v in s.items())
             + (f"; decode {measured['decode_s_per_token'] * 1e3:.1f} ms a token"
                if decode else "")
-            + (f"; {saved:.0f} tokens saved a request" if saved is not None else ""))
+            + (f"; {saved:.0f} tokens saved a request" if saved is not None else "")
+            + (f"; lookups held the scheduler {wait * 1e3:.2f} ms a request, "
+               f"{measured['lookups_deferred']:.0f} deferred" if wait is not None else ""))
         return {"measured": measured, "prompt_shape": shape,
                 "words": {"context": context_words, "system": system_words},
                 "bench_qa": run.get("summary")}
+
+
+def lookup_costs(vd: dict, requests: int) -> dict:
+    """What the connector's lookups cost, from its counters over the run: the scheduler loop's
+    wait per request (every running request's step waits with it) and the steps requests sat
+    out because their lookup was not answered in time (each such request waits a step). None
+    for an arm without kvtier's connector."""
+    if not has_series(vd, "vllm:kvtier_lookups_total") or not requests:
+        return {"lookup_wait_s_per_request": None, "lookups_deferred": None}
+    return {"lookup_wait_s_per_request":
+            pc.metric(vd, "vllm:kvtier_lookup_wait_us_total") / 1e6 / requests,
+            # a counter vLLM shows only once it is non-zero
+            "lookups_deferred": pc.metric(vd, "vllm:kvtier_lookups_deferred_total")}
 
 
 def pct(v) -> str:

@@ -320,10 +320,18 @@ class SchedulerSide:
             st.lookup = ((n_tokens, local),
                          self._lookup_thread.submit(self._lookup, st.request.request_id, keys,
                                                     first, n_tokens, local))
+            self._count("lookups", 1)
+        future = st.lookup[1]
+        if future.done():
+            return future.result()
+        started = time.perf_counter()
         try:
-            return st.lookup[1].result(timeout=LOOKUP_WAIT_S)
+            return future.result(timeout=LOOKUP_WAIT_S)
         except concurrent.futures.TimeoutError:
+            self._count("lookups_deferred", 1)
             return None
+        finally:
+            self._count("lookup_wait_us", int((time.perf_counter() - started) * 1e6))
 
     def _state(self, request) -> _Request | None:
         st = self._requests.get(request.request_id)

@@ -14,6 +14,9 @@ except ImportError:  # pragma: no cover
     KVConnectorPromMetrics = None
 
 # tokens_declined: tokens kvtier had that the cost model chose not to load (cost.py);
+# lookups / lookups_deferred / lookup_wait_us: the scheduler's lookups, the steps a request sat
+# out because its lookup took over LOOKUP_WAIT_S, and the loop's time spent waiting on them
+# (what the lookups cost the whole batch);
 # file_read_predicted_us / file_read_us: the file tier's reads of loads, predicted at lookup and
 # measured by the workers (with file_read_bytes, the rate the cost model learns);
 # prefill_predicted_us / prefill_measured_us: the timed prefill steps, as the cost model's table
@@ -32,6 +35,9 @@ HELP = {
     "tokens_hit_memory": "Tokens of the loads handed to the workers that L1 held",
     "tokens_hit_file": "Tokens of the loads handed to the workers that came from the file tier",
     "tokens_declined": "Tokens kvtier held that the cost model chose to recompute instead",
+    "lookups": "Lookups of a request's prompt (one per prompt length and vLLM's own hit)",
+    "lookups_deferred": "Scheduling steps a request waited for its lookup (asked again)",
+    "lookup_wait_us": "Time the scheduler loop waited on lookups (us)",
     "file_read_predicted_us": "File-tier read time of loads as predicted at lookup (us)",
     "file_read_us": "File-tier read time of loads as measured (us)",
     "file_read_bytes": "Bytes the loads read from the file tier",

@@ -246,6 +246,8 @@ def test_an_interrupted_run_goes_on_and_measures_every_number(tmp_path):
     assert 0 < m["decode_s_per_token"] < 1
     # The connector's own counter, through vLLM's /metrics: at least the first turns' prompts.
     assert m["saved_tokens_per_request"] > 0
+    # The lookups' cost to the scheduler loop: measured (above zero), well under a second.
+    assert 0 < m["lookup_wait_s_per_request"] < 1 and m["lookups_deferred"] >= 0
     for pred in row["predicted"].values():
         assert pred["mean_ttft_s"] > 0 and abs(sum(pred["token_share"].values()) - 1) < 1e-6
     assert row["errors"]["mean_ttft"] is not None and row["errors"]["service_rate"] is not None
