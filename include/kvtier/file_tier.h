@@ -172,6 +172,7 @@ struct FileTierStats {
   uint64_t write_permission = 0;  // EACCES / EPERM
   // Async calls refused because the queue was full (counted in `rejections` too).
   uint64_t read_queue_full = 0, write_queue_full = 0;
+  uint64_t reads_unwanted = 0;  // queued reads skipped: their caller no longer wanted them
   uint64_t disk_full = 0;                 // ENOSPC answers seen (evicted and retried)
   uint64_t effective_capacity_bytes = 0;  // the budget now: capacity, or lower after ENOSPC
   uint64_t non_regular = 0;  // chunk paths that were not regular files (counted as foreign)
@@ -250,9 +251,11 @@ class FileTier {
                     std::function<void(Status)> done);
   // Reads into a buffer of the pool thread's own; `done` gets the status and, when OK, the
   // chunk_bytes of the chunk, valid only during the call. Nothing of the caller's is written,
-  // so an abandoned read harms nobody.
+  // so an abandoned read harms nobody. `wanted`, when given, is asked as the read leaves the
+  // queue: false skips it (`done` gets kAborted; counted in reads_unwanted), so that reads
+  // queued for a caller that gave up (a load past its deadline) do not hold up the next ones.
   using ReadDone = std::function<void(Status, std::span<const uint8_t>)>;
-  Status ReadAsync(const ChunkKey& key, ReadDone done);
+  Status ReadAsync(const ChunkKey& key, ReadDone done, std::function<bool()> wanted = {});
 
   // Blocks until every queued and running asynchronous write (and read) has finished: true. Or
   // false once only stalled operations have run for a stall timeout (they go on).

@@ -264,8 +264,13 @@ struct Engine::Impl {
     std::optional<SlotId> in_l1 = std::nullopt;
     std::optional<uint64_t> generation = std::nullopt;
   };
-  FileReadJoin JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read);
+  FileReadJoin JoinFileRead(const ChunkKey& key, const FileTier::ReadDone& on_read,
+                            std::chrono::steady_clock::time_point deadline);
   std::vector<FileTier::ReadDone> TakeFileReadWaiters(const ChunkKey& key, uint64_t generation);
+  // Asked by the file tier as the read of `generation` leaves its queue: false once no load
+  // waits for it any more (every waiter's deadline has passed; the read is then forgotten, and
+  // a later load of the chunk starts its own), or a newer read has taken its waiters over.
+  bool ReadWanted(const ChunkKey& key, uint64_t generation);
   Result<OpHandle> StartLoad(std::span<const ChunkKey> keys,
                              std::span<const std::span<uint8_t>> dst);
   void WriteThrough(const ChunkKey& key);
@@ -354,6 +359,9 @@ struct Engine::Impl {
   struct FileRead {
     std::vector<FileTier::ReadDone> waiters;
     std::chrono::steady_clock::time_point started;
+    // The latest deadline of the waiters' loads: once it has passed, every one of them is over
+    // and a read still queued is skipped (ReadWanted), leaving the disk to the loads after them.
+    std::chrono::steady_clock::time_point wanted_until{};
     uint64_t generation = 0;  // of the read that serves them
   };
   std::mutex reads_mu;
@@ -752,8 +760,9 @@ Result<OpHandle> Engine::Store(std::span<const ChunkKey> keys,
 // reaches them only if the load is still open when the data arrives: a read stuck past the
 // load's deadline (a hung NFS server) holds no L1 slot, and whatever it delivers late lands
 // nowhere the caller can see (promoted into L1 at most).
-Engine::Impl::FileReadJoin Engine::Impl::JoinFileRead(const ChunkKey& key,
-                                                      const FileTier::ReadDone& on_read) {
+Engine::Impl::FileReadJoin Engine::Impl::JoinFileRead(
+    const ChunkKey& key, const FileTier::ReadDone& on_read,
+    std::chrono::steady_clock::time_point deadline) {
   const auto now = OpHandle::State::Clock::now();
   std::lock_guard lock(reads_mu);
   auto it = reads.find(key);
@@ -764,6 +773,7 @@ Engine::Impl::FileReadJoin Engine::Impl::JoinFileRead(const ChunkKey& key,
   } else if (options.load_deadline.count() == 0 ||
              now - it->second.started < options.load_deadline) {
     it->second.waiters.push_back(on_read);
+    it->second.wanted_until = std::max(it->second.wanted_until, deadline);
     shared_reads++;
     return {};
   }
@@ -772,9 +782,21 @@ Engine::Impl::FileReadJoin Engine::Impl::JoinFileRead(const ChunkKey& key,
   // waiters (a newer generation: the stuck read, if it ever ends, finds nobody to serve).
   auto& read = it->second;
   read.waiters.push_back(on_read);
+  read.wanted_until = std::max(read.wanted_until, deadline);
   read.started = now;
   read.generation = ++read_generation;
   return {.generation = read.generation};
+}
+
+bool Engine::Impl::ReadWanted(const ChunkKey& key, uint64_t generation) {
+  std::vector<FileTier::ReadDone> over;  // destroyed outside the lock
+  std::lock_guard lock(reads_mu);
+  auto it = reads.find(key);
+  if (it == reads.end() || it->second.generation != generation) return false;
+  if (OpHandle::State::Clock::now() < it->second.wanted_until) return true;
+  over = std::move(it->second.waiters);
+  reads.erase(it);
+  return false;
 }
 
 std::vector<FileTier::ReadDone> Engine::Impl::TakeFileReadWaiters(const ChunkKey& key,
@@ -792,11 +814,15 @@ void Engine::Impl::StartFileReads(std::shared_ptr<OpHandle::State> state,
                                   std::span<const ChunkKey> keys, const std::vector<size_t>& chunks,
                                   std::span<const std::span<uint8_t>> dst) {
   const bool pin_for_caller = dst.empty();  // PrepareLoad: leave the chunk pinned in L1
+  const auto deadline = [&] {
+    std::lock_guard lock(state->mu);  // engine shutdown may move it
+    return state->deadline;
+  }();
   std::vector<std::function<void()>> tasks;
   for (size_t i : chunks) {
     std::span<uint8_t> out = pin_for_caller ? std::span<uint8_t>() : dst[i];
     tasks.push_back([this, state, i, key = keys[i], parent = i ? keys[i - 1] : ChunkKey(),
-                     has_parent = i > 0, out, pin_for_caller] {
+                     has_parent = i > 0, out, pin_for_caller, deadline] {
       // Another store or promotion may have put the chunk in L1 meanwhile: serve it from there.
       auto serve_pinned = [&](SlotId slot) {
         bool unpinned = false;
@@ -856,7 +882,7 @@ void Engine::Impl::StartFileReads(std::shared_ptr<OpHandle::State> state,
       };
       // A read of this chunk already under way (another load's promotion) serves this load
       // too: one read, one promotion, every waiter handed the same bytes.
-      const FileReadJoin join = JoinFileRead(key, on_read);
+      const FileReadJoin join = JoinFileRead(key, on_read, deadline);
       TEST_SYNC_POINT("Engine::StartFileReads:AfterJoin");
       if (join.in_l1) return serve_pinned(*join.in_l1);
       if (!join.generation) return;
@@ -870,14 +896,17 @@ void Engine::Impl::StartFileReads(std::shared_ptr<OpHandle::State> state,
           for (auto& waiter : waiters) waiter(st, data);
         }
       };
+      // Skipped if it is still queued when every load waiting for it is over (cut at its
+      // deadline): a load of many chunks cut short leaves no queue of reads before the next.
+      auto wanted = [this, key, g = *join.generation] { return ReadWanted(key, g); };
       // The file tier's read queue is bounded. A load of more chunks than it holds (or several
       // loads together) waits here for room, which the queue makes at the disk's pace, rather
       // than turning the rest of its prefix into misses; the deadline still bounds the wait.
-      Status s = l2->ReadAsync(key, shared);
+      Status s = l2->ReadAsync(key, shared, wanted);
       for (auto pause = std::chrono::microseconds(50); s.IsRejected() && state->Open();
            pause = std::min(2 * pause, std::chrono::microseconds(2000))) {
         std::this_thread::sleep_for(pause);
-        s = l2->ReadAsync(key, shared);
+        s = l2->ReadAsync(key, shared, wanted);
       }
       // Shut down, or still full at the deadline: a miss, for every load that joined it too.
       if (!s.ok()) shared(s, {});

@@ -694,6 +694,49 @@ TEST(EngineFileTest, WriteBackNeverWaitsOnHungStorage) {
   }
 }
 
+// A load cut at its deadline leaves none of its queued reads behind to delay the next load: with
+// one read thread, the load's first read stalls and the others wait in the file tier's queue;
+// once the load is over they are skipped, not read, and a later load's reads come right after
+// the one that was under way.
+TEST(EngineFileTest, ALoadCutAtItsDeadlineLeavesNoQueuedReads) {
+  testing::TempDir dir;
+  auto keys = Keys(6, 17);
+  auto later = Keys(2, 18);
+  Chunks in(6, 17), later_in(2, 18);
+  {
+    auto writer = OpenEngine(Options(dir.path(), 8, WritePolicy::kWriteThrough));
+    ASSERT_TRUE(writer->Store(keys, in.In())->Wait().status.ok());
+    ASSERT_TRUE(writer->Store(later, later_in.In())->Wait().status.ok());
+  }
+  StallingEnv env(Env::Default());
+  EngineOptions o = Options(dir.path(), 8, WritePolicy::kNone);
+  o.file->env = &env;
+  o.file->read_threads = 1;
+  o.file->stall_timeout = 60s;  // no replacement thread takes a second read out of the queue
+  o.load_deadline = 150ms;
+  auto engine = OpenEngine(o);
+  ASSERT_TRUE(engine);
+  env.Stall(true);
+  Chunks out(6, 0);
+  OpResult r = engine->Load(keys, out.Out())->Wait();
+  EXPECT_EQ(r.chunks, 0u);
+  EXPECT_GE(engine->Stats().deadline_misses, 6u);
+  env.Stall(false);
+  Chunks later_out(2, 0);
+  r = engine->Load(later, later_out.Out())->Wait();
+  EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(later_out.data, later_in.data);
+  ASSERT_TRUE(engine->Drain());
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.file_detail.reads_unwanted, 5u);
+  EXPECT_EQ(st.file_detail.reads, 1u + 2u);  // the stalled read and the later load's
+  EXPECT_EQ(st.promotions, 1u + 2u);         // the stalled read's chunk came, and was kept
+  // The skipped reads were forgotten: a new load of the chunks reads them.
+  r = engine->Load(keys, out.Out())->Wait();
+  EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(out.data, in.data);
+}
+
 // A load from storage that hangs in the kernel: a miss at the deadline with no L1 slot held for
 // it, and the engine's destruction is bounded. The env outlives the test (abandoned reads return
 // into it).

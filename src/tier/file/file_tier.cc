@@ -147,6 +147,7 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
     std::shared_lock<std::shared_mutex> gate(callbacks_mu_);
     if (!callbacks_closed_) f();
   }
+  void CountUnwantedRead() { reads_unwanted_.fetch_add(1, std::memory_order_relaxed); }
 
   size_t LookupPrefix(std::span<const ChunkKey> keys);
   Status Rescan();
@@ -455,9 +456,9 @@ class FileTier::Impl : public std::enable_shared_from_this<FileTier::Impl> {
       bytes_written_{0}, evictions_{0}, rejections_{0}, errors_{0}, corrupt_{0}, foreign_{0},
       disk_rechecks_{0}, found_on_disk_{0}, stale_temps_removed_{0}, bounce_copies_{0},
       write_no_space_{0}, write_read_only_{0}, write_permission_{0}, read_queue_full_{0},
-      write_queue_full_{0}, disk_full_{0}, non_regular_{0}, rescans_{0}, rescan_failures_{0},
-      rescan_added_{0}, rescan_dropped_{0}, last_rescan_us_{0}, probes_{0}, probe_hits_{0},
-      probes_dropped_{0};
+      write_queue_full_{0}, reads_unwanted_{0}, disk_full_{0}, non_regular_{0}, rescans_{0},
+      rescan_failures_{0}, rescan_added_{0}, rescan_dropped_{0}, last_rescan_us_{0}, probes_{0},
+      probe_hits_{0}, probes_dropped_{0};
   std::atomic<bool> all_direct_{true};
   LogLimiter write_log_, reject_log_, evict_log_, read_log_, rescan_log_;
 
@@ -1425,6 +1426,7 @@ FileTierStats FileTier::Impl::Stats() const {
   st.write_permission = write_permission_.load();
   st.read_queue_full = read_queue_full_.load();
   st.write_queue_full = write_queue_full_.load();
+  st.reads_unwanted = reads_unwanted_.load();
   st.disk_full = disk_full_.load();
   st.non_regular = non_regular_.load();
   if (read_pool_) {
@@ -1538,10 +1540,20 @@ Status FileTier::ReadAsync(const ChunkKey& key, std::span<uint8_t> dst,
   });
 }
 
-Status FileTier::ReadAsync(const ChunkKey& key, ReadDone done) {
+Status FileTier::ReadAsync(const ChunkKey& key, ReadDone done, std::function<bool()> wanted) {
   std::shared_ptr<Impl> impl = impl_;
   const uint64_t n = options_.chunk_bytes;
-  return impl->Submit(false, [impl, key, n, done = std::move(done)] {
+  return impl->Submit(false, [impl, key, n, done = std::move(done), wanted = std::move(wanted)] {
+    if (wanted) {
+      // Asked behind the callbacks' gate, as `done` is: after shutdown its owner may be gone.
+      bool unwanted = true;
+      impl->Deliver([&] { unwanted = !wanted(); });
+      if (unwanted) {
+        impl->CountUnwantedRead();
+        if (done) impl->Deliver([&] { done(Status::Aborted("read no longer wanted"), {}); });
+        return;
+      }
+    }
     std::span<uint8_t> buf = tls_scratch.Owned(AlignUp(n));
     Status s = impl->Read(key, buf);
     if (done) {

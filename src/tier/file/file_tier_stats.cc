@@ -49,6 +49,8 @@ constexpr FileTierStatField kFileTierStatFields[] = {
     {"write_permission", "Writes failed with EACCES or EPERM", &F::write_permission},
     {"read_queue_full", "Asynchronous reads refused, queue full", &F::read_queue_full},
     {"write_queue_full", "Asynchronous writes refused, queue full", &F::write_queue_full},
+    {"reads_unwanted", "Queued reads skipped, no longer wanted (a load past its deadline)",
+     &F::reads_unwanted},
     {"disk_full", "ENOSPC answers seen (evicted and retried)", &F::disk_full},
     {"effective_capacity_bytes", "The capacity now: configured, or lower after ENOSPC",
      &F::effective_capacity_bytes},
