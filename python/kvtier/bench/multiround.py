@@ -880,9 +880,34 @@ def assemble(h: Harness, arms, contexts) -> dict:
                 row.update(measured=run["measured"], prompt_shape=run["prompt_shape"],
                            words=run["words"], predicted=pred,
                            errors=errors(run["measured"], pred))
+            if run and arm != "none" and h.state.get(Phase("run", "none", c).key):
+                row["paired_vs_none"] = paired(h.state.logs / f"c{c}-none.csv",
+                                               h.state.logs / f"c{c}-{arm}.csv")
             rows.append(row)
     return {"rows": rows, "skipped": {a: h.state.get(f"skip-{a}")["reason"] for a in arms
                                       if h.state.get(f"skip-{a}")}}
+
+
+def paired(baseline_csv: Path, arm_csv: Path) -> dict | None:
+    """An arm's TTFT against the baseline's, turn by turn: the same users send the same turns in
+    both runs, so the difference of each (user, question) pair cancels what the turns differ in
+    (context length, vLLM's own hits), and its spread gives the mean difference a standard error
+    (a few percent between two runs of one arm is noise, not a cost). None without two pairs."""
+    def ttfts(path: Path) -> dict:
+        with open(path) as f:
+            return {(r["user_id"], r["question_id"]): float(r["ttft"]) for r in csv.DictReader(f)}
+    try:
+        base, arm = ttfts(baseline_csv), ttfts(arm_csv)
+    except (OSError, KeyError, ValueError):
+        return None
+    pairs = sorted(base.keys() & arm.keys())
+    if len(pairs) < 2:
+        return None
+    diffs = [arm[k] - base[k] for k in pairs]
+    base_mean = statistics.fmean(base[k] for k in pairs)
+    return {"pairs": len(pairs), "mean_diff_s": statistics.fmean(diffs),
+            "stderr_s": statistics.stdev(diffs) / len(diffs) ** 0.5,
+            "ratio": statistics.fmean(arm[k] for k in pairs) / base_mean if base_mean else None}
 
 
 def errors(measured: dict, predictions: dict | None) -> dict | None:
@@ -929,6 +954,13 @@ def print_table(result: dict) -> None:
               f"{share('cpu'):>9} {share('disk'):>9} {share('recompute'):>10} "
               f"{gb(m['storage_bytes']['written']):>9} {gb(m['storage_bytes']['read']):>9} "
               f"{dec:>8} {saved:>9}")
+    for r in result["rows"]:
+        pv = r.get("paired_vs_none")
+        if pv:
+            ratio = f" ({pv['ratio'] - 1:+.1%})" if pv["ratio"] is not None else ""
+            print(f"{r['context_tokens']:>8} {r['arm']:>8}: {pv['mean_diff_s'] * 1e3:+.1f} ms "
+                  f"+- {pv['stderr_s'] * 1e3:.1f} ms a turn against no offload{ratio}, paired "
+                  f"over {pv['pairs']} turns")
     for arm, reason in result["skipped"].items():
         print(f"{arm}: skipped: {reason}")
     print("m/p: measured / predicted share of prompt tokens; n/m: not measured (this vLLM does "

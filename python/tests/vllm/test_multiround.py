@@ -145,6 +145,26 @@ def test_prediction_errors_are_ratios_and_share_points():
     assert mr.errors(measured, {"at_qps": {"error": "refused"}}) is None
 
 
+def test_an_arm_is_compared_with_no_offload_turn_by_turn(tmp_path):
+    """The same users' turns paired: the mean difference and its standard error; turns only one
+    run has are left out; too few pairs, or a missing log, give no comparison."""
+    def write(name: str, ttfts: dict) -> object:
+        path = tmp_path / name
+        path.write_text("prompt_tokens,generation_tokens,ttft,generation_time,user_id,question_id,"
+                        "launch_time,finish_time\n" + "".join(
+                            f"100,10,{t},1.0,{u},{q},0,1\n" for (u, q), t in ttfts.items()))
+        return path
+    base = write("none.csv", {(0, 1): 0.100, (0, 2): 0.200, (1, 1): 0.300, (1, 2): 0.9})
+    arm = write("server.csv", {(0, 1): 0.110, (0, 2): 0.230, (1, 1): 0.320})
+    pv = mr.paired(base, arm)
+    assert pv["pairs"] == 3  # (1, 2) only in the baseline
+    assert pv["mean_diff_s"] == pytest.approx(0.020)
+    assert pv["stderr_s"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert pv["ratio"] == pytest.approx(0.660 / 0.600)
+    assert mr.paired(base, write("one.csv", {(0, 1): 0.1})) is None
+    assert mr.paired(base, tmp_path / "missing.csv") is None
+
+
 def test_why_a_vllm_did_not_start_is_its_last_specific_error():
     text = ("INFO starting\nValueError: To serve at least one request ...\n"
             "RuntimeError: Worker failed with error 'CPU Offloading is currently only supported "
