@@ -778,12 +778,7 @@ class ArmRunner:
                     "process_io": {k: io_after[k] - io_before[k] for k in io_after},
                     "preemptions": pc.metric(vd, "vllm:num_preemptions_total"),
                     "decode_s_per_token": statistics.median(decode) if decode else None,
-                    # The connector's saves, per request: about a turn's new tokens unless
-                    # chunks kvtier holds already are copied out of the GPU again.
-                    "saved_tokens_per_request": (
-                        pc.metric(vd, "vllm:kvtier_tokens_saved_total") / len(rows)
-                        if has_series(vd, "vllm:kvtier_tokens_saved_total") and rows else None),
-                    **lookup_costs(vd, len(rows))}
+                    **connector_costs(vd, len(rows))}
         s = measured["token_share"]
         saved = measured["saved_tokens_per_request"]
         wait = measured["lookup_wait_s_per_request"]
@@ -800,17 +795,21 @@ class ArmRunner:
                 "bench_qa": run.get("summary")}
 
 
-def lookup_costs(vd: dict, requests: int) -> dict:
-    """What the connector's lookups cost, from its counters over the run: the scheduler loop's
-    wait per request (every running request's step waits with it) and the steps requests sat
-    out because their lookup was not answered in time (each such request waits a step). None
-    for an arm without kvtier's connector."""
-    if not has_series(vd, "vllm:kvtier_lookups_total") or not requests:
-        return {"lookup_wait_s_per_request": None, "lookups_deferred": None}
-    return {"lookup_wait_s_per_request":
-            pc.metric(vd, "vllm:kvtier_lookup_wait_us_total") / 1e6 / requests,
-            # a counter vLLM shows only once it is non-zero
-            "lookups_deferred": pc.metric(vd, "vllm:kvtier_lookups_deferred_total")}
+def connector_costs(vd: dict, requests: int) -> dict:
+    """What kvtier's connector cost over the run, from its counters: the tokens it saved per
+    request (about a turn's new tokens, unless chunks kvtier holds already are copied out of the
+    GPU again), the scheduler loop's wait on lookups per request (every running request's step
+    waits with it) and the steps requests sat out because their lookup was not answered in time
+    (each such request waits a step). None for an arm without the connector; vLLM shows a
+    counter only once it is non-zero, so a connector that saved nothing has no saved series."""
+    saved = "vllm:kvtier_tokens_saved_total"
+    lookups = has_series(vd, "vllm:kvtier_lookups_total") and requests > 0
+    return {"saved_tokens_per_request": (pc.metric(vd, saved) / requests
+                                         if has_series(vd, saved) and requests else None),
+            "lookup_wait_s_per_request": (pc.metric(vd, "vllm:kvtier_lookup_wait_us_total")
+                                          / 1e6 / requests if lookups else None),
+            "lookups_deferred": (pc.metric(vd, "vllm:kvtier_lookups_deferred_total")
+                                 if lookups else None)}
 
 
 def pct(v) -> str:

@@ -36,6 +36,20 @@ def transfer_metric(vllm: Vllm, name: str, timeout: float = 25.0, at_least: int 
         time.sleep(1)
 
 
+def kvtier_counter(vllm: Vllm, name: str) -> float:
+    """A connector counter as vLLM's Prometheus /metrics has it now."""
+    metrics = urllib.request.urlopen(vllm.url + "/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^vllm:kvtier_{name}_total{{[^}}]*}} (\S+)$",
+                                            metrics, re.M))
+
+
+def wait_for_counter(vllm: Vllm, name: str, at_least: float, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while (value := kvtier_counter(vllm, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
+
+
 def reconnect(vllm: Vllm, server: KvtierServer) -> None:
     """After a server restart: the connector notices the lost connection on its next use (that
     request is a miss) and reconnects in the background."""
@@ -496,29 +510,12 @@ def test_cost_aware_lookups_learn_the_engines_prefill_time(workdir: Path, expect
         assert c.complete(LONG) == expected["long"]
         assert transfer_metric(c, "tokens_loaded", 30, at_least=1792) >= 1792
         assert kvtier_hits(server, "memory") >= served_from_memory + 7
-        metrics = urllib.request.urlopen(c.url + "/metrics", timeout=10).read().decode()
-        declined = re.search(r"^vllm:kvtier_tokens_declined_total\{[^}]*\} (\S+)$", metrics,
-                             re.M)
-        assert declined and float(declined.group(1)) >= 1792, metrics[-3000:]
-        assert re.search(r"^vllm:kvtier_prefill_steps_total\{", metrics, re.M)
+        assert kvtier_counter(c, "tokens_declined") >= 1792
+        assert kvtier_counter(c, "prefill_steps") > 0
         assert "Traceback" not in c.log()
     finally:
         c.stop()
         server.stop()
-
-
-def kvtier_counter(vllm: Vllm, name: str) -> float:
-    """A connector counter as vLLM's Prometheus /metrics has it now."""
-    metrics = urllib.request.urlopen(vllm.url + "/metrics", timeout=10).read().decode()
-    return sum(float(v) for v in re.findall(rf"^vllm:kvtier_{name}_total{{[^}}]*}} (\S+)$",
-                                            metrics, re.M))
-
-
-def wait_for_counter(vllm: Vllm, name: str, at_least: float, timeout: float = 30) -> float:
-    deadline = time.monotonic() + timeout
-    while (value := kvtier_counter(vllm, name)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return value
 
 
 def test_vllms_own_prefix_hit_is_not_saved_again(workdir: Path, expected):
