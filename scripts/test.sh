@@ -116,4 +116,9 @@ stage "Python package and vLLM connector (vLLM's CPU build, real servers)"
 # Explicit test paths: nothing is skipped, the connector tests run against the installed vLLM.
 ./scripts/python-test.sh "${VLLM_VENV:-/opt/vllm-cpu-env}" python/tests
 
+stage "the connector's scheduler side in vLLM's Scheduler of releases without a CPU build"
+for release in 0.33.0 0.34.0; do
+  ./scripts/vllm-scheduler-contract.sh "$release"
+done
+
 stage "all test stages passed"
