@@ -294,7 +294,13 @@ class StallingEnv : public EnvWrapper {
   }
   void WaitWhileStalled() {
     std::unique_lock lock(mu_);
+    if (stalled_) ++reads_stalled_;
     cv_.wait(lock, [this] { return !stalled_; });
+  }
+  // Reads that have waited (or wait now) for Stall(false).
+  int reads_stalled() {
+    std::lock_guard lock(mu_);
+    return reads_stalled_;
   }
   std::string io_engine_name() const override { return "stalling " + base()->io_engine_name(); }
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& o) override;
@@ -303,6 +309,7 @@ class StallingEnv : public EnvWrapper {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stalled_ = false;
+  int reads_stalled_ = 0;
 };
 
 class StallingFile : public File {
@@ -713,12 +720,17 @@ TEST(EngineFileTest, ALoadCutAtItsDeadlineLeavesNoQueuedReads) {
   o.file->env = &env;
   o.file->read_threads = 1;
   o.file->stall_timeout = 60s;  // no replacement thread takes a second read out of the queue
-  o.load_deadline = 150ms;
+  // Long enough for the read thread to take up the first read on a slow machine, and for the
+  // later loads (two and five reads, one at a time) to finish within it.
+  o.load_deadline = 2s;
   auto engine = OpenEngine(o);
   ASSERT_TRUE(engine);
   env.Stall(true);
   Chunks out(6, 0);
-  OpResult r = engine->Load(keys, out.Out())->Wait();
+  auto op = engine->Load(keys, out.Out());
+  ASSERT_TRUE(testing::WaitUntil([&] { return env.reads_stalled() == 1; }))
+      << "the first read was not taken up";
+  OpResult r = op->Wait();
   EXPECT_EQ(r.chunks, 0u);
   EXPECT_GE(engine->Stats().deadline_misses, 6u);
   env.Stall(false);
@@ -899,8 +911,9 @@ TEST(EngineFileTest, ConcurrentLoadsOfAChunkShareOneRead) {
   o.file->env = env;
   o.file->stall_timeout = 100ms;
   // The second load must come within the deadline of the first's read to join it: long enough
-  // for a loaded machine, short because the test waits it out twice.
-  o.load_deadline = 1s;
+  // for a loaded machine (a sanitizer build's test process may not run for a second), short
+  // because the test waits it out twice.
+  o.load_deadline = 3s;
   auto engine = OpenEngine(o);
   ASSERT_TRUE(engine);
   SyncPointScope sync;

@@ -667,6 +667,9 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
   const double start = tb.Now();
   const double end = o.duration_s > 0 ? start + o.duration_s : std::numeric_limits<double>::infinity();
   double last_log = start, last_progress = start;
+  // Summaries on a fixed schedule (every log interval from the start), so that a late tick does
+  // not push every later summary back; each covers the time since the last one.
+  double next_log = start + o.log_interval_s;
   int64_t held_at_last_log = 0;
   int64_t interval_peak = 0;
   const double progress_every = o.progress_in_place ? o.progress_interval_s : 10.0;
@@ -685,7 +688,7 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
           manager.active_users(), client->in_flight(), st.launches.size(), st.records.size(),
           st.failures.size(), Quantile(recent, 0.5)));
     }
-    if (now - last_log >= o.log_interval_s) {
+    if (now >= next_log) {
       Summary s = Summarize(st.records, st.launches, st.failures, last_log, now,
                             static_cast<int64_t>(client->in_flight()), w.qps);
       s.expected_qps = w.expected_qps();
@@ -697,6 +700,7 @@ Result<QaBenchResult> RunQaBench(const QaBenchOptions& o) {
         if (auto warning = SaturationWarning(s, w); !warning.empty()) console.Log("WARNING: " + warning);
       }
       last_log = now;
+      while (next_log <= now) next_log += o.log_interval_s;
       held_at_last_log = manager.held_back();
       interval_peak = 0;
     }

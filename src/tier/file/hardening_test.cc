@@ -212,7 +212,7 @@ TEST(FileTierHardeningTest, StuckReadsAreReplacedAndAbandonedAtShutdown) {
                                 })
                     .ok());
   }
-  ASSERT_EQ(env->WaitForStalls(2, 1s), 2u);
+  ASSERT_EQ(env->WaitForStalls(2, testing::kWaitDeadline), 2u);
   // A healthy read still completes, on a replacement thread.
   std::promise<bool> good;
   ASSERT_TRUE(tier->ReadAsync(TestKey(2),
@@ -307,7 +307,7 @@ TEST(FileTierHardeningTest, FullWriteQueueIsCounted) {
     FillChunk(TestKey(i + 1), bufs.back().first(kChunk));
   }
   ASSERT_TRUE(tier->WriteAsync(TestKey(1), bufs[0].first(kChunk), nullptr).ok());
-  env->WaitForStalls(1, 1s);
+  ASSERT_EQ(env->WaitForStalls(1, testing::kWaitDeadline), 1u);
   ASSERT_TRUE(tier->WriteAsync(TestKey(2), bufs[1].first(kChunk), nullptr).ok());  // queued
   Status s = tier->WriteAsync(TestKey(3), bufs[2].first(kChunk), nullptr);
   EXPECT_TRUE(s.IsRejected());

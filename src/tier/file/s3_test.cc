@@ -255,8 +255,11 @@ TEST(S3FileTierTest, WrongCredentialsFailTheTierWithTheReason) {
 // The tier through a fault front: an env of its own pointed at the front.
 class S3FaultTierTest : public testing::S3FaultFixture {
  protected:
-  std::unique_ptr<Env> FrontEnv(const std::string& url) {
-    auto env = NewS3Env(FrontOptions(url, std::chrono::milliseconds(1500)));
+  // A request's deadline covers its retries: long by default, so that a throttled request that
+  // must succeed does so on a slow machine; a short one only where a hang is tested.
+  std::unique_ptr<Env> FrontEnv(const std::string& url,
+                                std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    auto env = NewS3Env(FrontOptions(url, timeout));
     EXPECT_TRUE(env.ok()) << env.status().ToString();
     return env.ok() ? std::move(*env) : nullptr;
   }
@@ -294,8 +297,10 @@ TEST_F(S3FaultTierTest, ThrottledWritesAreRetriedAndPersistentThrottlingIsAnErro
 // again, loads hit again; shutting down does not hang.
 TEST_F(S3FaultTierTest, AHungServerCostsTheLoadDeadlineNotAHang) {
   KVTIER_S3_TEST_DIR(dir, "hung");
-  auto env = FrontEnv(dir->url());
+  auto env = FrontEnv(dir->url(), std::chrono::milliseconds(1500));  // the reader's
+  auto write_env = FrontEnv(dir->url());  // the setup's writes: the default, long deadline
   ASSERT_NE(env, nullptr);
+  ASSERT_NE(write_env, nullptr);
   constexpr auto kDeadline = std::chrono::milliseconds(800);
   auto options = [&](WritePolicy policy) {
     EngineOptions o;
@@ -306,7 +311,7 @@ TEST_F(S3FaultTierTest, AHungServerCostsTheLoadDeadlineNotAHang) {
     o.write_policy = policy;
     o.worker_threads = 1;
     o.file = Options(dir->url());
-    o.file->env = env.get();
+    o.file->env = policy == WritePolicy::kNone ? env.get() : write_env.get();
     // The writer (setup) waits for its writes however loaded the machine (a sanitizer build
     // beside other work took over 500 ms); only the reader meets the hang.
     o.file->stall_timeout = std::chrono::milliseconds(policy == WritePolicy::kNone ? 500 : 0);
