@@ -553,13 +553,16 @@ def test_vllms_own_prefix_hit_is_not_saved_again(workdir: Path, expected):
 
 def test_without_a_table_the_models_shape_is_scaled_by_timed_prefills(workdir: Path, expected):
     """The defaults, no prefill table and no read rate: before the workers have timed a
-    prefill, the prefill cost's scale is unknown and a hit on a tier capped at 8 MB/s is loaded
+    prefill, the prefill cost's scale is unknown and a hit on a tier capped at 2 MB/s is loaded
     (and its slow read measured); after three timed prefills of 1,500 tokens the model's shape,
     scaled to them, puts recomputing the prefix far below reading it, and the same hit, from an
-    empty L1 again, is declined and recomputed. The answers are vLLM's own every time."""
+    empty L1 again, is declined and recomputed. The answers are vLLM's own every time. Reading
+    the prefix at 2 MB/s takes about 3.7 s, some 50x a quiet machine's recompute: the margin
+    that a loaded machine's slower prefills (timed as they are) do not use up (at 8 MB/s a
+    loaded run once found loading cheaper)."""
     l2 = workdir / "l2-shape"
     store_on_the_file_tier(workdir, l2, expected)
-    server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.008})
+    server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.002})
     c = Vllm(workdir, "shape", connector_config(**{"kvtier.socket": server.socket}))
     try:
         assert transfer_metric(c, "prefill_steps", timeout=0) == 0
@@ -570,11 +573,14 @@ def test_without_a_table_the_models_shape_is_scaled_by_timed_prefills(workdir: P
             c.complete(random_prompt(400 + seed, 1500), max_tokens=1)
         assert transfer_metric(c, "prefill_steps", 30, at_least=3) >= 3
         server.stop()
-        server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.008})
+        server = KvtierServer(workdir, l2, l2_extra={"read_limit_gbps": 0.002})
         reconnect(c, server)
         c.reset_prefix_cache()
         assert c.complete(LONG) == expected["long"]
-        assert transfer_metric(c, "tokens_declined", 30, at_least=1792) >= 1792
+        declined = transfer_metric(c, "tokens_declined", 30, at_least=1792)
+        assert declined >= 1792, {name: transfer_metric(c, name, timeout=0) for name in (
+            "prefill_steps", "prefill_measured_us", "prefill_predicted_us", "file_read_bytes",
+            "file_read_us", "tokens_loaded")}
         assert transfer_metric(c, "tokens_loaded", timeout=0) < 2 * 1792
         assert "Traceback" not in c.log()
     finally:

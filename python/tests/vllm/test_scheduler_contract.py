@@ -3,21 +3,16 @@
 test_connector.py runs the whole connector in vLLM's CPU build, which is published only up to
 0.32. These tests need nothing but vLLM's Python sources: the installed release's real
 Scheduler (vllm.v1.core.sched.scheduler) schedules requests with KvtierConnector's scheduler
-side against a real `kvtier serve`. So they also run on the releases that cannot serve a model
-here (0.33 and 0.34: docs/vllm.md, "Supported vLLM versions"). The test plays vLLM's model
-runner and kvtier's workers: each step it stores the chunks the step hands out to save (through
-a kvtier client, with bytes derived from each chunk's key, as a worker stores them from the
-KV cache), loads the chunks it hands out to load and checks their bytes, and reports back what
-vLLM's model runner reports (a sampled token per finished prompt, finished loads and saves,
-blocks that failed to load). What is checked is the contract between the two schedulers: what
-vLLM asks and when, what kvtier answers, and that vLLM's books balance after every fault.
+side against a real `kvtier serve` (kvtier.vllm.model_free, which plays vLLM's model runner and
+kvtier's workers: the chunks each step saves are stored and those it loads read back and
+checked). So they also run on the releases that cannot serve a model here (0.33 and 0.34:
+docs/vllm.md, "Supported vLLM versions"). What is checked is the contract between the two
+schedulers: what vLLM asks and when, what kvtier answers, and that vLLM's books balance after
+every fault.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import pickle
 import signal
 import time
 from pathlib import Path
@@ -26,192 +21,21 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec)
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
-import kvtier  # noqa: E402
+from kvtier.vllm.model_free import ModelFreeEngine  # noqa: E402
 
 from conftest import KvtierServer, random_prompt  # noqa: E402
 
-BLOCK = 16
 CHUNK = 256  # kvtier's default chunk_tokens
-EOS = 1  # the tiny model's
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
-def accepted(target, **values):
-    """`values` less those `target` takes no parameter for: vLLM's classes grew fields across
-    releases, and what an older one lacks it neither reads nor needs here."""
-    names = inspect.signature(target).parameters
-    return {k: v for k, v in values.items() if k in names}
+class Engine(ModelFreeEngine):
+    """The tiny test model's shape, KvtierConnector in server mode, loads between steps."""
 
-
-def _hash(obj) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj)).digest()
-
-
-init_none_hash(_hash)
-
-
-def payload(key: bytes, size: int) -> bytes:
-    """A chunk's bytes as the test's workers store them: derived from its key, so a load that
-    returns another chunk's bytes (a wrong key, a wrong order) is caught."""
-    seed = hashlib.sha256(key).digest()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-class Engine:
-    """vLLM's Scheduler with KvtierConnector, the test standing in for the model runner and
-    kvtier's workers (the module's docstring)."""
-
-    def __init__(self, workdir: Path, server: KvtierServer, num_blocks: int = 400,
-                 max_batched_tokens: int = 2048):
-        model = ModelConfig(**accepted(ModelConfig, model=str(workdir / "model"),
-                                           dtype="float32", seed=0, max_model_len=4096))
-        sched = SchedulerConfig(**accepted(
-            SchedulerConfig, max_num_seqs=8, max_num_batched_tokens=max_batched_tokens,
-            max_model_len=4096, is_encoder_decoder=False, async_scheduling=False,
-            enable_chunked_prefill=True))
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        transfer = KVTransferConfig(
-            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"kvtier.socket": server.socket,
-                                                          "kvtier.load_mode": "async"})
-        config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
-        config.cache_config.num_gpu_blocks = num_blocks
-        spec = FullAttentionSpec(**accepted(FullAttentionSpec, block_size=BLOCK,
-                                                num_kv_heads=2, head_size=64,
-                                                dtype=torch.float32, use_mla=False))
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-        self.num_blocks = num_blocks
-        self.scheduler = Scheduler(**accepted(
-            Scheduler, vllm_config=config, kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK,
-            log_stats=True))
-        self.connector = self.scheduler.get_kv_connector()
-        self.side = self.connector._scheduler
-        self.server = server
-        self._client = None
-        self.loads: list = []  # every load job handed out, in order
-        self.saves: list = []  # every save job handed out, in order
-        self.schedule_s: list[float] = []  # each schedule()'s duration
-        self.fail_loads = False  # report every block of the next loads as failed
-        self._sending: set[str] = set()  # requests with saves: reported once finished
-        self._report_sending: set[str] = set()
-        self._finished: set[str] = set()
-
-    def client(self):
-        """The test's worker connection (the server's chunk size, the connector's namespace)."""
-        if self._client is None:
-            self._client = kvtier.connect(self.side.ns.store(0), 0,
-                                          socket_path=self.server.socket)
-        return self._client
-
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, EOS)
-        request = Request(**accepted(
-            Request, request_id=req_id, prompt_token_ids=list(tokens),
-            sampling_params=params, pooling_params=None, eos_token_id=EOS,
-            block_hasher=get_request_block_hasher(BLOCK, _hash)))
-        self.scheduler.add_request(request)
-        return request
-
-    def _work(self, meta) -> tuple[set[str], set[int]]:
-        """The workers' part of a step: its saves stored, its loads read and checked."""
-        recving, invalid = set(), set()
-        for job in meta.saves:
-            self.saves.append(job)
-            self._sending.add(job.req_id)
-            try:
-                size = self.client().chunk_bytes
-                self.client().store(job.keys, [payload(k, size) for k in job.keys]).wait()
-            except kvtier.KvtierError:
-                self._client = None  # a dead server: the save is lost, as a worker's would be
-        for job in meta.loads:
-            self.loads.append(job)
-            blocks = {b for chunk in job.block_ids for b in chunk[0] if b >= 0}
-            loaded = 0
-            if not self.fail_loads:
-                size = self.client().chunk_bytes
-                out = [bytearray(size) for _ in job.keys]
-                loaded = self.client().load(job.keys, out).wait().chunks
-                for key, got in zip(job.keys[:loaded], out):
-                    assert bytes(got) == payload(key, size), "a load returned other bytes"
-            if loaded < len(job.keys):
-                invalid |= {b for chunk in job.block_ids[loaded:] for b in chunk[0] if b >= 0}
-            assert blocks, "a load with no blocks to fill"
-            recving.add(job.req_id)
-        return recving, invalid
-
-    def step(self):
-        """One engine step: schedule, the workers' part, the model runner's output."""
-        started = time.perf_counter()
-        out = self.scheduler.schedule()
-        self.schedule_s.append(time.perf_counter() - started)
-        recving, invalid = self._work(out.kv_connector_metadata)
-        req_ids, sampled = [], []
-        for req_id in out.num_scheduled_tokens:
-            request = self.scheduler.requests[req_id]
-            req_ids.append(req_id)
-            # num_computed_tokens already counts this step's tokens (schedule() advanced it).
-            sampled.append([7] if request.num_computed_tokens >= request.num_tokens else [])
-        sending, self._report_sending = self._report_sending, set()
-        kv_output = KVConnectorOutput(**accepted(
-            KVConnectorOutput, finished_sending=sending or None,
-            finished_recving=recving or None, invalid_block_ids=invalid))
-        output = ModelRunnerOutput(**accepted(
-            ModelRunnerOutput, req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=[None] * len(req_ids),
-            kv_connector_output=kv_output))
-        self.scheduler.update_from_output(out, output)
-        # vLLM frees a finished request's blocks once its saves are reported done: the workers
-        # report them on the next step's output.
-        for req_id in out.finished_req_ids:
-            self._finished.add(req_id)
-            if req_id in self._sending:
-                self._sending.discard(req_id)
-                self._report_sending.add(req_id)
-        return out
-
-    def run(self, until, max_steps: int = 200) -> None:
-        for _ in range(max_steps):
-            if until():
-                return
-            self.step()
-        raise AssertionError(f"not done within {max_steps} steps")
-
-    def finished(self, req_id: str) -> bool:
-        return req_id in self._finished
-
-    def idle(self) -> bool:
-        """Every request finished and every block back in vLLM's free pool."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        return (not self.scheduler.requests and not self._report_sending
-                and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1)
-
-    def drain(self) -> None:
-        self.run(self.idle)
-
-    def reset_prefix_cache(self) -> None:
-        assert self.scheduler.reset_prefix_cache(), "vLLM kept blocks after every request ended"
-
-    def close(self) -> None:
-        self.connector.shutdown()
-        if self._client is not None:
-            self._client.close()
+    def __init__(self, workdir: Path, server: KvtierServer, **kwargs):
+        super().__init__(workdir / "model", server.socket, {"kvtier.load_mode": "async"},
+                         **kwargs)
 
 
 @pytest.fixture
