@@ -113,6 +113,7 @@ class ModelFreeEngine:
         self._sending: set[str] = set()  # requests with saves: reported once finished
         self._report_sending: set[str] = set()
         self.finished_ids: list[str] = []  # in the order they finished
+        self.connector_counters: dict[str, float] = {}  # the scheduler side's, summed
 
     def client(self):
         """The workers' connection (the server's chunk size, the connector's namespace)."""
@@ -188,8 +189,9 @@ class ModelFreeEngine:
             logprobs=None, prompt_logprobs_dict={}, pooler_output=[None] * len(req_ids),
             kv_connector_output=kv_output))
         started = time.perf_counter()
-        self.scheduler.update_from_output(out, output)
+        outputs = self.scheduler.update_from_output(out, output)
         self.update_s.append(time.perf_counter() - started)
+        self._count(outputs)
         # vLLM frees a finished request's blocks once its saves are reported done: the workers
         # report them on the next step's output.
         for req_id in out.finished_req_ids:
@@ -198,6 +200,15 @@ class ModelFreeEngine:
                 self._sending.discard(req_id)
                 self._report_sending.add(req_id)
         return out
+
+    def _count(self, outputs) -> None:
+        """Adds the step's connector counters (vLLM collects them into its scheduler stats)."""
+        for core_outputs in (outputs or {}).values():
+            stats = getattr(getattr(core_outputs, "scheduler_stats", None),
+                            "kv_connector_stats", None)
+            for name, value in (stats or {}).items():
+                if isinstance(value, (int, float)):
+                    self.connector_counters[name] = self.connector_counters.get(name, 0) + value
 
     def run(self, until: Callable[[], bool], max_steps: int = 200) -> None:
         for _ in range(max_steps):

@@ -13,6 +13,7 @@ every fault.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -180,3 +181,21 @@ def test_a_preempted_request_resumes_through_a_load(workdir: Path, server):
         assert engine.loads and all(len(job.keys) >= 1 for job in engine.loads)
     finally:
         engine.close()
+
+
+def test_the_scheduler_cost_benchmark_measures_both_arms(capsys):
+    """kvtier.bench.scheduler_cost end to end, small: both arms serve every turn, every turn is
+    looked up, and vLLM's own hits are not saved again; a bad flag is refused."""
+    from kvtier.bench import scheduler_cost
+
+    assert scheduler_cost.main(["--context", "2048", "--users", "2", "--rounds", "3",
+                                "--system", "300", "--question", "50", "--answer", "20",
+                                "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for arm in r["arms"].values():
+        assert arm["requests"] == 6 and arm["steps"] >= 3 * 20
+        assert 0 < arm["step_us_p50"] <= arm["step_us_p99"]
+    assert r["lookups"] >= 6 and r["saves_skipped"] > 0
+    with pytest.raises(SystemExit):
+        scheduler_cost.main(["--context", "100"])  # shorter than its turns
+    assert "--context is shorter" in capsys.readouterr().err
