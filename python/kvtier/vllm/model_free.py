@@ -110,6 +110,11 @@ class ModelFreeEngine:
         self.schedule_s: list[float] = []  # each schedule()'s duration
         self.update_s: list[float] = []  # each update_from_output()'s duration
         self.fail_loads = False  # report every block of the next loads as failed
+        # Loads under way: their end is reported once release_loads() is called (a slow read),
+        # not on the output of the step that handed them out.
+        self.hold_loads = False
+        self._held_recving: set[str] = set()
+        self._released_recving: set[str] = set()
         self._sending: set[str] = set()  # requests with saves: reported once finished
         self._report_sending: set[str] = set()
         self.finished_ids: list[str] = []  # in the order they finished
@@ -161,8 +166,15 @@ class ModelFreeEngine:
                     assert bytes(got) == payload(key, size), "a load returned other bytes"
             if loaded < len(job.keys):
                 invalid |= {b for chunk in job.block_ids[loaded:] for b in chunk[0] if b >= 0}
-            recving.add(job.req_id)
+            (self._held_recving if self.hold_loads else recving).add(job.req_id)
+        recving |= self._released_recving
+        self._released_recving = set()
         return recving, invalid
+
+    def release_loads(self) -> None:
+        """The loads held under way end: reported on the next step's output."""
+        self._released_recving |= self._held_recving
+        self._held_recving = set()
 
     def step(self):
         """One engine step: schedule, the workers' part, the model runner's output."""
