@@ -58,8 +58,8 @@ class Chat:
     """One user's conversation: each turn's prompt is the last prompt, its answer and a new
     question; the first turn starts with the shared system prompt and the user's history."""
 
-    def __init__(self, user: int, system: list[int], history: int, question: int, answer: int,
-                 rounds: int):
+    def __init__(self, user: int, system: list[int], history: int, question: int,
+                 answer: list[int], rounds: int):
         rng = random.Random(1000 + user)
         self.prompt = system + [rng.randrange(3, 32000) for _ in range(history)]
         self.rng, self.question, self.answer, self.rounds = rng, question, answer, rounds
@@ -69,9 +69,7 @@ class Chat:
         if self.round >= self.rounds:
             return None
         if answered:
-            from kvtier.vllm.model_free import SAMPLED_TOKEN
-
-            self.prompt = self.prompt + [SAMPLED_TOKEN] * self.answer
+            self.prompt = self.prompt + self.answer
         self.prompt = self.prompt + [self.rng.randrange(3, 32000) for _ in range(self.question)]
         self.round += 1
         return self.prompt
@@ -80,11 +78,12 @@ class Chat:
 class Arm:
     """One engine's closed loop: every user sends its next turn once the last was answered."""
 
-    def __init__(self, name: str, engine, args):
+    def __init__(self, name: str, engine, args, answer_token: int):
         self.name, self.engine, self.args = name, engine, args
         system = random.Random(1).choices(range(3, 32000), k=args.system)
         history = max(0, args.context - args.system - args.rounds * (args.question + args.answer))
-        self.chats = [Chat(u, system, history, args.question, args.answer, args.rounds)
+        answer = [answer_token] * args.answer  # what the stand-in model runner answers
+        self.chats = [Chat(u, system, history, args.question, answer, args.rounds)
                       for u in range(args.users)]
         self.active: dict[str, int] = {}  # request id -> user
         self.requests = 0
@@ -120,7 +119,7 @@ class Arm:
 
 def run(args) -> dict:
     from kvtier.bench.ttft_storage import ServeProcess
-    from kvtier.vllm.model_free import ModelFreeEngine
+    from kvtier.vllm.model_free import SAMPLED_TOKEN, ModelFreeEngine
 
     work = tempfile.mkdtemp(prefix="kvtier-scheduler-cost-")
     max_len = args.context + args.answer + 1024
@@ -138,7 +137,8 @@ def run(args) -> dict:
                       max_model_len=max_len, max_num_seqs=max(args.users, 8))
         none = ModelFreeEngine(os.path.join(work, "model"), None, **common)
         kvtier_engine = ModelFreeEngine(os.path.join(work, "model"), server.socket, **common)
-        arms = [Arm("none", none, args), Arm("kvtier serve", kvtier_engine, args)]
+        arms = [Arm("none", none, args, SAMPLED_TOKEN),
+                Arm("kvtier serve", kvtier_engine, args, SAMPLED_TOKEN)]
         started = time.monotonic()
         last_report = started
         while not all(a.done() for a in arms):

@@ -46,13 +46,15 @@ TESTED_RANGE = ("0.26", "0.34")
 
 
 def known_fields(target: Any, **values: Any) -> dict[str, Any]:
-    """`values` less those `target` (a dataclass, or a callable) has no field or parameter for:
-    what to pass to a vLLM class whose fields grew across versions. Only what an older vLLM
-    neither reads nor passes goes this way (reporting fields, an argument it never gives)."""
-    if dataclasses.is_dataclass(target):
-        names = {f.name for f in dataclasses.fields(target)}
-    else:
+    """`values` less those `target` (a class, or a callable) takes no parameter for: what to
+    pass to a vLLM class whose fields grew across versions. Only what an older vLLM neither
+    reads nor passes goes this way (reporting fields, an argument it never gives). A class's
+    parameters are its constructor's: a dataclass's init fields, and a pydantic dataclass's
+    init-only ones too (vLLM's SchedulerConfig takes max_model_len that way)."""
+    try:
         names = set(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # no signature to read: a dataclass's fields
+        names = {f.name for f in dataclasses.fields(target)}
     return {k: v for k, v in values.items() if k in names}
 
 

@@ -13,7 +13,6 @@ scheduler side's cost per step (kvtier.bench.scheduler_cost).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import pickle
 import time
 from pathlib import Path
@@ -32,14 +31,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import kvtier
 
+from .compat import known_fields
+
 SAMPLED_TOKEN = 7  # what the stand-in model runner samples, every time
-
-
-def accepted(target, **values):
-    """`values` less those `target` takes no parameter for: vLLM's classes grew fields across
-    releases, and what an older one lacks it neither reads nor needs here."""
-    names = inspect.signature(target).parameters
-    return {k: v for k, v in values.items() if k in names}
 
 
 def _block_hash(obj) -> bytes:
@@ -67,10 +61,10 @@ class ModelFreeEngine:
                  extra: dict | None = None, num_blocks: int = 400,
                  max_batched_tokens: int = 2048, max_model_len: int = 4096,
                  max_num_seqs: int = 8, block_size: int = 16):
-        model = ModelConfig(**accepted(ModelConfig, model=str(model_dir), dtype="float32",
+        model = ModelConfig(**known_fields(ModelConfig, model=str(model_dir), dtype="float32",
                                        seed=0, max_model_len=max_model_len,
                                        skip_tokenizer_init=True))
-        sched = SchedulerConfig(**accepted(
+        sched = SchedulerConfig(**known_fields(
             SchedulerConfig, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
             is_encoder_decoder=False, async_scheduling=False, enable_chunked_prefill=True))
@@ -87,7 +81,7 @@ class ModelFreeEngine:
         hf = model.hf_text_config
         heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        spec = FullAttentionSpec(**accepted(FullAttentionSpec, block_size=block_size,
+        spec = FullAttentionSpec(**known_fields(FullAttentionSpec, block_size=block_size,
                                             num_kv_heads=heads, head_size=head_size,
                                             dtype=torch.float32, use_mla=False))
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
@@ -97,7 +91,7 @@ class ModelFreeEngine:
         self.eos = getattr(hf, "eos_token_id", None)
         if not isinstance(self.eos, int):
             self.eos = None
-        self.scheduler = Scheduler(**accepted(
+        self.scheduler = Scheduler(**known_fields(
             Scheduler, vllm_config=config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
             block_size=block_size, log_stats=True))
@@ -129,7 +123,7 @@ class ModelFreeEngine:
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, self.eos)
-        request = Request(**accepted(
+        request = Request(**known_fields(
             Request, request_id=req_id, prompt_token_ids=list(tokens),
             sampling_params=params, pooling_params=None, eos_token_id=self.eos,
             block_hasher=get_request_block_hasher(self.block_size, _block_hash)))
@@ -192,10 +186,10 @@ class ModelFreeEngine:
         sending, self._report_sending = self._report_sending, set()
         kv_output = None
         if self.side is not None:
-            kv_output = KVConnectorOutput(**accepted(
+            kv_output = KVConnectorOutput(**known_fields(
                 KVConnectorOutput, finished_sending=sending or None,
                 finished_recving=recving or None, invalid_block_ids=invalid))
-        output = ModelRunnerOutput(**accepted(
+        output = ModelRunnerOutput(**known_fields(
             ModelRunnerOutput, req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             logprobs=None, prompt_logprobs_dict={}, pooler_output=[None] * len(req_ids),
